@@ -1,0 +1,206 @@
+"""Hugging Face checkpoint folders for the Qwen3-MoE layout.
+
+A folder holds `config.json`, `model.safetensors` (or shards `model-0000i-of-0000n.safetensors`
+plus `model.safetensors.index.json` above `max_shard_bytes`), `generation_config.json`, and,
+when given, the tokenizer files. SGLang, vLLM, transformers and Megatron bridges load it.
+Experts are stacked in memory and written under HF's per-expert names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .model import MoEModel
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or state dict that does not match the model."""
+
+
+def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
+    """The model's weights under HF Qwen3-MoE names (experts unstacked; views, no copies)."""
+    cfg = model.cfg
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        att = layer.self_attn
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[p + f"self_attn.{n}.weight"] = getattr(att, n).weight
+        sd[p + "self_attn.q_norm.weight"] = att.q_norm.weight
+        sd[p + "self_attn.k_norm.weight"] = att.k_norm.weight
+        if layer.is_moe:
+            sd[p + "mlp.gate.weight"] = layer.mlp.gate.weight
+            I = cfg.moe_intermediate_size
+            gu, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+            for e in range(cfg.num_experts):
+                sd[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :I]
+                sd[p + f"mlp.experts.{e}.up_proj.weight"] = gu[e, I:]
+                sd[p + f"mlp.experts.{e}.down_proj.weight"] = down[e]
+        else:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                sd[p + f"mlp.{n}.weight"] = getattr(layer.mlp, n).weight
+    sd["model.norm.weight"] = model.norm.weight
+    if model.lm_head is not None:
+        sd["lm_head.weight"] = model.lm_head.weight
+    return sd
+
+
+@torch.no_grad()
+def load_hf_state_dict(model: MoEModel, sd: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors into the model (casting to each parameter's dtype).
+
+    Every missing, unexpected or mis-shaped tensor is named in one error; nothing is copied
+    unless all match. A tied model accepts (and ignores) a `lm_head.weight` equal in shape.
+    """
+    targets = hf_state_dict(model)
+    extra = dict(sd)
+    if model.lm_head is None:
+        extra.pop("lm_head.weight", None)
+    missing = sorted(k for k in targets if k not in extra)
+    unexpected = sorted(k for k in extra if k not in targets)
+    misshaped = sorted(f"{k}: checkpoint {tuple(extra[k].shape)} vs model {tuple(t.shape)}"
+                       for k, t in targets.items() if k in extra and extra[k].shape != t.shape)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {misshaped}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the model config:\n  "
+                              + "\n  ".join(problems))
+    for k, t in targets.items():
+        src = extra[k]
+        if not torch.isfinite(src).all():
+            raise CheckpointError(f"tensor {k} contains NaN or Inf")
+        t.copy_(src.to(t.dtype))
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def save_hf(model: MoEModel, out_dir: str | os.PathLike, tokenizer=None,
+            generation_config: dict | None = None, max_shard_bytes: int = 2 * 1024**3,
+            dtype: torch.dtype | None = None) -> Path:
+    """Write an HF folder. The write goes to a temporary sibling and is renamed into place,
+    so a killed save never leaves a half-written checkpoint under `out_dir`."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        _rmtree(tmp)
+    tmp.mkdir(parents=True)
+    cfg = model.cfg
+    sd = {k: (v.detach().to(dtype) if dtype else v.detach()).contiguous().cpu()
+          for k, v in hf_state_dict(model).items()}
+    cfg.save_json(tmp / "config.json")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        if shards[-1] and size + _tensor_bytes(v) > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += _tensor_bytes(v)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], tmp / SINGLE_FILE, metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, tmp / name, metadata=meta)
+            weight_map.update({k: name for k in shard})
+        total = sum(_tensor_bytes(v) for v in sd.values())
+        (tmp / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    gen = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(cfg, name) is not None:
+            gen[name] = getattr(cfg, name)
+    gen.update(generation_config or {})
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer is not None:
+        from .tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, tmp, cfg)
+    if out.exists():
+        _rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+def read_hf_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a folder (single file or sharded with an index), under their HF names."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).exists():
+        index = json.loads((folder / INDEX_FILE).read_text())
+        files = sorted(set(index["weight_map"].values()))
+    elif (folder / SINGLE_FILE).exists():
+        files = [SINGLE_FILE]
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no safetensors weights in {folder}")
+    sd = {}
+    for name in files:
+        with safe_open(folder / name, framework="pt") as f:
+            for k in f.keys():
+                sd[k] = f.get_tensor(k)
+    return _unfuse_transformers_experts(sd)
+
+
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _unfuse_transformers_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Accept stacked-expert tensors, as some transformers versions save them, by splitting
+    them into HF per-expert names. Stacked layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+    out = {}
+    for k, v in sd.items():
+        m = _FUSED.match(k)
+        if not m:
+            out[k] = v
+            continue
+        prefix, kind = m.groups()
+        for e in range(v.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = v[e]
+            else:
+                gate, up = v[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+    return out
+
+
+def load_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
+    """Build a model from an HF Qwen3-MoE folder (ours or one written by transformers)."""
+    cfg = ModelConfig.from_json(folder)
+    model = MoEModel(cfg)
+    try:
+        load_hf_state_dict(model, read_hf_state_dict(folder))
+    except CheckpointError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    if dtype != torch.float32:
+        model.set_precision(dtype)
+    return model

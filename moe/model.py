@@ -1,0 +1,353 @@
+"""Qwen3-MoE policy model in plain torch, with a router that replays given routes.
+
+Shape legend (suffixes): B batch, T time (tokens per row), N = B*T flattened tokens, D model
+width, H query heads, G key/value heads, Dh head width, V vocab, E experts, K top-k, L MoE
+layers (the internal route axis: MoE layers only, in decoder order), I expert width,
+S cache slots, M cache length.
+
+Model math knows nothing of process groups; parallelism is applied from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+class RouteError(ValueError):
+    """Replay routes that do not fit the model or the batch."""
+
+
+@dataclass
+class ModelOutput:
+    logits_BTV: torch.Tensor | None
+    """Logits in the LM head's compute dtype; None when compute_logits=False."""
+    hidden_BTD: torch.Tensor
+    """Final-normed hidden states (the LM head's input)."""
+    routes_BTLK: torch.Tensor
+    """int64 experts each token actually ran (the given ids where replayed)."""
+    natural_BTLK: torch.Tensor
+    """int64 natural top-k of the current router, computed in the same pass."""
+    router_logits_LNE: list[torch.Tensor]
+    """Per MoE layer, fp32 router logits of all N tokens (for the load-balancing loss)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the input dtype (the Qwen3 convention, needed for parity).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float):
+    """fp32 cos/sin of shape [B, 1, T, Dh] (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions_BT.device).float() / head_dim))
+    freqs_BTF = positions_BT[..., None].float() * inv_freq
+    emb_BTDh = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
+    return emb_BTDh.cos()[:, None], emb_BTDh.sin()[:, None]
+
+
+def apply_rope(x_BHTDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x_BHTDh.dtype), sin.to(x_BHTDh.dtype)
+    x1, x2 = x_BHTDh.chunk(2, dim=-1)
+    return x_BHTDh * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Per-slot key/value cache for incremental decoding.
+
+    Each slot holds one sequence; a token at position p writes its key/value at index p of its
+    slot and attends to the slot's indices <= p. Slots are reused without clearing: indices
+    beyond a new occupant's position are never attended before they are overwritten.
+    """
+
+    def __init__(self, k_LSGMDh: torch.Tensor, v_LSGMDh: torch.Tensor):
+        self.k = k_LSGMDh  # (layers, S, G, M, Dh): every decoder layer, dense ones too
+        self.v = v_LSGMDh
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_slots: int, max_len: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Share a prefilled prompt: copy the first `length` cache entries of slot src to dst."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_BTD, cos, sin, positions_BT, kv_cache, slots_B):
+        B, T, _ = x_BTD.shape
+        q = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H|G, T, Dh)
+        if kv_cache is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            ck, cv = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]  # (S, G, M, Dh)
+            if ck.dtype != k.dtype:
+                raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k.dtype}")
+            ck[slots_B[:, None], :, positions_BT] = k.transpose(1, 2)
+            cv[slots_B[:, None], :, positions_BT] = v.transpose(1, 2)
+            m = int(positions_BT.max()) + 1
+            keys, values = ck[slots_B, :, :m], cv[slots_B, :, :m]  # (B, G, m, Dh)
+            key_pos = torch.arange(m, device=x_BTD.device)
+            mask_B1Tm = (key_pos <= positions_BT[:, :, None])[:, None]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B1Tm,
+                                               enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked; each expert runs once on the tokens routed to it."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))  # (E, 2I, D)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))  # (E, D, I)
+
+    def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, gates_NK: torch.Tensor):
+        N, K = ids_NK.shape
+        flat_ids = ids_NK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // K  # token index of each sorted (token, k) pair
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        x_sorted = x_ND[token_of]
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            h = x_sorted[start:start + c]
+            g, u = F.linear(h, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(g) * u, self.down_proj[e]))
+            start += c
+        y_sorted = torch.cat(outs) * gates_NK.reshape(-1)[order, None]
+        return torch.zeros_like(x_ND).index_add_(0, token_of, y_sorted)
+
+
+class MoEBlock(nn.Module):
+    """Softmax top-k router + grouped experts. Replay fixes the ids, never the gate weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router (E, D)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x_BTD, replay_ids_NK, replay_mask_N):
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(-1, D)
+        w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
+        router_logits_NE = F.linear(x_ND.to(w.dtype), w).float()
+        probs_NE = router_logits_NE.softmax(dim=-1)
+        natural_NK = probs_NE.topk(self.top_k, dim=-1).indices
+        if replay_ids_NK is None:
+            ids_NK = natural_NK
+        else:
+            ids_NK = torch.where(replay_mask_N[:, None], replay_ids_NK, natural_NK)
+        # NOTE: gather from the full softmax, not from top-k-zeroed probs: replayed experts
+        # outside the current top-k must keep a non-zero weight and a gradient.
+        gates_NK = probs_NE.gather(1, ids_NK)
+        if self.norm_topk_prob:
+            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+        y_ND = self.experts(x_ND, ids_NK, gates_NK.to(x_ND.dtype))
+        return y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoEBlock(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class MoEModel(nn.Module):
+    """Qwen3-MoE causal LM. See MODEL docs for the replay contract."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.compute_dtype = torch.float32
+        self.lm_head_dtype = torch.float32
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_precision(self, dtype: torch.dtype, router_dtype: torch.dtype | None = None,
+                      lm_head_dtype: torch.dtype | None = None) -> "MoEModel":
+        """Cast for inference/training: everything to dtype, router and LM head optionally
+        kept in a wider dtype (they then compute in it). With tied embeddings a wider LM head
+        keeps the shared matrix wide; lookups are cast to dtype."""
+        self.to(dtype)
+        if router_dtype is not None:
+            for layer in self.layers:
+                if layer.is_moe:
+                    layer.mlp.gate.to(router_dtype)
+        if lm_head_dtype is not None:
+            (self.embed_tokens if self.lm_head is None else self.lm_head).to(lm_head_dtype)
+        self.compute_dtype = dtype
+        self.lm_head_dtype = lm_head_dtype or dtype
+        return self
+
+    def logits(self, hidden_XD: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head_weight
+        return F.linear(hidden_XD.to(self.lm_head_dtype), w.to(self.lm_head_dtype))
+
+    def _check_routes(self, ids_BTLK: torch.Tensor, mask_BT: torch.Tensor, B: int, T: int):
+        cfg = self.cfg
+        want = (B, T, cfg.num_moe_layers, cfg.num_experts_per_tok)
+        if tuple(ids_BTLK.shape) != want:
+            raise RouteError(f"routed_experts has shape {tuple(ids_BTLK.shape)}, expected "
+                             f"[B, T, L_moe, K] = {list(want)} (L_moe counts MoE layers only)")
+        if ids_BTLK.dtype.is_floating_point or ids_BTLK.dtype == torch.bool \
+                or ids_BTLK.dtype.is_complex:
+            raise RouteError(f"routed_experts must be an integer tensor, got {ids_BTLK.dtype}")
+        if tuple(mask_BT.shape) != (B, T) or mask_BT.dtype != torch.bool:
+            raise RouteError(f"replay_mask must be bool [B, T] = [{B}, {T}], got "
+                             f"{mask_BT.dtype} {tuple(mask_BT.shape)}")
+        ids = ids_BTLK.long()
+        bad = ((ids < 0) | (ids >= cfg.num_experts)) & mask_BT[:, :, None, None]
+        if bool(bad.any()):
+            b, t, l, k = (int(i) for i in bad.nonzero()[0])
+            raise RouteError(
+                f"routed_experts[{b}, {t}, {l}, {k}] = {int(ids[b, t, l, k])} is outside "
+                f"[0, {cfg.num_experts}) (sample {b}, position {t}, MoE layer {l} = decoder "
+                f"layer {cfg.moe_layer_ids[l]})")
+        return ids
+
+    def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None,
+                routed_experts_BTLK: torch.Tensor | None = None,
+                replay_mask_BT: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, cache_slots_B: torch.Tensor | None = None,
+                compute_logits: bool = True) -> ModelOutput:
+        cfg = self.cfg
+        B, T = input_ids_BT.shape
+        if positions_BT is None:
+            positions_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
+        if kv_cache is not None and cache_slots_B is None:
+            cache_slots_B = torch.arange(B, device=input_ids_BT.device)
+        replay_ids_LNK: list[torch.Tensor | None] = [None] * cfg.num_moe_layers
+        replay_mask_N = None
+        if routed_experts_BTLK is not None:
+            if replay_mask_BT is None:
+                replay_mask_BT = torch.ones(B, T, dtype=torch.bool, device=input_ids_BT.device)
+            ids = self._check_routes(routed_experts_BTLK, replay_mask_BT, B, T)
+            replay_ids_LNK = list(ids.reshape(B * T, cfg.num_moe_layers, -1).unbind(1))
+            replay_mask_N = replay_mask_BT.reshape(-1)
+        elif replay_mask_BT is not None:
+            raise RouteError("replay_mask given without routed_experts")
+
+        x = self.embed_tokens(input_ids_BT).to(self.compute_dtype)
+        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+        routes, natural, router_logits = [], [], []
+        for layer in self.layers:
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, positions_BT,
+                                    kv_cache, cache_slots_B)
+            h = layer.post_attention_layernorm(x)
+            if layer.is_moe:
+                y, ids_NK, nat_NK, logits_NE = layer.mlp(h, replay_ids_LNK[len(routes)],
+                                                         replay_mask_N)
+                routes.append(ids_NK)
+                natural.append(nat_NK)
+                router_logits.append(logits_NE)
+            else:
+                y = layer.mlp(h)
+            x = x + y
+        hidden = self.norm(x)
+        K = cfg.num_experts_per_tok
+        empty = torch.empty(B, T, 0, K, dtype=torch.long, device=x.device)
+        return ModelOutput(
+            logits_BTV=self.logits(hidden) if compute_logits else None,
+            hidden_BTD=hidden,
+            routes_BTLK=torch.stack(routes, 1).view(B, T, -1, K) if routes else empty,
+            natural_BTLK=torch.stack(natural, 1).view(B, T, -1, K) if natural else empty,
+            router_logits_LNE=router_logits,
+        )
+
+    def load_balancing_loss(self, out: ModelOutput, valid_BT: torch.Tensor | None = None):
+        """Switch-style auxiliary loss, E * sum_e f_e * P_e averaged over MoE layers.
+
+        f_e is the fraction of (valid token, k) slots dispatched to expert e by the routes the
+        forward actually ran (the replayed ones under R2/R3: that is the load the experts saw),
+        and P_e the mean current router probability of e over valid tokens. Gradient flows
+        through P only, so under replay the router is still pushed towards balance.
+        """
+        if not out.router_logits_LNE:
+            return out.hidden_BTD.new_zeros(())
+        E = self.cfg.num_experts
+        B, T = out.routes_BTLK.shape[:2]
+        valid_N = (torch.ones(B * T, dtype=torch.bool, device=out.hidden_BTD.device)
+                   if valid_BT is None else valid_BT.reshape(-1))
+        n_valid = valid_N.sum().clamp(min=1)
+        total = 0.0
+        for l, logits_NE in enumerate(out.router_logits_LNE):
+            ids_NK = out.routes_BTLK[:, :, l].reshape(B * T, -1)[valid_N]
+            f_E = torch.bincount(ids_NK.reshape(-1), minlength=E).float() / ids_NK.numel()
+            P_E = (logits_NE.softmax(-1) * valid_N[:, None]).sum(0) / n_valid
+            total = total + E * (f_E * P_E).sum()
+        return total / len(out.router_logits_LNE)
