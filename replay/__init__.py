@@ -1,1 +1,39 @@
-"""replay"""
+"""Routing traces, their wire codecs, divergence metrics and R2/R3 replay policies.
+
+Imports nothing of lockstep's: only torch, numpy, safetensors and the standard library.
+"""
+
+from .codec import (
+    COMPACT_HEADER_BYTES,
+    ENCODING_COMPACT,
+    ENCODING_INT32,
+    ENCODING_REQUEST_FIELD,
+    ENCODINGS,
+    decode_compact,
+    decode_routes,
+    decode_sglang,
+    encode_compact,
+    encode_routes,
+    encode_sglang,
+    wire_bytes_per_token,
+)
+from .divergence import RouteComparison, compare_routes, routing_divergence
+from .policy import NO_REPLAY, ReplayMode, ReplayPlan, old_logprob_plan, update_plan
+from .trace import (
+    RouteError,
+    RoutingTrace,
+    batch_traces,
+    compact_dtype,
+    concat_traces,
+    load_traces,
+    save_traces,
+)
+
+__all__ = [
+    "COMPACT_HEADER_BYTES", "ENCODING_COMPACT", "ENCODING_INT32", "ENCODING_REQUEST_FIELD",
+    "ENCODINGS", "NO_REPLAY", "ReplayMode", "ReplayPlan", "RouteComparison", "RouteError",
+    "RoutingTrace", "batch_traces", "compact_dtype", "compare_routes", "concat_traces",
+    "decode_compact", "decode_routes", "decode_sglang", "encode_compact", "encode_routes",
+    "encode_sglang", "load_traces", "old_logprob_plan", "routing_divergence", "save_traces",
+    "update_plan", "wire_bytes_per_token",
+]
