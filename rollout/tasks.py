@@ -16,9 +16,10 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+from lockstep.moe.tokenizer import BOS, EOS, PAD, build_char_tokenizer
+
 SPECIALS = (PAD, BOS, EOS)
 CHARS = "0123456789+=>"
 """Every character a prompt or answer of our tasks can contain (ids follow the specials)."""
@@ -29,14 +30,7 @@ def build_tokenizer() -> Tokenizer:
 
     Saved as `tokenizer.json` next to checkpoints so other engines (SGLang, transformers) load it.
     """
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for c in CHARS:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIALS))
-    return tok
+    return build_char_tokenizer(CHARS, SPECIALS)
 
 
 @dataclass
