@@ -1,0 +1,86 @@
+"""Experiment config: YAML reading, dotted overrides, type/bound checks, unknown keys."""
+
+from pathlib import Path
+
+import pytest
+
+from lockstep.trainer.config import (ExperimentConfig, ExperimentConfigError, load_config,
+                                     save_config)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _write(tmp_path, text: str) -> Path:
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.rollout.dtype == "bf16" and cfg.actor.dtype == "fp32"
+    assert cfg.model.vocab_size == 16 and cfg.model.eos_token_id == 2
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = _write(tmp_path, "actor:\n  lr: 3e-4\n  epochs: 2\nreplay:\n  mode: R2\n")
+    cfg = load_config(p, ["actor.lr=1e-4", "replay.mode=off", "loop.steps=7",
+                          "rollout.max_new_tokens=null", "actor.betas=[0.8, 0.9]"])
+    assert cfg.actor.lr == pytest.approx(1e-4) and isinstance(cfg.actor.lr, float)
+    assert cfg.actor.epochs == 2 and cfg.replay.mode == "off" and cfg.loop.steps == 7
+    assert cfg.rollout.max_new_tokens is None and cfg.actor.betas == [0.8, 0.9]
+    assert load_config(p).actor.lr == pytest.approx(3e-4)  # YAML '3e-4' (no dot) is a number
+
+
+def test_unknown_keys_list_valid_ones(tmp_path):
+    with pytest.raises(ExperimentConfigError, match=r"actor\.learning_rate.*valid keys in actor "
+                                                    r"are \[.*'lr'"):
+        load_config(_write(tmp_path, "actor:\n  learning_rate: 0.1\n"))
+    with pytest.raises(ExperimentConfigError, match=r"'optim'.*valid keys are \[.*'actor'"):
+        load_config(_write(tmp_path, "optim: {}\n"))
+    with pytest.raises(ExperimentConfigError, match=r"'lrr' is not a valid key of actor"):
+        load_config(None, ["actor.lrr=1"])
+    with pytest.raises(ExperimentConfigError, match=r"key\.sub=value"):
+        load_config(None, ["actor.lr"])
+
+
+def test_types_bounds_and_choices():
+    cases = {
+        "actor.lr=0": r"actor\.lr=0\.0 is outside \(0\.0, 1\.0\]",
+        "actor.lr=fast": r"actor\.lr must be a number, got 'fast'",
+        "actor.epochs=1.5": r"actor\.epochs must be an integer",
+        "replay.mode=R4": r"replay\.mode='R4' is not one of \['off', 'R2', 'R3'\]",
+        "rollout.dtype=int8": r"rollout\.dtype='int8' is not one of",
+        "rollout.temperature=0": r"rollout\.temperature",
+        "loop.tensorboard=yes please": r"loop\.tensorboard must be true or false",
+        "actor.micro_batch_size=3": r"micro_batch_size=3 must divide",
+        "actor.mini_batch_size=192": r"mini_batch_size=192 must divide the rollout batch",
+        "model.vocab_size=8": r"vocab_size=8 is smaller than the task tokenizer's 16",
+        "model.num_experts_per_tok=9": r"model: num_experts_per_tok must be in",
+        "task.name=multiply": r"task\.name='multiply' is not one of",
+    }
+    for override, msg in cases.items():
+        with pytest.raises(ExperimentConfigError, match=msg):
+            load_config(None, [override])
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = load_config(None, ["replay.mode=R2", "actor.lr=2e-4", "model.hidden_size=64"])
+    save_config(cfg, tmp_path / "c.yaml")
+    back = load_config(tmp_path / "c.yaml")
+    assert back == cfg
+    assert back.hash() == cfg.hash()
+    assert back.hash("model", "task") == load_config(None, ["model.hidden_size=64"]).hash(
+        "model", "task")
+    assert cfg.hash("model") != load_config().hash("model")
+
+
+@pytest.mark.parametrize("name", ["toy_off", "toy_r2", "toy_r3"])
+def test_shipped_configs_load_and_differ_only_in_replay(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    ref = load_config(CONFIGS / "toy_r3.yaml")
+    assert cfg.replay.mode == {"toy_off": "off", "toy_r2": "R2", "toy_r3": "R3"}[name]
+    a, b = cfg.to_dict(), ref.to_dict()
+    a.pop("replay"), b.pop("replay")
+    assert a == b

@@ -1,0 +1,450 @@
+"""Typed experiment configuration: one dataclass tree, read from YAML with dotted overrides.
+
+Every field has a one-line docstring and is checked when the file is read (types, bounds,
+choices); unknown keys are rejected with the list of valid ones, naming the dotted path:
+
+    cfg = load_config("configs/toy_r3.yaml", overrides=["actor.lr=1e-4", "replay.mode=off"])
+
+Sections: `model` (HF Qwen3-MoE fields), `task`, `rollout` (engine), `actor`, `replay`,
+`correction` (rollout correction, verl semantics), `loss`, `warmstart`, `loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from lockstep.moe.config import ModelConfig
+from lockstep.replay import ReplayMode
+from lockstep.rollout.tasks import Task, TaskConfig
+from lockstep.trainer.correction import CorrectionConfig
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+class ExperimentConfigError(ValueError):
+    """An experiment YAML file or override that does not describe a valid experiment."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ExperimentConfigError(msg)
+
+
+def _in(section: str, obj: Any, name: str, lo: float | None = None, hi: float | None = None,
+        lo_open: bool = False) -> None:
+    """Check `lo <= obj.name <= hi` (or `lo < ...` when lo_open); the message names the key."""
+    v = getattr(obj, name)
+    ok = (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+    lo_s = "" if lo is None else f"{'(' if lo_open else '['}{lo}, "
+    hi_s = "" if hi is None else f"{hi}]"
+    _need(ok, f"{section}.{name}={v!r} is outside {lo_s or '(-inf, '}{hi_s or 'inf)'}")
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine: how many samples per step and how they are drawn."""
+
+    prompts_per_step: int = 32
+    """Distinct prompts per RL step."""
+    samples_per_prompt: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; rollout log-probs are of the tempered distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = whole vocabulary)."""
+    max_new_tokens: int | None = None
+    """Response length cap; None = the task's own cap."""
+    dtype: Dtype = "bf16"
+    """Engine compute dtype (the train/infer mismatch comes from here)."""
+    router_dtype: Dtype | None = None
+    """Engine router dtype; None = same as dtype."""
+    lm_head_dtype: Dtype | None = None
+    """Engine LM-head dtype; None = same as dtype."""
+
+    def __post_init__(self) -> None:
+        _in("rollout", self, "prompts_per_step", 1, 1 << 20)
+        _in("rollout", self, "samples_per_prompt", 1, 1 << 12)
+        _in("rollout", self, "temperature", 0.0, 100.0, lo_open=True)
+        _in("rollout", self, "top_p", 0.0, 1.0, lo_open=True)
+        _need(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k={self.top_k} must be -1 or >= 1")
+        if self.max_new_tokens is not None:
+            _in("rollout", self, "max_new_tokens", 1, 1 << 20)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per step."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass
+class ActorConfig:
+    """The trainer-side policy: backend, precision, optimiser and batching."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: our torch model, or megatron-core."""
+    dtype: Dtype = "fp32"
+    """Master-weight and compute dtype of the actor."""
+    router_dtype: Dtype | None = None
+    """Router dtype; None = same as dtype (the Megatron moe_router_dtype knob)."""
+    lm_head_dtype: Dtype | None = None
+    """LM-head dtype; None = same as dtype (the MiniMax-M1 fp32 head knob)."""
+    lr: float = 3e-4
+    """AdamW peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0 = no clipping)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """LR after warm-up: constant, cosine or linear decay to min_lr_ratio * lr at loop.steps."""
+    warmup_steps: int = 0
+    """Linear LR warm-up, in optimiser steps."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of lr for decaying schedules."""
+    epochs: int = 1
+    """Passes over each RL batch (PPO epochs)."""
+    mini_batch_size: int = 256
+    """Sequences per optimiser step; must divide the rollout batch."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward (gradient accumulation); must divide mini_batch_size."""
+    logprob_chunk: int = 4096
+    """Vocabulary chunk of the log-prob kernel (the [tokens, V] log-softmax is never built)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss (0 = off)."""
+
+    def __post_init__(self) -> None:
+        _in("actor", self, "lr", 0.0, 1.0, lo_open=True)
+        _need(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+              f"actor.betas={self.betas} must be two numbers in [0, 1)")
+        _in("actor", self, "weight_decay", 0.0, 1.0)
+        _in("actor", self, "eps", 0.0, 1.0, lo_open=True)
+        _in("actor", self, "grad_clip", 0.0)
+        _in("actor", self, "warmup_steps", 0)
+        _in("actor", self, "min_lr_ratio", 0.0, 1.0)
+        _in("actor", self, "epochs", 1, 100)
+        _in("actor", self, "mini_batch_size", 1)
+        _in("actor", self, "micro_batch_size", 1)
+        _need(self.mini_batch_size % self.micro_batch_size == 0,
+              f"actor.micro_batch_size={self.micro_batch_size} must divide "
+              f"actor.mini_batch_size={self.mini_batch_size}")
+        _in("actor", self, "logprob_chunk", 1)
+        _in("actor", self, "aux_loss_coef", 0.0)
+
+
+@dataclass
+class ReplayConfig:
+    """Routing replay: which routes the actor's forwards run."""
+
+    mode: ReplayMode = ReplayMode.R3
+    """off: actor routes freely; R2: updates replay the actor's own old-logprob routes;
+    R3: old-logprob and update forwards replay the rollout engine's routes."""
+
+
+@dataclass
+class LossConfig:
+    """Policy loss and advantages (GRPO by default)."""
+
+    clip_ratio_low: float = 0.2
+    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO upper clip: ratio <= 1 + clip_ratio_high."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound for negative advantages (None = off; must be > 1)."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses are averaged over the batch."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group std (False = Dr.GRPO)."""
+    seq_ratio: bool = False
+    """GSPO: use the length-normalised sequence ratio instead of per-token ratios."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = metric only)."""
+
+    def __post_init__(self) -> None:
+        _in("loss", self, "clip_ratio_low", 0.0, 1.0)
+        _in("loss", self, "clip_ratio_high", 0.0, 10.0)
+        if self.clip_ratio_c is not None:
+            _in("loss", self, "clip_ratio_c", 1.0, None, lo_open=True)
+        _in("loss", self, "entropy_coef", 0.0, 1.0)
+
+
+@dataclass
+class WarmstartConfig:
+    """Supervised warm start on task demonstrations, so RL starts from a policy that sometimes
+    succeeds; the result is cached on disk keyed by a hash of model, task and this section."""
+
+    enabled: bool = True
+    """Run (or load from the cache) the warm start before RL."""
+    target_accuracy: float = 0.30
+    """Stop once greedy exact-match accuracy on held-out prompts reaches this."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+    batch_size: int = 64
+    """Demonstrations per step."""
+    max_steps: int = 3000
+    """Give up (keep the model) after this many steps."""
+    eval_every: int = 25
+    """Steps between greedy evaluations."""
+    eval_size: int = 256
+    """Held-out prompts per evaluation."""
+    cache_dir: str = "~/.cache/lockstep/warmstart"
+    """Where warm-started checkpoints are cached (HF folders)."""
+
+    def __post_init__(self) -> None:
+        _in("warmstart", self, "target_accuracy", 0.0, 1.0)
+        _in("warmstart", self, "lr", 0.0, 1.0, lo_open=True)
+        _in("warmstart", self, "batch_size", 1)
+        _in("warmstart", self, "max_steps", 1)
+        _in("warmstart", self, "eval_every", 1)
+        _in("warmstart", self, "eval_size", 1)
+
+
+@dataclass
+class LoopConfig:
+    """The RL step loop: length, seeding, outputs."""
+
+    steps: int = 100
+    """RL steps to run."""
+    seed: int = 0
+    """Seeds model init, problem stream, sampling and everything else."""
+    checkpoint_every: int = 25
+    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk (0 = keep all)."""
+    out_dir: str = "runs/default"
+    """Run directory (metrics.jsonl, tensorboard/, checkpoints/, plots); --out overrides it."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files under out_dir/tensorboard."""
+    plots: bool = True
+    """Write reward / flip-rate / k3_kl PNG plots into out_dir at the end."""
+
+    def __post_init__(self) -> None:
+        _in("loop", self, "steps", 1)
+        _in("loop", self, "seed", 0, 2**31 - 1)
+        _in("loop", self, "checkpoint_every", 0)
+        _in("loop", self, "keep_checkpoints", 0)
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole RL experiment."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(
+        vocab_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    """Policy architecture (HF Qwen3-MoE config.json fields); random init under loop.seed."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The synthetic verifiable task."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engine and sampling."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Trainer-side policy and optimiser."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Routing replay mode."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Rollout correction (IS/RS with verl rollout_corr semantics)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss and advantages."""
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    """Supervised warm start before RL."""
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    """Step loop, checkpoints and outputs."""
+
+    def __post_init__(self) -> None:
+        B = self.rollout.batch_size
+        _need(B % self.actor.mini_batch_size == 0,
+              f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
+              f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
+        _need(self.actor.backend == "torch",
+              "actor.backend='megatron' is run by the megatron actor (lockstep.trainer.megatron), "
+              "which the torch step loop does not drive yet; use actor.backend=torch")
+        task = Task(self.task)
+        _need(self.model.vocab_size >= task.vocab_size,
+              f"model.vocab_size={self.model.vocab_size} is smaller than the task tokenizer's "
+              f"{task.vocab_size} tokens")
+        for name, want in (("eos_token_id", task.eos_id), ("pad_token_id", task.pad_id),
+                           ("bos_token_id", task.bos_id)):
+            _need(getattr(self.model, name) == want,
+                  f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self, *sections: str) -> str:
+        """Short stable hash of the named sections (all when none), e.g. for caches."""
+        d = self.to_dict()
+        d = {k: d[k] for k in (sections or d)}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# -- reading -------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 core-schema scalars: only true/false are booleans (so `mode: off` stays the
+    string 'off'), `3e-4` is a number, and `1_5` / `1:30` stay strings (IcePop "1_5")."""
+
+
+_STRICT = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag not in _STRICT]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _rx, _first in (
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("tag:yaml.org,2002:int", r"^[-+]?[0-9]+$", "-+0123456789"),
+        ("tag:yaml.org,2002:float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+.0123456789")):
+    _Loader.add_implicit_resolver(_tag, re.compile(_rx), list(_first))
+
+
+_NUMBER = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Coerce a YAML value to the annotated type `tp`, or raise naming `where`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, a, where)
+            except ExperimentConfigError as e:
+                errors.append(str(e))
+        raise ExperimentConfigError(errors[0] if len(errors) == 1 else
+                                    f"{where}={value!r} matches none of {args}")
+    if origin is Literal:
+        _need(value in args, f"{where}={value!r} is not one of {list(args)}")
+        return value
+    if _is_dataclass_type(tp):
+        _need(isinstance(value, dict), f"{where} must be a mapping, got {value!r}")
+        return build(tp, value, where)
+    if origin in (list, tuple):
+        _need(isinstance(value, (list, tuple)), f"{where} must be a list, got {value!r}")
+        (item,) = args[:1] or (Any,)
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        _need(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        _need(isinstance(value, int) and not isinstance(value, bool),
+              f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        # NOTE: YAML 1.1 reads `3e-4` (no dot) as a string; accept any numeric spelling.
+        if isinstance(value, str) and _NUMBER.match(value.strip()):
+            value = float(value)
+        _need(isinstance(value, (int, float)) and not isinstance(value, bool),
+              f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _need(isinstance(value, str), f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, __import__("enum").Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ExperimentConfigError(
+                f"{where}={value!r} is not one of {[m.value for m in tp]}") from None
+    raise ExperimentConfigError(f"{where}: unsupported field type {tp!r}")
+
+
+def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, checking keys and types (recursively)."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(k for k in data if k not in names)
+    prefix = f"{where}." if where else ""
+    _need(not unknown, f"unknown key(s) {[prefix + k for k in unknown]}; valid keys"
+                       f"{' in ' + where if where else ''} are {names}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if (_is_dataclass_type(hints[f.name]) and isinstance(value, dict)
+                and f.default_factory is not dataclasses.MISSING):
+            # A section given in part keeps this tree's defaults for the rest (e.g. the toy
+            # model's vocabulary and special ids), not those of the section class.
+            value = {**dataclasses.asdict(f.default_factory()), **value}
+        kwargs[f.name] = _convert(value, hints[f.name], prefix + f.name)
+    try:
+        return cls(**kwargs)
+    except ExperimentConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a section's own validation (model, task, correction)
+        raise ExperimentConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a', 'b', 'c'], YAML-parsed value)."""
+    key, sep, raw = text.partition("=")
+    _need(bool(sep) and bool(key.strip()), f"override {text!r} must look like key.sub=value")
+    try:
+        value = _yaml_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ExperimentConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any, cls: type) -> None:
+    node, tp = data, cls
+    for i, part in enumerate(path):
+        names = [f.name for f in dataclasses.fields(tp)] if _is_dataclass_type(tp) else []
+        _need(part in names, f"override key {'.'.join(path)!r}: {part!r} is not a valid key of "
+                             f"{'.'.join(path[:i]) or 'the config'}; valid keys are {names}")
+        if i == len(path) - 1:
+            node[part] = value
+            return
+        tp = typing.get_type_hints(tp)[part]
+        node = node.setdefault(part, {})
+        _need(isinstance(node, dict), f"override {'.'.join(path)}: {part} is not a section")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                ) -> ExperimentConfig:
+    """Read an experiment YAML (None = all defaults) and apply `key.sub=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = _yaml_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ExperimentConfigError(f"no config file at {path}") from None
+        except yaml.YAMLError as e:
+            raise ExperimentConfigError(f"{path} is not valid YAML: {e}") from None
+        _need(isinstance(data, dict), f"{path}: top level must be a mapping of sections")
+    for text in overrides or []:
+        _apply_override(data, *parse_override(text), ExperimentConfig)
+    try:
+        return build(ExperimentConfig, data)
+    except ExperimentConfigError as e:
+        raise ExperimentConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    """Write the resolved config; `load_config` reads it back to an equal config."""
+    d = json.loads(json.dumps(cfg.to_dict(), default=lambda o: getattr(o, "value", str(o))))
+    Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
