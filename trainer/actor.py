@@ -1,0 +1,280 @@
+"""The torch actor: log-probs with route replay or recording, and policy updates.
+
+The actor owns the fp32 master weights (the `MoEModel` it is given) and an AdamW optimiser over
+them. When `ActorConfig.dtype` (or the router / LM-head dtype) is not fp32, forwards and
+backwards run on a cast copy (`model.set_precision`) whose gradients are copied to the fp32
+master before the optimiser step, and which is refreshed from the master after it.
+
+Log-probs are of the token at each position given the tokens before it, under
+softmax(logits / temperature) over the whole vocabulary (the distribution the rollout engine
+samples from; `GenerationResult.output_logprobs`), computed with the chunked kernel from the
+final hidden states so no [tokens, V] log-softmax is ever built.
+
+Routes: the caller decides what to replay (`lockstep.replay.old_logprob_plan` / `update_plan`);
+the actor passes the ids and per-token mask to the model and reports the routes each forward
+ran and the natural top-k its router would have picked (compact dtype, all positions).
+
+Shapes: B batch rows, T padded time (prompt + response), L MoE layers, K top-k, R response.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from lockstep.kernels.logprob import chunked_logprobs
+from lockstep.moe.model import MoEModel
+from lockstep.replay import RoutingTrace, batch_traces, compact_dtype
+from lockstep.rollout.types import GenerationResult
+from lockstep.trainer.config import ActorConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Batch:
+    """One RL batch, right-padded, every per-token tensor aligned with `input_ids_BT`.
+
+    Position t of a per-token tensor refers to the token at position t (its log-prob is that
+    of predicting it from positions < t); routes row t is the routing of the token at t.
+    """
+
+    input_ids_BT: torch.Tensor          # long: prompt + response, right-padded with pad id
+    response_mask_BT: torch.Tensor      # bool: True at response tokens (the trained positions)
+    rollout_logprobs_BT: torch.Tensor   # fp32: the engine's log-prob at response tokens, else 0
+    seq_lens_B: torch.Tensor            # long: P + R per row
+    rollout_routes_BTLK: torch.Tensor | None = None  # compact: the engine's routes
+    rollout_routes_valid_BT: torch.Tensor | None = None  # bool: rows that have an engine route
+
+    @property
+    def size(self) -> int:
+        return self.input_ids_BT.shape[0]
+
+    @property
+    def token_mask_BT(self) -> torch.Tensor:
+        """bool: real (non-padding) tokens."""
+        T = self.input_ids_BT.shape[1]
+        return torch.arange(T)[None, :] < self.seq_lens_B[:, None]
+
+    def rows(self, idx: torch.Tensor) -> "Batch":
+        """The sub-batch of rows `idx` (long [b])."""
+        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                        for f in fields(self)})
+
+
+def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
+            num_layers: int, top_k: int) -> Batch:
+    """Right-pad engine results into a Batch; routes are checked against each sample's length
+    and the model (an error names the sample)."""
+    if not results:
+        raise ValueError("collate needs at least one GenerationResult")
+    seq_lens = [r.prompt_tokens + r.completion_tokens for r in results]
+    B, T = len(results), max(seq_lens)
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    resp_BT = torch.zeros(B, T, dtype=torch.bool)
+    rollout_lp_BT = torch.zeros(B, T, dtype=torch.float32)
+    traces = []
+    for b, r in enumerate(results):
+        P, R = r.prompt_tokens, r.completion_tokens
+        if R < 1:
+            raise ValueError(f"sample {b}: empty response (nothing to train on)")
+        if r.output_logprobs.shape != (R,):
+            raise ValueError(f"sample {b}: {tuple(r.output_logprobs.shape)} output log-probs for "
+                             f"{R} output tokens")
+        ids_BT[b, :P + R] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
+        resp_BT[b, P:P + R] = True
+        rollout_lp_BT[b, P:P + R] = r.output_logprobs.float()
+        if r.routes_NLK is not None:
+            trace = RoutingTrace(r.routes_NLK, num_experts, sample=b)
+            trace.check(P, R, num_layers, top_k, num_experts, sample=b)
+            traces.append(trace)
+    if traces and len(traces) != B:
+        raise ValueError(f"{B - len(traces)} of {B} samples have no routes; all or none must")
+    routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
+    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid)
+
+
+@dataclass
+class LogprobResult:
+    """Output of `TorchActor.logprobs` for a whole batch."""
+
+    logprobs_BT: torch.Tensor        # fp32, 0 at position 0 (nothing predicts it)
+    entropy_BT: torch.Tensor         # fp32, same alignment
+    natural_BTLK: torch.Tensor       # compact: the router's own top-k at every position
+    routes_BTLK: torch.Tensor | None  # compact: routes the forward ran (when record=True)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                  tuple[torch.Tensor, dict[str, float]]]
+"""loss_fn(logprobs_bT, entropy_bT, rows_b, minibatch_rows) -> (loss, metrics).
+
+`rows_b` are the batch rows of this micro-batch, `minibatch_rows` those of its mini-batch. The
+loss must be this micro-batch's share of the mini-batch loss (the shares are summed into one
+gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens."""
+
+
+def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:
+    """LR multiplier per optimiser step: linear warm-up, then constant / cosine / linear."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1 - frac
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+    return f
+
+
+class TorchActor:
+    """Policy log-probs and updates on our torch `MoEModel` (fp32 master weights)."""
+
+    def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
+                 temperature: float = 1.0):
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
+        self.cfg, self.temperature = cfg, temperature
+        self.master = model
+        low = [cfg.dtype, cfg.router_dtype or cfg.dtype, cfg.lm_head_dtype or cfg.dtype]
+        if all(d == "fp32" for d in low):
+            self.compute = model
+        else:
+            self.compute = copy.deepcopy(model).set_precision(
+                DTYPES[cfg.dtype], DTYPES[cfg.router_dtype] if cfg.router_dtype else None,
+                DTYPES[cfg.lm_head_dtype] if cfg.lm_head_dtype else None)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lr_lambda(cfg, total_updates))
+        mcfg = model.cfg
+        self.route_dtype = compact_dtype(mcfg.num_experts)
+
+    # -- forward -------------------------------------------------------------------------
+    def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT):
+        """One forward of `batch` -> (logprobs_BT, entropy_BT, ModelOutput)."""
+        model = self.compute
+        out = model(batch.input_ids_BT,
+                    routed_experts_BTLK=routes_BTLK,
+                    replay_mask_BT=replay_mask_BT if routes_BTLK is not None else None,
+                    compute_logits=False)
+        # position t-1's hidden state predicts the token at t
+        lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
+                                   batch.input_ids_BT[:, 1:], temperature=self.temperature,
+                                   chunk_size=self.cfg.logprob_chunk)
+        zero = lp.new_zeros(lp.shape[0], 1)
+        return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.micro_batch_size))
+
+    @staticmethod
+    def _replay_args(routes_BTLK, replay_mask_BT, idx):
+        if routes_BTLK is None:
+            if replay_mask_BT is not None:
+                raise ValueError("replay_mask_BT given without routes_BTLK")
+            return None, None
+        return routes_BTLK[idx], None if replay_mask_BT is None else replay_mask_BT[idx]
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None = None,
+                 replay_mask_BT: torch.Tensor | None = None, record: bool = False,
+                 ) -> LogprobResult:
+        """Log-probs of every token of `batch` (old log-probs before an update), in
+        micro-batches. `routes_BTLK`/`replay_mask_BT` replay (R3); `record` keeps the routes
+        this forward ran (R2 replays them in `update`)."""
+        B, T = batch.input_ids_BT.shape
+        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        lp_BT = torch.zeros(B, T)
+        ent_BT = torch.zeros(B, T)
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype) if record else None
+        for idx in self._micro_batches(torch.arange(B)):
+            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx)
+            lp, ent, out = self._forward(batch.rows(idx), r, m)
+            lp_BT[idx], ent_BT[idx] = lp.float(), ent.float()
+            nat_BTLK[idx] = out.natural_BTLK.to(self.route_dtype)
+            if record:
+                used_BTLK[idx] = out.routes_BTLK.to(self.route_dtype)
+        return LogprobResult(lp_BT, ent_BT, nat_BTLK, used_BTLK)
+
+    # -- update --------------------------------------------------------------------------
+    def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
+               replay_mask_BT: torch.Tensor | None = None, shuffle_seed: int | None = None,
+               ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """`epochs` passes over `batch` in mini-batches of `mini_batch_size` rows (one optimiser
+        step each), each accumulated over micro-batches. Rows are shuffled per epoch with
+        `shuffle_seed` (None keeps their order). Returns (metrics averaged over optimiser
+        steps, routes the last pass ran [B,T,L,K], natural top-k of the last pass [B,T,L,K])."""
+        cfg = self.cfg
+        B, T = batch.input_ids_BT.shape
+        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        if B % cfg.mini_batch_size:
+            raise ValueError(f"batch of {B} rows is not a multiple of actor.mini_batch_size="
+                             f"{cfg.mini_batch_size}")
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
+        gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+        sums: dict[str, float] = {}
+        n_steps = 0
+        self.compute.train()
+        for _ in range(cfg.epochs):
+            order = torch.arange(B) if gen is None else torch.randperm(B, generator=gen)
+            for mini in order.split(cfg.mini_batch_size):
+                step_metrics: dict[str, float] = {}
+                for idx in self._micro_batches(mini):
+                    r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx)
+                    mb = batch.rows(idx)
+                    lp, ent, out = self._forward(mb, r, m)
+                    loss, metrics = loss_fn(lp, ent, idx, mini)
+                    if cfg.aux_loss_coef > 0:
+                        aux = self.compute.load_balancing_loss(out, mb.token_mask_BT)
+                        loss = loss + cfg.aux_loss_coef * aux * (len(idx) / len(mini))
+                        metrics["actor/aux_loss"] = float(aux)
+                    loss.backward()
+                    used_BTLK[idx] = out.routes_BTLK.detach().to(self.route_dtype)
+                    nat_BTLK[idx] = out.natural_BTLK.detach().to(self.route_dtype)
+                    for k, v in metrics.items():  # metrics are micro-batch means: weight them
+                        step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
+                step_metrics.update(self._optimizer_step())
+                for k, v in step_metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n_steps += 1
+        return {k: v / n_steps for k, v in sums.items()}, used_BTLK, nat_BTLK
+
+    def _optimizer_step(self) -> dict[str, float]:
+        if self.compute is not self.master:
+            for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+                pm.grad = None if pc.grad is None else pc.grad.float()
+                pc.grad = None
+        params = [p for p in self.master.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.sync_compute()
+        return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
+                "actor/skipped_step": float(not torch.isfinite(grad_norm))}
+
+    @torch.no_grad()
+    def sync_compute(self) -> None:
+        """Refresh the low-precision compute copy from the fp32 master weights."""
+        if self.compute is not self.master:
+            for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+                pc.copy_(pm)
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Optimiser and LR-schedule state (the weights are saved as an HF folder)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sync_compute()
