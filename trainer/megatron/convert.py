@@ -1,0 +1,270 @@
+"""Exact HF (Qwen3-MoE) <-> megatron-core weight conversion, whole or TP/EP-sharded.
+
+Shapes: V vocab, D model dim, H query heads, G key/value groups, hd head dim, I MLP width
+(expert width for experts), E experts; `tp`, `ep`, `etp` parallel sizes, `r` a rank.
+
+Megatron layouts handled (both ways, bit-exact: only slicing, concatenation, reshapes):
+- `linear_qkv` [G*(H/G+2)*hd, D]: per query group, that group's H/G query heads, then its key
+  head, then its value head. TP splits whole groups: rank r holds groups r*G/tp .. .
+- `linear_proj` [D, H*hd]: TP splits columns (the heads of rank r's groups).
+- `linear_fc1` = [gate; up] per shard: under TP (dense) or ETP (experts) rank r holds
+  [gate rows of r; up rows of r], because megatron's SwiGLU chunks the *local* output in two.
+  `linear_fc2` [D, I]: split columns.
+- embedding / output layer [V, D]: TP splits rows (vocab-parallel).
+- experts: EP rank r holds global experts r*E/ep .. (r+1)*E/ep - 1 as local 0 .. E/ep - 1,
+  named `experts.local_experts.{j}.linear_fc{1,2}.weight` (SequentialMLP, local spec) or
+  `experts.linear_fc{1,2}.weight{j}` (TEGroupedMLP).
+- Transformer Engine spec: the input RMSNorm lives in `linear_qkv.layer_norm_weight` and the
+  dense layers' pre-MLP RMSNorm in `mlp.linear_fc1.layer_norm_weight`.
+Norm weights and the router are replicated. `_extra_state` entries (TE) are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from lockstep.moe.config import ModelConfig
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a megatron-core shard sits and how its module names read."""
+
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    grouped_experts: bool = False
+    """TEGroupedMLP names (`linear_fc1.weight{j}`) instead of SequentialMLP ones."""
+    te_fused_norms: bool = False
+    """TE spec: input / dense pre-MLP norms fused into linear_qkv / linear_fc1."""
+
+    @classmethod
+    def of_model(cls, model) -> "Layout":
+        """The layout of a built GPTModel (sizes from its config, names from its params)."""
+        c = model.config
+        names = set(model.state_dict().keys())
+        return cls(
+            tp=c.tensor_model_parallel_size, ep=c.expert_model_parallel_size,
+            etp=c.expert_tensor_parallel_size or c.tensor_model_parallel_size,
+            grouped_experts=any(".experts.linear_fc1.weight" in n for n in names),
+            te_fused_norms=any(n.endswith("linear_qkv.layer_norm_weight") for n in names),
+        )
+
+
+def _split(x: Tensor, n: int, r: int, dim: int, what: str) -> Tensor:
+    if x.shape[dim] % n:
+        raise ValueError(f"{what}: dim {dim} of shape {tuple(x.shape)} not divisible by {n}")
+    return x.chunk(n, dim=dim)[r]
+
+
+def _attn_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig, tp: int, r: int) -> Tensor:
+    G, hd, D = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    q_G = q.view(G, -1, D)          # [G, H/G*hd, D]
+    k_G = k.view(G, hd, D)
+    v_G = v.view(G, hd, D)
+    qkv_G = torch.cat([q_G, k_G, v_G], dim=1)
+    return _split(qkv_G, tp, r, 0, "linear_qkv").reshape(-1, D)
+
+
+def _fc1(gate: Tensor, up: Tensor, n: int, r: int, what: str) -> Tensor:
+    return torch.cat([_split(gate, n, r, 0, what), _split(up, n, r, 0, what)], dim=0)
+
+
+def _expert_names(prefix: str, j: int, lay: Layout) -> tuple[str, str]:
+    if lay.grouped_experts:
+        return f"{prefix}.experts.linear_fc1.weight{j}", f"{prefix}.experts.linear_fc2.weight{j}"
+    return (f"{prefix}.experts.local_experts.{j}.linear_fc1.weight",
+            f"{prefix}.experts.local_experts.{j}.linear_fc2.weight")
+
+
+def hf_to_megatron(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Layout(), *,
+                   tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> dict[str, Tensor]:
+    """The megatron-core state dict of one shard (tp_rank, ep_rank, etp_rank) from HF weights."""
+    _check_hf_keys(hf, cfg)
+    tp, r = lay.tp, tp_rank
+    out: dict[str, Tensor] = {
+        "embedding.word_embeddings.weight":
+            _split(hf["model.embed_tokens.weight"], tp, r, 0, "embedding"),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = _split(hf["lm_head.weight"], tp, r, 0, "output_layer")
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}", f"decoder.layers.{i}"
+        a = f"{m}.self_attention"
+        in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
+            else f"{m}.input_layernorm.weight"
+        out[in_norm] = hf[f"{h}.input_layernorm.weight"]
+        out[f"{a}.linear_qkv.weight"] = _attn_qkv(
+            hf[f"{h}.self_attn.q_proj.weight"], hf[f"{h}.self_attn.k_proj.weight"],
+            hf[f"{h}.self_attn.v_proj.weight"], cfg, tp, r)
+        out[f"{a}.linear_proj.weight"] = _split(hf[f"{h}.self_attn.o_proj.weight"], tp, r, 1,
+                                                f"layer {i} linear_proj")
+        out[f"{a}.q_layernorm.weight"] = hf[f"{h}.self_attn.q_norm.weight"]
+        out[f"{a}.k_layernorm.weight"] = hf[f"{h}.self_attn.k_norm.weight"]
+        post_norm = hf[f"{h}.post_attention_layernorm.weight"]
+        if cfg.is_moe_layer(i):
+            out[f"{m}.pre_mlp_layernorm.weight"] = post_norm
+            out[f"{m}.mlp.router.weight"] = hf[f"{h}.mlp.gate.weight"]
+            per_rank = cfg.num_experts // lay.ep
+            for j in range(per_rank):
+                e = ep_rank * per_rank + j
+                x = f"{h}.mlp.experts.{e}"
+                fc1, fc2 = _expert_names(f"{m}.mlp", j, lay)
+                out[fc1] = _fc1(hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"], lay.etp,
+                                etp_rank, f"layer {i} expert {e} linear_fc1")
+                out[fc2] = _split(hf[f"{x}.down_proj.weight"], lay.etp, etp_rank, 1,
+                                  f"layer {i} expert {e} linear_fc2")
+        else:
+            norm = f"{m}.mlp.linear_fc1.layer_norm_weight" if lay.te_fused_norms \
+                else f"{m}.pre_mlp_layernorm.weight"
+            out[norm] = post_norm
+            out[f"{m}.mlp.linear_fc1.weight"] = _fc1(
+                hf[f"{h}.mlp.gate_proj.weight"], hf[f"{h}.mlp.up_proj.weight"], tp, r,
+                f"layer {i} linear_fc1")
+            out[f"{m}.mlp.linear_fc2.weight"] = _split(hf[f"{h}.mlp.down_proj.weight"], tp, r, 1,
+                                                       f"layer {i} linear_fc2")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
+                   cfg: ModelConfig, lay: Layout = Layout()) -> dict[str, Tensor]:
+    """HF weights from megatron-core shards keyed by (tp_rank, ep_rank, etp_rank).
+
+    Every (tp_rank, ep_rank=0, etp_rank=0) shard is needed for the TP-split tensors and every
+    (0, ep_rank, etp_rank) shard for the experts; replicated tensors are taken from (0, 0, 0).
+    """
+    need = {(r, 0, 0) for r in range(lay.tp)} | {
+        (0, e, t) for e in range(lay.ep) for t in range(lay.etp)}
+    missing = sorted(need - set(shards))
+    if missing:
+        raise ValueError(f"megatron_to_hf needs shards (tp_rank, ep_rank, etp_rank) {missing}")
+    s0 = shards[(0, 0, 0)]
+    tps = [shards[(r, 0, 0)] for r in range(lay.tp)]
+    G, hd, D = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    qpg = cfg.num_attention_heads // G  # query heads per group
+
+    def cat_tp(name: str, dim: int) -> Tensor:
+        return torch.cat([s[name] for s in tps], dim=dim)
+
+    def unfc1(parts: list[Tensor]) -> tuple[Tensor, Tensor]:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+
+    hf: dict[str, Tensor] = {
+        "model.embed_tokens.weight": cat_tp("embedding.word_embeddings.weight", 0),
+        "model.norm.weight": s0["decoder.final_layernorm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        hf["lm_head.weight"] = cat_tp("output_layer.weight", 0)
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}", f"decoder.layers.{i}"
+        a = f"{m}.self_attention"
+        in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
+            else f"{m}.input_layernorm.weight"
+        hf[f"{h}.input_layernorm.weight"] = s0[in_norm]
+        qkv_G = cat_tp(f"{a}.linear_qkv.weight", 0).view(G, (qpg + 2) * hd, D)
+        q_G, k_G, v_G = qkv_G.split([qpg * hd, hd, hd], dim=1)
+        hf[f"{h}.self_attn.q_proj.weight"] = q_G.reshape(-1, D)
+        hf[f"{h}.self_attn.k_proj.weight"] = k_G.reshape(-1, D)
+        hf[f"{h}.self_attn.v_proj.weight"] = v_G.reshape(-1, D)
+        hf[f"{h}.self_attn.o_proj.weight"] = cat_tp(f"{a}.linear_proj.weight", 1)
+        hf[f"{h}.self_attn.q_norm.weight"] = s0[f"{a}.q_layernorm.weight"]
+        hf[f"{h}.self_attn.k_norm.weight"] = s0[f"{a}.k_layernorm.weight"]
+        if cfg.is_moe_layer(i):
+            hf[f"{h}.post_attention_layernorm.weight"] = s0[f"{m}.pre_mlp_layernorm.weight"]
+            hf[f"{h}.mlp.gate.weight"] = s0[f"{m}.mlp.router.weight"]
+            per_rank = cfg.num_experts // lay.ep
+            for e in range(cfg.num_experts):
+                fc1, fc2 = _expert_names(f"{m}.mlp", e % per_rank, lay)
+                parts = [shards[(0, e // per_rank, t)] for t in range(lay.etp)]
+                x = f"{h}.mlp.experts.{e}"
+                hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"] = unfc1(
+                    [p[fc1] for p in parts])
+                hf[f"{x}.down_proj.weight"] = torch.cat([p[fc2] for p in parts], dim=1)
+        else:
+            norm = f"{m}.mlp.linear_fc1.layer_norm_weight" if lay.te_fused_norms \
+                else f"{m}.pre_mlp_layernorm.weight"
+            hf[f"{h}.post_attention_layernorm.weight"] = s0[norm]
+            hf[f"{h}.mlp.gate_proj.weight"], hf[f"{h}.mlp.up_proj.weight"] = unfc1(
+                [s[f"{m}.mlp.linear_fc1.weight"] for s in tps])
+            hf[f"{h}.mlp.down_proj.weight"] = cat_tp(f"{m}.mlp.linear_fc2.weight", 1)
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+def expected_hf_keys(cfg: ModelConfig) -> set[str]:
+    keys = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        keys.add("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        h = f"model.layers.{i}"
+        keys |= {f"{h}.input_layernorm.weight", f"{h}.post_attention_layernorm.weight"}
+        keys |= {f"{h}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                        "q_norm", "k_norm")}
+        if cfg.is_moe_layer(i):
+            keys.add(f"{h}.mlp.gate.weight")
+            keys |= {f"{h}.mlp.experts.{e}.{p}.weight" for e in range(cfg.num_experts)
+                     for p in ("gate_proj", "up_proj", "down_proj")}
+        else:
+            keys |= {f"{h}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    return keys
+
+
+def _check_hf_keys(hf: Mapping[str, Tensor], cfg: ModelConfig) -> None:
+    want = expected_hf_keys(cfg)
+    have = set(hf)
+    if cfg.tie_word_embeddings:
+        have.discard("lm_head.weight")  # tied checkpoints may still carry a copy
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        raise ValueError(f"HF state dict does not match the config: missing {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
+
+
+# -- on a live model (uses megatron-core's parallel state) -----------------------------------
+def _ranks() -> tuple[int, int, int]:
+    from megatron.core import parallel_state as ps
+    return (ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank())
+
+
+def load_hf_into_megatron(model, hf: Mapping[str, Tensor], cfg: ModelConfig) -> None:
+    """Copy HF weights into this rank's shard of a built GPTModel; every tensor is checked."""
+    lay = Layout.of_model(model)
+    tp_rank, ep_rank, etp_rank = _ranks()
+    sd = hf_to_megatron(hf, cfg, lay, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    bad = [f"{k}: model {tuple(own[k].shape)} vs converted {tuple(sd[k].shape)}"
+           for k in sorted(set(own) & set(sd)) if own[k].shape != sd[k].shape]
+    if missing or unexpected or bad:
+        raise ValueError(f"HF -> megatron mismatch: model tensors not produced {missing}, "
+                         f"produced but not in the model {unexpected}, shape mismatches {bad}")
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(sd[k])
+
+
+def megatron_to_hf_state_dict(model, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Full HF state dict from a (possibly sharded) GPTModel; a collective over the world.
+
+    Gathers every rank's shard with all_gather_object (CPU copies): meant for checkpoint
+    export of small models and for tests, not for streaming weights of a large model.
+    """
+    import torch.distributed as dist
+
+    lay = Layout.of_model(model)
+    local = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if not k.endswith("_extra_state")}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (_ranks(), local))
+    shards = {}
+    for ranks, sd in everyone:
+        shards.setdefault(ranks, sd)
+    return megatron_to_hf(shards, cfg, lay)

@@ -1,0 +1,297 @@
+"""Build a megatron-core MoE `GPTModel` equivalent to our Qwen3-MoE `ModelConfig`.
+
+Shapes: B batch, T time (tokens per row), S = T padded to a multiple of TP (megatron-core
+runs sequence-first, [S, B, D]), D model dim, V vocab (V/TP per tensor-parallel rank).
+
+Mapping (Qwen3-MoE -> megatron-core `TransformerConfig`): GQA = `num_query_groups`; q/k norm =
+`qk_layernorm` with RMSNorm; RoPE = `position_embedding_type="rope"`, `rotary_base`,
+non-interleaved halves (HF `rotate_half`); softmax router top-k with `norm_topk_prob` =
+softmax over the K selected logits (`moe_router_pre_softmax=False`), without it = softmax over
+all E then top-k (`pre_softmax=True`); SwiGLU experts without bias = `gated_linear_unit` +
+silu + `add_bias_linear=False`; dense layers = `moe_layer_freq` as a per-layer 0/1 list.
+
+Routing replay is always on (`moe_enable_routing_replay=True`). Options that bypass it
+(fused router, sinkhorn, token dropping / expert capacity) are refused by
+`check_replay_compatible`, which `build_gpt_model` runs on the final TransformerConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.moe.config import ConfigError, ModelConfig
+
+
+class ReplayBypassError(ValueError):
+    """A megatron-core option that would silently skip `RouterReplay` was requested."""
+
+
+@dataclass
+class MegatronOptions:
+    """How to lay the model out on megatron-core (parallelism, precision, kernels)."""
+
+    tensor_parallel: int = 1
+    """TP size; > 1 turns sequence parallelism on (megatron-core requires it for MoE)."""
+    expert_parallel: int = 1
+    """EP size: experts are partitioned over this many ranks."""
+    expert_tensor_parallel: int = 1
+    """Expert TP size (ETP); 1 keeps every expert whole on its EP rank."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype."""
+    router_dtype: Literal["fp32", "fp64"] | None = None
+    """megatron-core `moe_router_dtype`: router GEMM and softmax in this precision."""
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """MoE token dispatcher."""
+    use_transformer_engine: bool | None = None
+    """TE layer spec; None = use it when CUDA and transformer_engine are both present."""
+    grouped_gemm: bool | None = None
+    """Grouped expert GEMM (TE spec only); None = same as use_transformer_engine."""
+    recompute_activations: bool = False
+    """Full activation recomputation per layer (replayed with REPLAY_BACKWARD)."""
+    aux_loss_coef: float = 0.0
+    """megatron-core `moe_aux_loss_coeff` for the `aux_loss` balancing loss; 0 = none."""
+    seed: int = 1234
+    """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"megatron.{name} must be a positive integer, got {v!r}")
+        if self.params_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"megatron.params_dtype {self.params_dtype!r} is not one of "
+                              "'float32', 'bfloat16', 'float16'")
+        if self.router_dtype not in (None, "fp32", "fp64"):
+            raise ConfigError(f"megatron.router_dtype {self.router_dtype!r} is not one of "
+                              "None, 'fp32', 'fp64'")
+        if self.token_dispatcher not in ("alltoall", "allgather"):
+            raise ConfigError(f"megatron.token_dispatcher {self.token_dispatcher!r} is not one "
+                              "of 'alltoall', 'allgather'")
+        if self.aux_loss_coef < 0:
+            raise ConfigError(f"megatron.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MegatronOptions":
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in d if k not in valid)
+        if unknown:
+            raise ConfigError(f"unknown megatron option(s) {unknown}; valid keys are {valid}")
+        return cls(**d)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.params_dtype)
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and a GPU present (the TE spec needs both)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
+    """megatron-core `TransformerConfig` for `cfg` laid out as `opts` says."""
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    use_te = te_available() if opts.use_transformer_engine is None else opts.use_transformer_engine
+    if use_te and not te_available():
+        raise ConfigError("megatron.use_transformer_engine=True needs a CUDA GPU and the "
+                          "transformer_engine package")
+    grouped = use_te if opts.grouped_gemm is None else opts.grouped_gemm
+    if grouped and not use_te:
+        raise ConfigError("megatron.grouped_gemm=True needs the Transformer Engine spec "
+                          "(use_transformer_engine=True on a GPU)")
+    if opts.router_dtype is not None and on_gpu and not use_te:
+        # 0.16.1 reads `te_general_gemm` unconditionally once moe_router_dtype is set; only the
+        # CPU bridge defines it when TE is missing, and the bridge never runs on a GPU.
+        raise ConfigError("megatron.router_dtype on a GPU needs transformer_engine "
+                          "(megatron-core 0.16.1 uses te_general_gemm for the router GEMM)")
+    if cfg.num_key_value_heads % opts.tensor_parallel:
+        raise ConfigError(f"num_key_value_heads={cfg.num_key_value_heads} is not divisible by "
+                          f"tensor_parallel={opts.tensor_parallel}")
+    if cfg.num_experts % opts.expert_parallel:
+        raise ConfigError(f"num_experts={cfg.num_experts} is not divisible by "
+                          f"expert_parallel={opts.expert_parallel}")
+    if cfg.vocab_size % opts.tensor_parallel:
+        raise ConfigError(f"vocab_size={cfg.vocab_size} is not divisible by "
+                          f"tensor_parallel={opts.tensor_parallel} (no vocabulary padding: "
+                          "padded rows would add zero logits to the softmax)")
+    dtype = opts.torch_dtype
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        rotary_interleaved=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        # MoE
+        num_moe_experts=cfg.num_experts,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_layer_freq=[1 if cfg.is_moe_layer(i) else 0 for i in range(cfg.num_hidden_layers)],
+        moe_router_score_function="softmax",
+        # norm_topk_prob: softmax over the K chosen logits == renormalised top-k of the full
+        # softmax; without it, the plain top-k of the full softmax.
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if opts.aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=opts.aux_loss_coef,
+        moe_router_dtype=opts.router_dtype,
+        moe_token_dispatcher_type=opts.token_dispatcher,
+        moe_grouped_gemm=grouped,
+        moe_enable_routing_replay=True,
+        moe_router_fusion=False,
+        moe_expert_capacity_factor=None,
+        moe_permute_fusion=False,
+        # parallelism
+        tensor_model_parallel_size=opts.tensor_parallel,
+        expert_model_parallel_size=opts.expert_parallel,
+        expert_tensor_parallel_size=opts.expert_tensor_parallel,
+        sequence_parallel=opts.tensor_parallel > 1,
+        # precision and kernels
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=use_te,
+        apply_rope_fusion=use_te,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity="full" if opts.recompute_activations else None,
+        recompute_method="uniform" if opts.recompute_activations else None,
+        recompute_num_layers=1 if opts.recompute_activations else None,
+    )
+
+
+def check_replay_compatible(tc) -> None:
+    """Refuse TransformerConfig settings under which megatron-core skips or undoes replay."""
+    if not tc.moe_enable_routing_replay:
+        raise ReplayBypassError("moe_enable_routing_replay is False: routes cannot be replayed")
+    if tc.moe_router_fusion:
+        raise ReplayBypassError("moe_router_fusion=True: the fused TE top-k kernel never calls "
+                                "RouterReplay, so given routes would be ignored")
+    if tc.moe_router_load_balancing_type == "sinkhorn":
+        raise ReplayBypassError("moe_router_load_balancing_type='sinkhorn' routes outside the "
+                                "replayable top-k function")
+    if tc.moe_expert_capacity_factor is not None:
+        raise ReplayBypassError(f"moe_expert_capacity_factor={tc.moe_expert_capacity_factor}: "
+                                "token dropping runs after replay and drops replayed routes")
+    if tc.moe_router_group_topk or tc.moe_router_num_groups:
+        raise ReplayBypassError("group-limited routing is not part of Qwen3-MoE")
+
+
+def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc=None):
+    """A megatron-core GPTModel for `cfg` on the current parallel state (one PP stage).
+
+    `tc` overrides the TransformerConfig derived from `cfg`/`opts` (checked all the same).
+    Weights are megatron-core's random init; load real ones with `convert.load_hf_into_megatron`.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    opts = opts or MegatronOptions()
+    tc = tc if tc is not None else transformer_config(cfg, opts)
+    check_replay_compatible(tc)
+    use_te = tc.moe_grouped_gemm or (te_available() if opts.use_transformer_engine is None
+                                     else opts.use_transformer_engine)
+    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=use_te, normalization="RMSNorm")
+    return GPTModel(
+        config=tc,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        parallel_output=True,
+    )
+
+
+def initialize_parallel(opts: MegatronOptions) -> None:
+    """megatron-core model-parallel groups + RNG tracker on an initialised torch.distributed.
+
+    On a CPU-only torch this installs the CPU bridge first (see cpu_bridge.py).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call "
+                           "dist.init_process_group('gloo' | 'nccl', ...) first")
+    if not torch.cuda.is_available():
+        from lockstep.trainer.megatron import cpu_bridge
+        cpu_bridge.install()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=opts.tensor_parallel,
+        expert_model_parallel_size=opts.expert_parallel,
+        expert_tensor_parallel_size=opts.expert_tensor_parallel,
+    )
+    model_parallel_cuda_manual_seed(opts.seed)
+
+
+def padded_length(T: int, tensor_parallel: int) -> int:
+    """Sequence length S >= T that sequence parallelism can split evenly over TP ranks."""
+    return -(-T // tensor_parallel) * tensor_parallel
+
+
+def forward_logits(model, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V/TP] (vocab-sharded under TP) for right-padded rows at positions 0..T-1.
+
+    megatron-core's RoPE always uses positions arange(S), so rows must start at position 0
+    (right padding). T is padded to a multiple of TP for sequence parallelism; the padding is
+    at the end of every row, so causal attention keeps it invisible to real tokens.
+    """
+    tp = model.config.tensor_model_parallel_size
+    B, T = input_ids_BT.shape
+    S = padded_length(T, tp)
+    ids_BS = F.pad(input_ids_BT, (0, S - T)) if S != T else input_ids_BT
+    device = ids_BS.device
+    pos_BS = torch.arange(S, device=device).expand(B, S)
+    # True = masked out (megatron-core convention); explicit so no mask is built on "cuda".
+    mask_11SS = torch.ones(1, 1, S, S, dtype=torch.bool, device=device).triu(1)
+    logits_BSV = model(ids_BS, pos_BS, mask_11SS)
+    return logits_BSV[:, :T]
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) [B, T] in fp32 from (possibly vocab-sharded) logits, exact under TP."""
+    from megatron.core import tensor_parallel
+
+    logits = logits_BTV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # vocab_parallel_cross_entropy works sequence-first on [T, B, V/TP] and all-reduces the
+    # max and the sum over the TP group, so no rank ever holds the full vocabulary.
+    logits_TBV = logits.transpose(0, 1).contiguous()
+    if logits_TBV.data_ptr() == logits_BTV.data_ptr():
+        logits_TBV = logits_TBV.clone()  # NOTE: it works in place; never on the caller's logits
+    nll_TB = tensor_parallel.vocab_parallel_cross_entropy(
+        logits_TBV, targets_BT.transpose(0, 1).contiguous())
+    return -nll_TB.transpose(0, 1)
