@@ -160,14 +160,15 @@ class Experts(nn.Module):
         token_of = order // K  # token index of each sorted (token, k) pair
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         x_sorted = x_ND[token_of]
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            if c == 0:
+        # unbind once: indexing the stacked weight per expert would make backward allocate
+        # (and zero-fill) a full-size gradient for every expert.
+        gate_up_E, down_E = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        outs = []
+        for e, h in enumerate(x_sorted.split(counts)):
+            if h.shape[0] == 0:
                 continue
-            h = x_sorted[start:start + c]
-            g, u = F.linear(h, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(g) * u, self.down_proj[e]))
-            start += c
+            g, u = F.linear(h, gate_up_E[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(g) * u, down_E[e]))
         y_sorted = torch.cat(outs) * gates_NK.reshape(-1)[order, None]
         return torch.zeros_like(x_ND).index_add_(0, token_of, y_sorted)
 
