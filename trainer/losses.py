@@ -1,0 +1,244 @@
+"""Policy losses and advantages: PPO clip (dual clip), GSPO, REINFORCE, GRPO advantages, KL, aggregation.
+
+Pure functions over `[B, T]` tensors (B sequences, T response positions; `response_mask` is 1 on
+valid tokens). Log-probs are named by origin: `logprobs` (pi_theta, with grad), `old_logprobs`
+(pi_old, the PPO ratio's denominator), `rollout_logprobs` (mu_old, the engine's), `ref_logprobs`
+(the frozen reference). Definitions and metric names follow verl 0.9.1 `core_algos`
+(`compute_policy_loss_vanilla`, `compute_policy_loss_gspo`, `agg_loss`, `kl_penalty`,
+`compute_grpo_outcome_advantage`) so numbers and dashboards carry over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from lockstep.trainer.correction import CorrectionConfig, correct
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")  # sequence = GSPO
+
+
+def _masked_mean(v, mask):
+    return (torch.where(mask.bool(), v, torch.zeros_like(v)) * mask).sum() / (mask.sum() + 1e-8)
+
+
+@dataclass
+class LossConfig:
+    """Policy-loss settings."""
+
+    clip_ratio_low: float = 0.2  # ratio clipped below at 1 - low
+    clip_ratio_high: float = 0.2  # ratio clipped above at 1 + high (0.28 = DAPO clip-higher)
+    clip_ratio_c: float | None = 3.0  # dual clip for A < 0: loss <= -A * c; None disables; must be > 1
+    ratio_level: str = "token"  # "token" (PPO) | "sequence" (GSPO length-normalised sequence ratio)
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = off, ref_logprobs not needed)
+    kl_estimator: str = "k3"  # k1 = log pi/ref, k2 = (log pi/ref)^2/2, k3 = low-variance (clamped)
+    entropy_coef: float = 0.0  # subtract entropy_coef * aggregated entropy from the loss
+
+    def __post_init__(self):
+        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
+            raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
+                             f"{self.clip_ratio_low}, {self.clip_ratio_high}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {self.clip_ratio_c}")
+        for name, val, valid in (("ratio_level", self.ratio_level, RATIO_LEVELS),
+                                 ("loss_agg_mode", self.loss_agg_mode, AGG_MODES),
+                                 ("kl_estimator", self.kl_estimator, KL_ESTIMATORS)):
+            if val not in valid:
+                raise ValueError(f"unknown {name} {val!r}; valid: {', '.join(valid)}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LossConfig":
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown loss keys {unknown}; valid: {', '.join(valid)}")
+        return cls(**d)
+
+
+def grpo_advantages(rewards_B: torch.Tensor, group_ids_B, response_mask: torch.Tensor, *, norm_by_std: bool = True,
+                    epsilon: float = 1e-6) -> torch.Tensor:
+    """(r - mean_group) / (std_group + eps), or without the std (Dr. GRPO), broadcast over valid tokens.
+
+    std is the unbiased sample std (torch.std); a group of one sample gets mean 0, std 1 (verl).
+    `group_ids_B`: one id per sequence (prompt index), tensor or list of hashables.
+    """
+    if rewards_B.dim() != 1 or rewards_B.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"rewards must be [B={response_mask.shape[0]}], got {tuple(rewards_B.shape)}")
+    if torch.isnan(rewards_B).any():
+        raise ValueError(f"reward is NaN for sample {int(torch.isnan(rewards_B).nonzero()[0])}")
+    keys = group_ids_B.tolist() if torch.is_tensor(group_ids_B) else list(group_ids_B)
+    if len(keys) != rewards_B.shape[0]:
+        raise ValueError(f"{len(keys)} group ids for {rewards_B.shape[0]} rewards")
+    index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    g_B = torch.tensor([index[k] for k in keys])
+    r = rewards_B.detach().float()
+    G = len(index)
+    count = torch.zeros(G).index_add_(0, g_B, torch.ones_like(r))
+    mean = torch.zeros(G).index_add_(0, g_B, r) / count
+    sq = torch.zeros(G).index_add_(0, g_B, (r - mean[g_B]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), torch.ones(G))
+    mean = torch.where(count > 1, mean, torch.zeros(G))
+    adv = r - mean[g_B]
+    if norm_by_std:
+        adv = adv / (std[g_B] + epsilon)
+    return adv[:, None] * response_mask
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, *,
+             num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] loss to a scalar (verl's agg_loss).
+
+    token-mean: sum over valid tokens / num_tokens; seq-mean-token-mean: per-sequence token mean,
+    then mean over non-empty sequences; seq-mean-token-sum: per-sequence token sum, then mean.
+    `num_tokens` / `num_seqs` default to this batch's counts; pass the global mini-batch counts
+    when a mini-batch is split into micro-batches, so the summed gradients equal the full batch's.
+    """
+    masked = torch.where(loss_mask.bool(), loss_mat, torch.zeros_like(loss_mat)) * loss_mask
+    if loss_agg_mode == "token-mean":
+        n = loss_mask.sum() if num_tokens is None else num_tokens
+        return masked.sum() / n
+    seq_tokens = loss_mask.sum(-1)
+    seq_valid = (seq_tokens > 0).float()
+    n = seq_valid.sum() if num_seqs is None else num_seqs
+    if loss_agg_mode == "seq-mean-token-sum":
+        return (masked.sum(-1) * seq_valid).sum() / n
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / (seq_tokens + 1e-8) * seq_valid).sum() / n
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate. k3 = exp(ref - pi) - (ref - pi) - 1 with the log ratio clamped
+    to +-20 and the result to [-10, 10] (verl's low_var_kl)."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if estimator == "k3":
+        d = (ref_logprobs - logprobs).clamp(-20, 20)
+        return (torch.exp(d) - d - 1).clamp(-10, 10)
+    raise ValueError(f"unknown kl estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                  clip_ratio_c=3.0, loss_agg_mode="token-mean", is_weights=None, num_tokens=None, num_seqs=None):
+    """PPO clipped surrogate with dual clip; returns (loss, metrics).
+
+    ratio = exp(clamp(logprobs - old, +-20)); per token max(-A r, -A clip(r, 1-lo, 1+hi)); for A < 0
+    additionally capped at -A c (dual clip). Multiplied by detached `is_weights` when given.
+    """
+    neg_kl = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = torch.exp(neg_kl)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    metrics = {"actor/pg_clipfrac": _masked_mean((loss2 > loss1).float(), response_mask).item(),
+               "actor/ppo_kl": _masked_mean(-neg_kl, response_mask).item()}
+    if clip_ratio_c is not None:
+        loss3 = -advantages * clip_ratio_c
+        lower_hit = (clipped > loss3) & (advantages < 0)
+        metrics["actor/pg_clipfrac_lower"] = _masked_mean(lower_hit.float(), response_mask).item()
+        clipped = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
+    else:
+        metrics["actor/pg_clipfrac_lower"] = 0.0
+    if is_weights is not None:
+        clipped = clipped * is_weights.detach()
+    loss = agg_loss(clipped, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, metrics
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+              loss_agg_mode="seq-mean-token-mean", is_weights=None, num_tokens=None, num_seqs=None):
+    """GSPO: sequence ratio s = exp(mean_t log(pi/pi_old)) (detached) times pi/sg(pi) per token, so the
+    value is the sequence ratio and the gradient flows per token; log s clamped at 10; no dual clip."""
+    neg_kl = logprobs - old_logprobs
+    seq_len = response_mask.sum(-1).clamp(min=1)
+    seq_log_ratio = (neg_kl * response_mask).sum(-1) / seq_len
+    log_s = (logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10.0)
+    s = torch.exp(log_s)
+    loss1 = -advantages * s
+    loss2 = -advantages * s.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_tok = torch.maximum(loss1, loss2)
+    if is_weights is not None:
+        per_tok = per_tok * is_weights.detach()
+    loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics = {"actor/pg_clipfrac": _masked_mean((loss2 > loss1).float(), response_mask).item(),
+               "actor/ppo_kl": _masked_mean(-neg_kl.detach(), response_mask).item(),
+               "actor/pg_clipfrac_lower": 0.0}
+    return loss, metrics
+
+
+def reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, *, loss_agg_mode="token-mean",
+                   is_weights=None, num_tokens=None, num_seqs=None):
+    """REINFORCE -A log pi (times detached IS weights pi/mu when given): verl's bypass loss_type=reinforce."""
+    per_tok = -advantages * logprobs
+    if is_weights is not None:
+        per_tok = per_tok * is_weights.detach()
+    loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, {"actor/ppo_kl": _masked_mean(rollout_logprobs - logprobs.detach(), response_mask).item()}
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar to backward
+    metrics: dict[str, float]
+
+
+def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_mask, *, is_weights=None,
+                ref_logprobs=None, entropy=None, correction: CorrectionConfig | None = None, rollout_logprobs=None,
+                num_tokens=None, num_seqs=None) -> LossOutput:
+    """The actor's loss for one (micro-)batch: policy term + kl_coef * KL - entropy_coef * entropy.
+
+    Decoupled mode (default): `old_logprobs` is pi_old and `is_weights` / `response_mask` come from
+    `correct(...)` on (pi_old, mu_old). Bypass mode (`correction.bypass_mode`): pass
+    `rollout_logprobs`; pi_old := mu_old, and IS/RS are recomputed here under no_grad against the
+    current policy. With loss_type ppo_clip the PPO ratio pi/mu already is the IS ratio, so weights
+    are only logged; with reinforce they multiply -A log pi.
+    """
+    metrics: dict[str, float] = {}
+    if correction is not None and correction.bypass_mode:
+        if rollout_logprobs is None:
+            raise ValueError("bypass mode needs rollout_logprobs")
+        res = correct(correction, logprobs.detach(), rollout_logprobs, response_mask)
+        metrics.update(res.metrics)
+        old_logprobs, response_mask = rollout_logprobs, res.response_mask
+        is_weights = res.weights if correction.loss_type == "reinforce" else None
+        if correction.loss_type == "reinforce":
+            loss, pm = reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, is_weights=is_weights,
+                                      loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            return _finish(cfg, loss, {**metrics, **pm}, logprobs, ref_logprobs, entropy, response_mask,
+                           num_tokens, num_seqs)
+    kw = dict(loss_agg_mode=cfg.loss_agg_mode, is_weights=is_weights, num_tokens=num_tokens, num_seqs=num_seqs)
+    if cfg.ratio_level == "sequence":
+        loss, pm = gspo_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=cfg.clip_ratio_low,
+                             clip_ratio_high=cfg.clip_ratio_high, **kw)
+    else:
+        loss, pm = ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=cfg.clip_ratio_low,
+                                 clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, **kw)
+    return _finish(cfg, loss, {**metrics, **pm}, logprobs, ref_logprobs, entropy, response_mask, num_tokens, num_seqs)
+
+
+def _finish(cfg, pg_loss, metrics, logprobs, ref_logprobs, entropy, mask, num_tokens, num_seqs) -> LossOutput:
+    agg = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics["actor/pg_loss"] = pg_loss.item()
+    loss = pg_loss
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = agg_loss(kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), mask, cfg.loss_agg_mode, **agg)
+        metrics["actor/kl_loss"], metrics["actor/kl_coef"] = kl.item(), cfg.kl_coef
+        loss = loss + cfg.kl_coef * kl
+    if entropy is not None:
+        ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+        metrics["actor/entropy"] = ent.item()
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * ent
+    elif cfg.entropy_coef > 0:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy")
+    return LossOutput(loss=loss, metrics=metrics)
