@@ -1,0 +1,139 @@
+"""megatron-core on 2 CPU processes (gloo): EP=2 and TP=2 (+SP) give the log-probs and routes
+of a single process, with routing replay and recording on, and export the same HF weights.
+
+Shapes: B batch, T tokens, L MoE layers, K top-k, E experts.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
+from lockstep.moe.config import ModelConfig  # noqa: E402
+from lockstep.moe.model import MoEModel  # noqa: E402
+
+# Two spawned processes each import megatron-core (~10 s CPU each): minutes on a busy 2-core box.
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+TOL = 1e-4
+LAYOUTS = {  # name -> MegatronOptions kwargs
+    "dp2": dict(),
+    "ep2": dict(expert_parallel=2),
+    "tp2_sp": dict(tensor_parallel=2),
+    "ep2_allgather": dict(expert_parallel=2, token_dispatcher="allgather"),
+}
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                       moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       mlp_only_layers=[1])
+
+
+def _rows_for(layout: str, rank: int, B: int) -> list[int]:
+    # TP ranks share their data; DP/EP ranks each take their own rows (unequal token counts
+    # per expert across ranks exercise the all-to-all split sizes).
+    return list(range(B)) if layout.startswith("tp") else list(range(rank, B, 2))
+
+
+def _worker(rank: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from lockstep.trainer.megatron import convert
+    from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model,
+                                                 forward_logits, initialize_parallel,
+                                                 token_logprobs)
+    from lockstep.trainer.megatron.replay import Mode, RouteReplay
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    data = torch.load(path)
+    cfg, sd = ModelConfig.from_hf_dict(data["cfg"]), data["sd"]
+    out = {}
+    for layout, kw in LAYOUTS.items():
+        opts = MegatronOptions(**kw)
+        initialize_parallel(opts)
+        model = build_gpt_model(cfg, opts).eval()
+        convert.load_hf_into_megatron(model, sd, cfg)
+        rows = _rows_for(layout, rank, data["ids"].shape[0])
+        ids, routes, valid = data["ids"][rows], data["routes"][rows], data["valid"][rows]
+        B, T = ids.shape
+        replay = RouteReplay(model, cfg.num_experts)
+        with torch.no_grad():
+            with replay.session(Mode.REPLAY):
+                replay.set_routes(routes, valid)
+                lp_replay = token_logprobs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
+            with replay.session(Mode.RECORD):
+                lp_natural = token_logprobs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
+                recorded = replay.recorded(B, T)
+        exported = convert.megatron_to_hf_state_dict(model, cfg)
+        out[layout] = dict(rows=rows, lp_replay=lp_replay, lp_natural=lp_natural,
+                           recorded=recorded,
+                           export_exact=all(torch.equal(exported[k], sd[k]) for k in sd)
+                           and set(exported) == set(sd))
+    torch.save(out, f"{path}.rank{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ep2_and_tp2_match_single_process(tmp_path):
+    cfg = _cfg()
+    torch.manual_seed(0)
+    ref_model = MoEModel(cfg)
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.5 if "gate" in n and "proj" not in n else 0.1)
+    sd = {k: v.detach().clone() for k, v in hf_state_dict(ref_model).items()}
+    load_hf_state_dict(ref_model, sd)
+    B, T, L, K = 4, 7, cfg.num_moe_layers, cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (B, T), generator=g)
+    lens = torch.tensor([7, 5, 6, 3])
+    t_T = torch.arange(T)
+    ids[t_T[None] >= lens[:, None]] = 0  # right padding
+    valid = t_T[None] < (lens[:, None] - 1)  # P+R tokens have P+R-1 routes
+    routes = torch.rand(B, T, L, cfg.num_experts, generator=g).argsort(-1)[..., :K]
+    routes[~valid] = 0
+    routes = routes.to(torch.uint8)
+    path = str(tmp_path / "inputs.pt")
+    torch.save(dict(cfg=cfg.to_hf_dict(), sd=sd, ids=ids, routes=routes, valid=valid), path)
+
+    mp.spawn(_worker, args=(_free_port(), path), nprocs=2, join=True)
+
+    with torch.no_grad():
+        ref = ref_model(ids, routed_experts_BTLK=routes, replay_mask_BT=valid)
+        nat = ref_model(ids)
+    def shifted(logits):
+        return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    want_replay, want_natural = shifted(ref.logits_BTV), shifted(nat.logits_BTV)
+    scored = valid[:, :-1]  # positions whose target is a real token
+    results = [torch.load(f"{path}.rank{r}") for r in range(2)]
+    for layout in LAYOUTS:
+        for res in (results[0][layout], results[1][layout]):
+            rows = res["rows"]
+            m = scored[rows]
+            assert res["export_exact"], layout
+            err = (res["lp_replay"] - want_replay[rows])[m].abs().max()
+            assert err <= TOL, f"{layout}: replay log-probs differ by {err}"
+            err = (res["lp_natural"] - want_natural[rows])[m].abs().max()
+            assert err <= TOL, f"{layout}: natural log-probs differ by {err}"
+            rec, want = res["recorded"], nat.natural_BTLK[rows]
+            real = t_T[None] < lens[rows][:, None]
+            assert torch.equal(rec.sort(-1).values[real], want.sort(-1).values[real]), layout
+    # the TP ranks agree with each other exactly (same data, same routes)
+    assert torch.equal(results[0]["tp2_sp"]["lp_replay"], results[1]["tp2_sp"]["lp_replay"])
