@@ -57,9 +57,9 @@ def _chunk_keep(candidates_NS: torch.Tensor | None, free_N: torch.Tensor | None,
 
 def _chunk_logits(h32_ND, weight_VD, lo, hi, temperature, keep_NC):
     """fp32 scaled logits of vocabulary rows [lo, hi); -inf outside the candidate set."""
-    z_NC = (h32_ND @ weight_VD[lo:hi].float().t()) / temperature
+    z_NC = (h32_ND @ weight_VD[lo:hi].float().t()).div_(temperature)
     if keep_NC is not None:
-        z_NC = z_NC.masked_fill(~keep_NC, float("-inf"))
+        z_NC.masked_fill_(~keep_NC, float("-inf"))
     return z_NC
 
 
@@ -81,16 +81,15 @@ class _ChunkedLogProb(torch.autograd.Function):
             # rows with nothing seen yet keep m = -inf; shift by 0 there to avoid inf - inf
             safe_m = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             scale_N = torch.exp(m_N - safe_m)
-            e_NC = torch.exp(z_NC - safe_m[:, None])
-            # masked entries have e = 0 and z = -inf: 0 * -inf is NaN, so zero z there first
-            z_fin_NC = torch.where(torch.isfinite(z_NC), z_NC, torch.zeros_like(z_NC))
-            s_N = s_N * scale_N + e_NC.sum(-1)
-            t_N = t_N * scale_N + (e_NC * z_fin_NC).sum(-1)
-            m_N = m_new
-            in_chunk = (ids_N >= lo) & (ids_N < hi)
-            idx = in_chunk.nonzero(as_tuple=True)[0]
+            idx = ((ids_N >= lo) & (ids_N < hi)).nonzero(as_tuple=True)[0]
             chosen_N[idx] = z_NC[idx, ids_N[idx] - lo]
-            del z_NC, e_NC, z_fin_NC
+            # in-place ops keep at most two [N, C] buffers alive
+            e_NC = (z_NC - safe_m[:, None]).exp_()
+            s_N = s_N * scale_N + e_NC.sum(-1)
+            # masked entries: e = 0 and z = -inf, and 0 * -inf is NaN, so zero z there first
+            t_N = t_N * scale_N + e_NC.mul_(torch.nan_to_num_(z_NC, neginf=0.0)).sum(-1)
+            m_N = m_new
+            del z_NC, e_NC
         lse_N = m_N + torch.log(s_N)
         logprob_N = chosen_N - lse_N
         entropy_N = lse_N - t_N / s_N
@@ -113,20 +112,21 @@ class _ChunkedLogProb(torch.autograd.Function):
             hi = min(lo + chunk_size, V)
             keep_NC = _chunk_keep(candidates_NS, free_N, lo, hi)
             z_NC = _chunk_logits(h32_ND, weight_VD, lo, hi, T, keep_NC)
-            logp_NC = z_NC - lse_N[:, None]
+            logp_NC = z_NC.sub_(lse_N[:, None])  # in place: z is not needed again
             p_NC = torch.exp(logp_NC)  # 0 outside the candidate set
             # d logprob / dz_j = 1[j=y] - p_j ;  d entropy / dz_j = -p_j (log p_j + H)
-            logp_fin_NC = torch.where(torch.isfinite(logp_NC), logp_NC, torch.zeros_like(logp_NC))
-            g_NC = -p_NC * (g_lp_N[:, None] + g_ent_N[:, None] * (logp_fin_NC + entropy_N[:, None]))
-            in_chunk = (ids_N >= lo) & (ids_N < hi)
-            idx = in_chunk.nonzero(as_tuple=True)[0]
+            coef_NC = torch.nan_to_num_(logp_NC, neginf=0.0).add_(entropy_N[:, None])
+            coef_NC.mul_(g_ent_N[:, None]).add_(g_lp_N[:, None])
+            g_NC = p_NC.mul_(coef_NC).neg_()
+            del coef_NC, logp_NC, z_NC
+            idx = ((ids_N >= lo) & (ids_N < hi)).nonzero(as_tuple=True)[0]
             g_NC[idx, ids_N[idx] - lo] += g_lp_N[idx]
-            g_NC = g_NC / T  # z = logits / T
+            g_NC.div_(T)  # z = logits / T
             if need_h:
-                grad_h32_ND += g_NC @ weight_VD[lo:hi].float()
+                grad_h32_ND.addmm_(g_NC, weight_VD[lo:hi].float())
             if need_w:
                 grad_w_VD[lo:hi] = (g_NC.t() @ h32_ND).to(weight_VD.dtype)
-            del z_NC, logp_NC, p_NC, logp_fin_NC, g_NC
+            del g_NC, p_NC
         grad_h = grad_h32_ND.to(hidden_ND.dtype) if need_h else None
         return grad_h, grad_w_VD, None, None, None, None, None
 
