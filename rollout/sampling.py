@@ -82,6 +82,8 @@ def support_mask(probs_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     sorted_BV, _ = torch.sort(probs_BV, dim=-1, descending=True, stable=True)
     before_BV = torch.cumsum(sorted_BV, dim=-1) - sorted_BV       # mass strictly before
     n_p_B = (before_BV <= st.top_p_B[:, None]).sum(-1)             # >= 1 (first is 0)
+    # top_p = 1 keeps everything even where the fp32 cumsum rounds above 1.
+    n_p_B = torch.where(st.top_p_B >= 1.0, V, n_p_B)
     n_min_B = (sorted_BV >= (st.min_p_B * sorted_BV[:, 0])[:, None]).sum(-1)  # >= 1
     n_B = torch.minimum(torch.minimum(st.top_k_B, n_p_B), n_min_B).clamp_(min=1)
     n_B = torch.where(st.greedy_B, torch.ones_like(n_B), n_B)
@@ -89,19 +91,28 @@ def support_mask(probs_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs_BV >= thresh_B
 
 
-def sample(logits_BV: torch.Tensor, st: SamplingTensors, uniform_B: torch.Tensor) -> SampleOutput:
+def sample(logits_BV: torch.Tensor, st: SamplingTensors, uniform_B: torch.Tensor,
+           banned_BV: torch.Tensor | None = None) -> SampleOutput:
     """Draw one token per row. `uniform_B` in [0, 1) is the row's random number for this step.
 
+    `banned_BV` (bool) removes ids from the support before the filters run (the distribution
+    is renormalised without them, as SGLang's min_new_tokens penalty does); `logprobs_B` is
+    still the full-vocabulary log-prob, `sampling_logprobs_B` the one over the support.
     Greedy rows take the first argmax (no randomness). Logits are promoted to fp32.
     """
     logits_BV = logits_BV.float()
     logp_BV = torch.log_softmax(logits_BV / st.temperature_B[:, None], dim=-1)
-    probs_BV = logp_BV.exp()
-    if st.any_truncation or st.any_greedy:
+    samp_logp_BV = logp_BV if banned_BV is None else \
+        torch.log_softmax(logp_BV.masked_fill(banned_BV, float("-inf")), dim=-1)
+    probs_BV = samp_logp_BV.exp()
+    if st.any_truncation or st.any_greedy or banned_BV is not None:
         keep_BV = support_mask(probs_BV, st)
+        if banned_BV is not None:
+            keep_BV &= ~banned_BV
         if st.any_greedy:
             # Greedy support is exactly the first argmax, even under ties.
-            first_BV = torch.zeros_like(keep_BV).scatter_(1, logp_BV.argmax(-1, keepdim=True), True)
+            first_BV = torch.zeros_like(keep_BV).scatter_(
+                1, samp_logp_BV.argmax(-1, keepdim=True), True)
             keep_BV = torch.where(st.greedy_B[:, None], first_BV, keep_BV)
         weights_BV = probs_BV * keep_BV
     else:

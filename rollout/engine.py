@@ -1,0 +1,397 @@
+"""Embedded rollout engine: continuous batching over the model's KV cache, recording per token
+the sampled id, its log-probs and the experts it was routed to.
+
+Shape legend: S cache slots (one running sequence each), M slot length (prompt + generated),
+B running rows this step, T prompt time, L MoE layers, K top-k, V vocabulary, J stop ids.
+
+How a request flows: `add_request` validates and queues it. Each `step()` first admits
+queued requests while slots are free (one prefill forward for all of them; the prompt is
+prefilled once and its KV copied to the other n-1 slots; the first token of every sample is
+drawn from the prefill logits), then runs one decode forward for every running sequence
+(so an admitted request joins the running batch at once, and a finished one leaves at the
+end of the step that finished it). Routes come from the forward that runs anyway: prompt
+rows from the prefill, each generated token's row from the decode step that feeds it; the
+last generated token is never fed, so a sample has P+R-1 rows (the DESIGN contract).
+
+Per-step work is a fixed set of tensor ops on preallocated per-slot buffers (tokens,
+log-probs, routes as uint8/uint16); Python touches a sequence only when it starts or ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..moe.checkpoint import load_hf, load_hf_state_dict, read_hf_state_dict
+from ..moe.model import KVCache, MoEModel
+from .sampling import RowUniforms, SamplingTensors, sample
+from .types import GenerateRequest, GenerationResult, RequestError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizing and numerics."""
+
+    dtype: str = "bf16"
+    """Weights, activations and KV cache: bf16, fp16 or fp32."""
+    router_dtype: str | None = None
+    """Keep router weights (and their matmul) in this dtype, e.g. fp32; None = dtype."""
+    lm_head_dtype: str | None = None
+    """Keep the LM head in this dtype, e.g. fp32 (MiniMax-M1's fix); None = dtype."""
+    max_running: int = 64
+    """KV-cache slots: most sequences decoding at once."""
+    max_len: int | None = None
+    """Slot length (prompt + generated tokens; max_new_tokens is clamped to fit, as in
+    SGLang); None = the model's max_position_embeddings."""
+    max_prefill_tokens: int = 8192
+    """Padded prompt tokens per prefill forward (a longer single prompt still runs alone)."""
+    capture_routes: bool = True
+    """Record routed experts (off only to measure its cost)."""
+    seed: int = 0
+    """Seeds the per-request seeds of requests that do not give one."""
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "router_dtype", "lm_head_dtype"):
+            v = getattr(self, name)
+            if not (v in DTYPES or (v is None and name != "dtype")):
+                raise ValueError(f"EngineConfig.{name} must be one of {list(DTYPES)}, got {v!r}")
+        for name in ("max_running", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+        if self.max_len is not None and not (isinstance(self.max_len, int) and self.max_len >= 2):
+            raise ValueError(f"EngineConfig.max_len must be an integer >= 2, got {self.max_len!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in d if k not in valid)
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown keys {unknown}; valid keys are {valid}")
+        return cls(**d)
+
+
+@dataclass
+class _Seq:
+    """Host-side record of one running sample (touched only at start and finish)."""
+
+    req: GenerateRequest
+    index: int
+    slot: int
+    prompt_len: int
+    input_logprobs: torch.Tensor | None = None
+    top_logprobs: list | None = None
+    sampling_mask: list | None = None
+
+
+class Engine:
+    """Batched generation with exact route and log-prob capture. Owns (and casts) `model`."""
+
+    def __init__(self, model: MoEModel, cfg: EngineConfig | None = None,
+                 weight_version: str = "0"):
+        self.cfg = cfg = cfg or EngineConfig()
+        mcfg = model.cfg
+        self.model = model.eval().requires_grad_(False)
+        self.model.set_precision(DTYPES[cfg.dtype],
+                                 router_dtype=DTYPES.get(cfg.router_dtype),
+                                 lm_head_dtype=DTYPES.get(cfg.lm_head_dtype))
+        self.weight_version = weight_version
+        self.vocab_size = mcfg.vocab_size
+        self.max_len = cfg.max_len or mcfg.max_position_embeddings
+        S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
+        self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype])
+        # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
+        self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
+        self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype)
+        self.tokens_SM = torch.zeros(S, M, dtype=torch.long)      # generated ids
+        self.logprobs_SM = torch.zeros(S, M, dtype=torch.float32)
+        self.sel_logprobs_SM = torch.zeros(S, M, dtype=torch.float32)
+        self.gen_S = torch.zeros(S, dtype=torch.long)             # tokens generated so far
+        self.prompt_len_S = torch.zeros(S, dtype=torch.long)
+        self.max_new_S = torch.zeros(S, dtype=torch.long)
+        self.min_new_S = torch.zeros(S, dtype=torch.long)
+        self.stop_SJ = torch.full((S, 1), -1, dtype=torch.long)   # -1 = no stop id
+        self.params_S: list[tuple] = [(1.0, -1, 1.0, 0.0)] * S    # temperature, top_k, top_p, min_p
+        self.uniforms = RowUniforms(S)
+        self._seed_rng = random.Random(cfg.seed)
+        self.free_slots = list(range(S - 1, -1, -1))
+        self.running: dict[int, _Seq] = {}                        # slot -> sequence
+        self.waiting: list[GenerateRequest] = []
+        self._active_B: torch.Tensor | None = None                # rebuilt when running changes
+        self._rid_counter = 0
+
+    @classmethod
+    def from_hf(cls, folder: str | Path, cfg: EngineConfig | None = None,
+                weight_version: str = "0") -> "Engine":
+        return cls(load_hf(folder), cfg, weight_version)
+
+    @classmethod
+    def from_model(cls, model: MoEModel, cfg: EngineConfig | None = None,
+                   weight_version: str = "0") -> "Engine":
+        """An engine over a private copy of `model` (the trainer keeps its own)."""
+        return cls(copy.deepcopy(model), cfg, weight_version)
+
+    # -- requests -------------------------------------------------------------------------
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise RequestError naming the problem; the engine state is untouched."""
+        ids, V = req.input_ids, self.vocab_size
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        bad = [(i, t) for i, t in enumerate(ids)
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
+        if bad:
+            i, t = bad[0]
+            raise RequestError(f"input_ids[{i}] = {t!r} is outside the vocabulary [0, {V})"
+                               + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
+        sp = req.sampling
+        sp.validate(vocab_size=V)
+        if len(ids) >= self.max_len:
+            raise RequestError(f"prompt of {len(ids)} tokens is too long: the engine's max_len="
+                               f"{self.max_len} (prompt + generated tokens) leaves no room")
+        if sp.n > self.cfg.max_running:
+            raise RequestError(f"n={sp.n} exceeds the engine's max_running={self.cfg.max_running}")
+        if not (isinstance(req.top_logprobs_num, int) and 0 <= req.top_logprobs_num <= V):
+            raise RequestError(f"top_logprobs_num must be in [0, {V}], got {req.top_logprobs_num!r}")
+
+    def add_request(self, req: GenerateRequest) -> str:
+        """Queue a request; returns its rid (assigned when empty)."""
+        self.validate(req)
+        if not req.rid:
+            self._rid_counter += 1
+            req.rid = f"req-{self._rid_counter}"
+        self.waiting.append(req)
+        return req.rid
+
+    def abort(self, rid: str | None = None) -> list[GenerationResult]:
+        """Drop a queued request or finish its running samples now (rid None: everything)."""
+        self.waiting = [r for r in self.waiting if rid is not None and r.rid != rid]
+        hit = [s for s in self.running.values() if rid is None or s.req.rid == rid]
+        return [self._finish(s, {"type": "abort", "message": "aborted by request"}) for s in hit]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        """Run the given requests to completion; results in request order, then sample index."""
+        for r in requests:
+            self.validate(r)
+        for r in requests:
+            self.add_request(r)
+        want = {(r.rid, j) for r in requests for j in range(r.sampling.n)}
+        done: dict[tuple[str, int], GenerationResult] = {}
+        while not want <= done.keys():
+            for res in self.step():
+                done[(res.rid, res.index)] = res
+        return [done[(r.rid, j)] for r in requests for j in range(r.sampling.n)]
+
+    # -- weights ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, source: dict | str | Path | MoEModel,
+                       weight_version: str | None = None) -> str:
+        """Copy new weights in place (cast to the engine's dtypes). `source` is an HF folder,
+        an HF-named or native state dict, or a model. Running sequences continue with the new
+        weights (SGLang does the same); returns the new weight version."""
+        if isinstance(source, MoEModel):
+            source = source.state_dict()
+        elif isinstance(source, (str, Path)):
+            source = read_hf_state_dict(source)
+        if any(k.startswith("model.") for k in source):
+            load_hf_state_dict(self.model, source)
+        else:
+            self.model.load_state_dict(source, strict=True)
+        if weight_version is None:
+            weight_version = str(int(self.weight_version) + 1) \
+                if self.weight_version.isdigit() else self.weight_version + "+1"
+        self.weight_version = str(weight_version)
+        return self.weight_version
+
+    # -- the loop ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[GenerationResult]:
+        """Admit what fits (prefill + first token), then decode one token for every running
+        sequence. Returns the samples that finished in this step."""
+        finished = self._admit()
+        if self.running:
+            finished += self._decode()
+        return finished
+
+    def _admit(self) -> list[GenerationResult]:
+        batch: list[GenerateRequest] = []
+        free, width = len(self.free_slots), 0
+        while self.waiting and self.waiting[0].sampling.n <= free:
+            req = self.waiting[0]
+            new_width = max(width, len(req.input_ids))
+            if batch and new_width * (len(batch) + 1) > self.cfg.max_prefill_tokens:
+                break
+            batch.append(self.waiting.pop(0))
+            free -= req.sampling.n
+            width = new_width
+        return self._prefill(batch) if batch else []
+
+    def _prefill(self, reqs: list[GenerateRequest]) -> list[GenerationResult]:
+        Bp, T = len(reqs), max(len(r.input_ids) for r in reqs)
+        ids_BT = torch.zeros(Bp, T, dtype=torch.long)
+        for b, r in enumerate(reqs):
+            ids_BT[b, :len(r.input_ids)] = torch.tensor(r.input_ids)
+        seqs: list[_Seq] = []
+        for r in reqs:
+            sp = r.sampling
+            for j in range(sp.n):
+                slot = self.free_slots.pop()
+                seqs.append(_Seq(r, j, slot, len(r.input_ids)))
+                seed = (sp.seed + j) if sp.seed is not None else self._seed_rng.getrandbits(63)
+                self.uniforms.assign(slot, seed)
+                self._init_slot(slot, r)
+        first = torch.tensor([next(s.slot for s in seqs if s.req is r) for r in reqs])
+        out = self.model(ids_BT, kv_cache=self.cache, cache_slots_B=first, compute_logits=False)
+        P_B = torch.tensor([len(r.input_ids) for r in reqs])
+        logits_BV = self.model.logits(out.hidden_BTD[torch.arange(Bp), P_B - 1])
+        row_of = {id(r): b for b, r in enumerate(reqs)}
+        for s in seqs:
+            b, P = row_of[id(s.req)], s.prompt_len
+            if s.slot != first[b]:
+                self.cache.copy_slot(int(first[b]), s.slot, P)
+            if self.cfg.capture_routes and s.req.return_routes:
+                self.routes_SMLK[s.slot, :P] = out.routes_BTLK[b, :P].to(self.route_dtype)
+            if s.req.return_input_logprobs:
+                s.input_logprobs = self._input_logprobs(out.hidden_BTD[b, :P], s.req)
+            self.running[s.slot] = s
+        self._active_B = None
+        # max_new_tokens = 0: nothing to sample; P-1 prompt rows of routes.
+        finished = [self._finish(s, {"type": "length", "length": 0})
+                    for s in seqs if s.req.sampling.max_new_tokens == 0]
+        seqs = [s for s in seqs if s.req.sampling.max_new_tokens > 0]
+        if not seqs:
+            return finished
+        rows = torch.tensor([row_of[id(s.req)] for s in seqs])
+        slots = torch.tensor([s.slot for s in seqs])
+        return finished + self._sample_and_record(logits_BV[rows], slots, seqs)
+
+    def _decode(self) -> list[GenerationResult]:
+        active_B = self._active()
+        gen_B = self.gen_S[active_B]
+        pos_B1 = (self.prompt_len_S[active_B] + gen_B - 1)[:, None]
+        last_B1 = self.tokens_SM[active_B, gen_B - 1][:, None]
+        out = self.model(last_B1, positions_BT=pos_B1, kv_cache=self.cache, cache_slots_B=active_B)
+        if self.cfg.capture_routes:
+            self.routes_SMLK[active_B, pos_B1[:, 0]] = out.routes_BTLK[:, 0].to(self.route_dtype)
+        return self._sample_and_record(out.logits_BTV[:, 0], active_B, None)
+
+    def _sample_and_record(self, logits_BV: torch.Tensor, slots_B: torch.Tensor,
+                           seqs: list[_Seq] | None) -> list[GenerationResult]:
+        """Sample one token per row, write it and its log-probs, finish what stopped."""
+        st = self._st if seqs is None else self._sampling_tensors(slots_B)
+        gen_B = self.gen_S[slots_B]
+        banned_BV = self._banned(slots_B, gen_B)
+        o = sample(logits_BV, st, self.uniforms.next(slots_B), banned_BV)
+        tok_B = o.token_ids_B
+        self.tokens_SM[slots_B, gen_B] = tok_B
+        self.logprobs_SM[slots_B, gen_B] = o.logprobs_B
+        self.sel_logprobs_SM[slots_B, gen_B] = o.sampling_logprobs_B
+        self._record_extras(o, slots_B)
+        gen_B = gen_B + 1
+        self.gen_S[slots_B] = gen_B
+        stop_B = (tok_B[:, None] == self.stop_SJ[slots_B]).any(-1)
+        done_B = stop_B | (gen_B >= self.max_new_S[slots_B])
+        if not bool(done_B.any()):
+            return []
+        out = []
+        for b in done_B.nonzero()[:, 0].tolist():
+            seq = self.running[int(slots_B[b])]
+            reason = {"type": "stop", "matched": int(tok_B[b])} if bool(stop_B[b]) else \
+                {"type": "length", "length": int(gen_B[b])}
+            out.append(self._finish(seq, reason))
+        return out
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _init_slot(self, slot: int, r: GenerateRequest) -> None:
+        sp = r.sampling
+        stops = list(sp.stop_token_ids)
+        eos = self.model.cfg.eos_token_id
+        if eos is not None and not sp.ignore_eos and eos not in stops:
+            stops.append(eos)
+        if len(stops) > self.stop_SJ.shape[1]:
+            pad = torch.full((self.stop_SJ.shape[0], len(stops) - self.stop_SJ.shape[1]), -1)
+            self.stop_SJ = torch.cat([self.stop_SJ, pad], dim=1)
+        self.stop_SJ[slot] = -1
+        self.stop_SJ[slot, :len(stops)] = torch.tensor(stops, dtype=torch.long)
+        self.gen_S[slot] = 0
+        self.prompt_len_S[slot] = len(r.input_ids)
+        # As SGLang does, max_new_tokens is clamped to what fits in the context.
+        self.max_new_S[slot] = min(sp.max_new_tokens, self.max_len - len(r.input_ids))
+        self.min_new_S[slot] = sp.min_new_tokens
+        self.params_S[slot] = (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+
+    def _active(self) -> torch.Tensor:
+        if self._active_B is None:
+            self._active_B = torch.tensor(sorted(self.running), dtype=torch.long)
+            self._st = self._sampling_tensors(self._active_B)
+            self._wants_extras = any(s.req.top_logprobs_num or s.req.return_sampling_mask
+                                     for s in self.running.values())
+        return self._active_B
+
+    def _sampling_tensors(self, slots_B: torch.Tensor) -> SamplingTensors:
+        cols = list(zip(*(self.params_S[s] for s in slots_B.tolist())))
+        return SamplingTensors.build(*cols, vocab_size=self.vocab_size)
+
+    def _banned(self, slots_B: torch.Tensor, gen_B: torch.Tensor) -> torch.Tensor | None:
+        """Stop ids are excluded from the support until min_new_tokens were generated."""
+        pending_B = gen_B < self.min_new_S[slots_B]
+        if not bool(pending_B.any()):
+            return None
+        stop_BJ = self.stop_SJ[slots_B]
+        banned_BV = torch.zeros(len(slots_B), self.vocab_size + 1, dtype=torch.bool)
+        banned_BV.scatter_(1, torch.where(stop_BJ < 0, self.vocab_size, stop_BJ), True)
+        return banned_BV[:, :-1] & pending_B[:, None]
+
+    def _record_extras(self, o, slots_B: torch.Tensor) -> None:
+        """Top log-probs and sampling masks, only for rows that asked (Python per row)."""
+        if slots_B is self._active_B and not self._wants_extras:
+            return
+        for b, slot in enumerate(slots_B.tolist()):
+            seq = self.running[slot]
+            if seq.req.top_logprobs_num:
+                v, i = o.logprobs_BV[b].topk(seq.req.top_logprobs_num)
+                seq.top_logprobs = (seq.top_logprobs or []) + [list(zip(v.tolist(), i.tolist()))]
+            if seq.req.return_sampling_mask:
+                kept = None if o.support_BV is None or bool(o.support_BV[b].all()) else \
+                    o.support_BV[b].nonzero()[:, 0].to(torch.int32)
+                seq.sampling_mask = (seq.sampling_mask or []) + [kept]
+
+    def _input_logprobs(self, hidden_TD: torch.Tensor, req: GenerateRequest) -> torch.Tensor:
+        sp = req.sampling
+        temp = 1.0 if sp.greedy else sp.temperature
+        logp_TV = torch.log_softmax(self.model.logits(hidden_TD).float() / temp, dim=-1)
+        ids = torch.tensor(req.input_ids)
+        lp = torch.full((len(ids),), float("nan"))
+        lp[1:] = logp_TV[:-1].gather(1, ids[1:, None])[:, 0]
+        return lp
+
+    def _finish(self, seq: _Seq, reason: dict) -> GenerationResult:
+        slot, P = seq.slot, seq.prompt_len
+        R = int(self.gen_S[slot])
+        routes = None
+        if self.cfg.capture_routes and seq.req.return_routes:
+            routes = self.routes_SMLK[slot, :P + R - 1].clone()
+            if routes.dtype == torch.int16:
+                routes = routes.view(torch.uint16)
+        res = GenerationResult(
+            rid=seq.req.rid, index=seq.index, prompt_ids=list(seq.req.input_ids),
+            output_ids=self.tokens_SM[slot, :R].tolist(),
+            output_logprobs=self.logprobs_SM[slot, :R].clone(),
+            sampling_logprobs=self.sel_logprobs_SM[slot, :R].clone(),
+            finish_reason=reason, weight_version=self.weight_version, routes_NLK=routes,
+            input_logprobs=seq.input_logprobs, top_logprobs=seq.top_logprobs,
+            sampling_mask=seq.sampling_mask)
+        del self.running[slot]
+        self.free_slots.append(slot)
+        self._active_B = None
+        return res
