@@ -6,7 +6,7 @@ choices); unknown keys are rejected with the list of valid ones, naming the dott
     cfg = load_config("configs/toy_r3.yaml", overrides=["actor.lr=1e-4", "replay.mode=off"])
 
 Sections: `model` (HF Qwen3-MoE fields), `task`, `rollout` (engine), `actor`, `replay`,
-`correction` (rollout correction, verl semantics), `loss`, `warmstart`, `loop`.
+`correction` (rollout correction, verl semantics), `advantage`, `loss`, `warmstart`, `loop`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lockstep.moe.config import ModelConfig
 from lockstep.replay import ReplayMode
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.correction import CorrectionConfig
+from lockstep.trainer.losses import LossConfig
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 
@@ -156,30 +157,11 @@ class ReplayConfig:
 
 
 @dataclass
-class LossConfig:
-    """Policy loss and advantages (GRPO by default)."""
+class AdvantageConfig:
+    """GRPO advantages: rewards centred within each prompt's group of samples."""
 
-    clip_ratio_low: float = 0.2
-    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """PPO upper clip: ratio <= 1 + clip_ratio_high."""
-    clip_ratio_c: float | None = None
-    """Dual-clip bound for negative advantages (None = off; must be > 1)."""
-    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses are averaged over the batch."""
-    norm_adv_by_std: bool = True
-    """GRPO: divide group-centred rewards by the group std (False = Dr.GRPO)."""
-    seq_ratio: bool = False
-    """GSPO: use the length-normalised sequence ratio instead of per-token ratios."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight (0 = metric only)."""
-
-    def __post_init__(self) -> None:
-        _in("loss", self, "clip_ratio_low", 0.0, 1.0)
-        _in("loss", self, "clip_ratio_high", 0.0, 10.0)
-        if self.clip_ratio_c is not None:
-            _in("loss", self, "clip_ratio_c", 1.0, None, lo_open=True)
-        _in("loss", self, "entropy_coef", 0.0, 1.0)
+    norm_by_std: bool = True
+    """Divide by the group's reward std (False = Dr. GRPO: centre only)."""
 
 
 @dataclass
@@ -256,8 +238,10 @@ class ExperimentConfig:
     """Routing replay mode."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """Rollout correction (IS/RS with verl rollout_corr semantics)."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """GRPO advantage estimation."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """Policy loss and advantages."""
+    """Policy loss (PPO clip / GSPO, aggregation, KL, entropy): lockstep.trainer.losses."""
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     """Supervised warm start before RL."""
     loop: LoopConfig = field(default_factory=LoopConfig)

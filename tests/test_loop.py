@@ -1,0 +1,96 @@
+"""The RL step with a real bf16 engine and an fp32 actor: replay contracts and mismatch metrics."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.replay import old_logprob_plan
+from lockstep.trainer.actor import collate
+from lockstep.trainer.config import load_config
+from lockstep.trainer.correction import correct
+from lockstep.trainer.loop import Trainer, run_hash
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# the toy job, smaller: 16 prompts x 4 samples, no warm start (a random policy still samples)
+SMALL = ["warmstart.enabled=false", "rollout.prompts_per_step=16", "rollout.samples_per_prompt=4",
+         "actor.mini_batch_size=64", "actor.micro_batch_size=32", "loop.steps=2",
+         "loop.tensorboard=false", "loop.plots=false"]
+
+
+def _trainer(tmp_path, mode, *extra):
+    cfg = load_config(CONFIGS / "toy_r3.yaml", SMALL + [f"replay.mode={mode}", *extra])
+    return Trainer(cfg, tmp_path / mode, progress=False, log=lambda s: None)
+
+
+def _rollout(tr, step=1):
+    problems = tr.task.problems(tr.cfg.loop.seed, 0, tr.cfg.rollout.prompts_per_step)
+    results = tr.engine.generate(tr.requests(problems, step))
+    return collate(results, tr.task.pad_id, *tr._route_shape())
+
+
+def test_r3_actor_runs_exactly_the_rollout_routes(tmp_path):
+    tr = _trainer(tmp_path, "R3")
+    assert tr.engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in tr.actor.master.parameters())
+    batch = _rollout(tr)
+    plan = old_logprob_plan("R3", batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
+    old = tr.actor.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)
+    valid = batch.rollout_routes_valid_BT
+    assert valid.sum() == (batch.seq_lens_B - 1).sum()  # every row but the last token
+    assert torch.equal(old.routes_BTLK[valid], batch.rollout_routes_BTLK[valid])
+    # ... while the fp32 router on its own would have picked other experts somewhere
+    assert not torch.equal(old.natural_BTLK[valid], batch.rollout_routes_BTLK[valid])
+    m = tr.step(1)
+    assert m["replay/mode"] == "R3" and m["replay/mismatch"] == 0.0
+    assert m["replay/replayed_fraction"] > 0.8
+
+
+def test_replay_off_shows_bf16_vs_fp32_flips_and_r3_lowers_the_mismatch(tmp_path):
+    tr = _trainer(tmp_path, "off")
+    batch = _rollout(tr)
+    mask = batch.response_mask_BT.float()
+    free = tr.actor.logprobs(batch)
+    replayed = tr.actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
+    k3 = {name: correct(tr.cfg.correction, res.logprobs_BT, batch.rollout_logprobs_BT,
+                        mask).metrics["rollout_corr/k3_kl"]
+          for name, res in (("off", free), ("R3", replayed))}
+    assert k3["off"] > 0 and k3["R3"] < k3["off"], k3
+    m = tr.step(1)
+    assert m["replay/mode"] == "off" and m["replay/replayed_fraction"] == 0.0
+    assert m["routing/flip_rate"] > 0 and m["routing/token_any_flip"] >= m["routing/flip_rate"]
+    assert any(m[f"routing/flip_rate/layer_{i}"] > 0 for i in range(3))
+    for key in ("reward/mean", "rollout_corr/kl", "rollout_corr/k3_kl",
+                "rollout_corr/rollout_is_mean", "time/step_s"):
+        assert key in m
+
+
+def test_r2_updates_replay_the_old_logprob_routes(tmp_path):
+    # two epochs of two mini-batches: the weights move between the update forwards (the
+    # entropy bonus gives a gradient even where every reward of the random policy is 0)
+    tr = _trainer(tmp_path, "R2", "actor.epochs=2", "actor.mini_batch_size=32",
+                  "actor.micro_batch_size=16", "actor.lr=1e-2", "loss.entropy_coef=0.1")
+    m = tr.step(1)
+    assert m["replay/mode"] == "R2" and m["replay/mismatch"] == 0.0
+    assert m["replay/replayed_fraction"] == 1.0
+    assert m["routing_stale/flip_rate"] > 0  # the current router would route otherwise
+
+
+def test_loop_writes_metrics_checkpoints_and_rejects_config_change_on_resume(tmp_path):
+    tr = _trainer(tmp_path, "R3", "loop.checkpoint_every=1", "loop.keep_checkpoints=1")
+    tr.run()
+    out = tmp_path / "R3"
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
+    assert (out / "checkpoints/step_2/hf/config.json").exists()
+    assert (out / "checkpoints/step_2/hf/tokenizer.json").exists()
+    cfg = load_config(out / "config.yaml", ["actor.lr=1e-3"])
+    assert run_hash(cfg) != run_hash(tr.cfg)
+    with pytest.raises(ValueError, match="another config"):
+        Trainer(cfg, out, resume=True, progress=False, log=lambda s: None)
+    more = load_config(out / "config.yaml", ["loop.steps=3"])
+    tr2 = Trainer(more, out, resume=True, progress=False, log=lambda s: None)
+    assert tr2.state.step == 2 and tr2.state.cursor == 32
+    tr2.run()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

@@ -1,0 +1,129 @@
+"""Run metrics: one JSON line per step, TensorBoard scalars, a progress bar, and end-of-run plots.
+
+`DIR/metrics.jsonl` holds one object per RL step (keys documented in docs/training.md). On
+resume from the checkpoint of step s, lines of steps > s (written by the killed run after its
+last checkpoint) are dropped first, so the file ends up exactly as an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+PLOTS = {  # file name -> (title, metric keys)
+    "reward.png": ("reward", ["reward/mean"]),
+    "flip_rate.png": ("routing flip rate (rollout vs trainer router)",
+                      ["routing/flip_rate", "routing/token_any_flip"]),
+    "k3_kl.png": ("train/infer mismatch k3 KL", ["rollout_corr/k3_kl"]),
+}
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All step records of a metrics.jsonl file (a torn last line is ignored)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # only the last line of a killed run can be torn
+    return rows
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; null reads as "not measured"
+    return v
+
+
+class MetricsWriter:
+    """Writes step metrics to JSONL (+ TensorBoard) and drives a tqdm progress bar."""
+
+    def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif start_step:
+            raise FileNotFoundError(f"resuming at step {start_step} but {self.path} is missing")
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step drops events a killed run wrote after its last checkpoint
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"),
+                                     purge_step=start_step + 1 if start_step else None)
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                         disable=not progress, dynamic_ncols=True)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        step = int(metrics["step"])
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+        self._bar.update(1)
+        self._bar.set_postfix({"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
+                               "k3_kl": f"{metrics.get('rollout_corr/k3_kl', float('nan')):.1e}",
+                               "flip": f"{metrics.get('routing/flip_rate', float('nan')):.4f}"})
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (NaN/None entries skipped)."""
+    out, buf = [], []
+    for v in values:
+        if v is not None and math.isfinite(v):
+            buf.append(v)
+        buf = buf[-window:]
+        out.append(sum(buf) / len(buf) if buf else float("nan"))
+    return out
+
+
+def write_plots(out_dir: str | Path, runs: dict[str, list[dict[str, Any]]] | None = None,
+                window: int = 10) -> list[Path]:
+    """PNG plots of reward, flip rate and k3 KL per step (raw, faint, and smoothed) into
+    `out_dir`. `runs` maps a label to step records (default: this directory's metrics.jsonl),
+    so several runs (e.g. replay off / R2 / R3) can share one figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    runs = runs or {"": read_metrics(out_dir / "metrics.jsonl")}
+    written = []
+    for name, (title, keys) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for label, rows in runs.items():
+            steps = [r["step"] for r in rows]
+            for key in keys:
+                ys = [r.get(key) for r in rows]
+                if all(y is None for y in ys):
+                    continue
+                tag = " ".join(x for x in (label, key) if x)
+                line, = ax.plot(steps, smooth(ys, window), label=f"{tag} (avg {window})")
+                ax.plot(steps, [float("nan") if y is None else y for y in ys],
+                        color=line.get_color(), alpha=0.25, linewidth=0.8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if name == "k3_kl.png":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written

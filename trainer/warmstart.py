@@ -1,0 +1,139 @@
+"""Supervised warm start on task demonstrations, cached on disk.
+
+GRPO learns nothing from groups whose samples all fail (every advantage is 0), so RL starts
+from a policy that sometimes succeeds: teacher-forced cross-entropy on the answer tokens of
+generated demonstrations until greedy exact-match accuracy on held-out prompts reaches
+`target_accuracy` (REFERENCE.md: >= 0.30 in ~30 s on the toy). The result is cached as an HF
+folder under `cache_dir/<key>/`, the key hashing model, task, warm-start settings and seed, so
+runs that differ only in RL settings (replay off / R2 / R3) start from the same weights.
+
+Shapes: B demonstrations, T prompt + answer tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.moe.checkpoint import load_hf_state_dict, read_hf_state_dict, save_hf
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.tasks import Problem, Task
+from lockstep.trainer.config import WarmstartConfig
+
+RESULT_FILE = "warmstart.json"
+DEMO_SEED_OFFSET = 1_000_003  # demonstration and evaluation streams differ from the RL stream's
+EVAL_SEED_OFFSET = 2_000_003
+
+
+@dataclass
+class WarmstartResult:
+    """What the warm start reached."""
+
+    accuracy: float
+    """Greedy exact-match accuracy on the held-out prompts."""
+    expected_reward: float
+    """Mean probability of sampling the exact answer at temperature 1 (the RL reward's mean)."""
+    steps: int
+    """Supervised steps taken (0 = warm start disabled)."""
+    seconds: float
+    """Wall time of the training (of the original run when cached)."""
+    cached: bool = False
+    """Loaded from the cache instead of trained."""
+
+
+def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    T = max(len(r) for r in rows)
+    return torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])
+
+
+@torch.no_grad()
+def greedy_accuracy(model: MoEModel, task: Task, problems: list[Problem]) -> float:
+    """Exact-match rate of greedy decoding (full forwards; prompts of a task share a length)."""
+    ids_BT = torch.tensor([task.prompt_ids(p) for p in problems])
+    done_B = torch.zeros(len(problems), dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in problems]
+    for _ in range(task.max_new_tokens):
+        nxt_B = model(ids_BT).logits_BTV[:, -1].argmax(-1)
+        for b in (~done_B).nonzero().flatten().tolist():
+            out[b].append(int(nxt_B[b]))
+        done_B |= nxt_B == task.eos_id
+        ids_BT = torch.cat([ids_BT, nxt_B[:, None]], 1)
+        if bool(done_B.all()):
+            break
+    return sum(task.reward(p, o) for p, o in zip(problems, out)) / len(problems)
+
+
+def _answer_logprobs(model: MoEModel, task: Task, problems: list[Problem]):
+    """(sum of answer-token log-probs per row [B], answer-token count [B], mean CE loss)."""
+    prompts = [task.prompt_ids(p) for p in problems]
+    answers = [task.answer_ids(p) for p in problems]
+    ids_BT = _pad([a + b for a, b in zip(prompts, answers)], task.pad_id)
+    mask_BT = torch.zeros_like(ids_BT, dtype=torch.bool)
+    for b, (p, a) in enumerate(zip(prompts, answers)):
+        mask_BT[b, len(p):len(p) + len(a)] = True
+    logits_BTV = model(ids_BT).logits_BTV[:, :-1].float()
+    tgt_BT, m_BT = ids_BT[:, 1:], mask_BT[:, 1:]
+    lp_BT = -F.cross_entropy(logits_BTV.transpose(1, 2), tgt_BT, reduction="none") * m_BT
+    return lp_BT.sum(1), m_BT.sum(1), -lp_BT.sum() / m_BT.sum()
+
+
+@torch.no_grad()
+def expected_reward(model: MoEModel, task: Task, problems: list[Problem]) -> float:
+    """Mean probability of the exact answer (+ <eos>) under temperature-1 sampling."""
+    lp_B, _, _ = _answer_logprobs(model, task, problems)
+    return float(lp_B.exp().mean())
+
+
+def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key: str,
+               log: Callable[[str], None] = print) -> WarmstartResult:
+    """Train `model` in place (or load it from the cache under `key`) and report the level."""
+    eval_set = task.problems(EVAL_SEED_OFFSET + seed, 0, cfg.eval_size)
+    cache = Path(os.path.expanduser(cfg.cache_dir)) / key
+    if (cache / RESULT_FILE).exists():
+        load_hf_state_dict(model, read_hf_state_dict(cache))
+        res = WarmstartResult(**json.loads((cache / RESULT_FILE).read_text()))
+        res.cached = True
+        log(f"warm start: loaded from cache {cache} (greedy accuracy {res.accuracy:.3f})")
+        return res
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    t0 = time.perf_counter()
+    acc, step = 0.0, 0
+    model.train()
+    for step in range(1, cfg.max_steps + 1):
+        demos = task.problems(DEMO_SEED_OFFSET + seed, (step - 1) * cfg.batch_size,
+                              cfg.batch_size)
+        _, _, loss = _answer_logprobs(model, task, demos)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            acc = greedy_accuracy(model, task, eval_set)
+            if acc >= cfg.target_accuracy:
+                break
+    seconds = time.perf_counter() - t0
+    res = WarmstartResult(acc, expected_reward(model, task, eval_set), step, seconds)
+    status = "reached" if acc >= cfg.target_accuracy else "did NOT reach"
+    log(f"warm start: {step} steps in {seconds:.1f}s, greedy accuracy {acc:.3f} ({status} "
+        f"target {cfg.target_accuracy}), expected sampled reward {res.expected_reward:.3f}")
+    _store(model, task, res, cache)
+    return res
+
+
+def _store(model: MoEModel, task: Task, res: WarmstartResult, cache: Path) -> None:
+    """Write the cache entry atomically; a concurrent run that got there first wins."""
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    save_hf(model, tmp, tokenizer=task.tokenizer)
+    (tmp / RESULT_FILE).write_text(json.dumps(asdict(res), indent=2) + "\n")
+    try:
+        tmp.rename(cache)
+    except OSError:  # already cached by another process
+        shutil.rmtree(tmp, ignore_errors=True)
