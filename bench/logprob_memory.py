@@ -6,6 +6,9 @@ naive path: fp32 logits [N, V] -> log_softmax -> gather (+ entropy), autograd ke
 intermediates. "chunked" is `lockstep.kernels.logprob.chunked_logprobs`. Prints medians over
 repeats and the chunked/full ratio (target <= 0.25).
 
+The default size needs ~10 GiB free for the full variant (measured on the 2-core dev host:
+full 10122 MiB, chunked 282 MiB, ratio 0.028; fwd+bwd 161 s vs 104 s). Shrink it on a shared box.
+
     OMP_NUM_THREADS=1 python bench/logprob_memory.py                  # N=4096, V=131072, D=256
     python bench/logprob_memory.py --tokens 1024 --vocab 32768 --repeats 3
 """
