@@ -23,7 +23,7 @@ def restore_bridge():
         cpu_bridge.install()
 
 
-def test_install_refuses_when_cuda_is_available(monkeypatch, restore_bridge):
+def test_install_refuses_when_cuda_is_available(restore_bridge, monkeypatch):
     cpu_bridge.uninstall()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(cpu_bridge.CudaPresentError, match="CUDA is available"):

@@ -251,17 +251,20 @@ def load_hf_into_megatron(model, hf: Mapping[str, Tensor], cfg: ModelConfig) -> 
             t.copy_(sd[k])
 
 
-def megatron_to_hf_state_dict(model, cfg: ModelConfig) -> dict[str, Tensor]:
+def megatron_to_hf_state_dict(model, cfg: ModelConfig,
+                              tensors: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Full HF state dict from a (possibly sharded) GPTModel; a collective over the world.
 
-    Gathers every rank's shard with all_gather_object (CPU copies): meant for checkpoint
-    export of small models and for tests, not for streaming weights of a large model.
+    `tensors` replaces the weights with same-named, same-shaped tensors of this rank (e.g.
+    gradients). Gathers every rank's shard with all_gather_object (CPU copies): meant for
+    checkpoint export of small models and for tests, not for streaming a large model.
     """
     import torch.distributed as dist
 
     lay = Layout.of_model(model)
-    local = {k: v.detach().cpu() for k, v in model.state_dict().items()
-             if not k.endswith("_extra_state")}
+    if tensors is None:
+        tensors = model.state_dict()
+    local = {k: v.detach().cpu() for k, v in tensors.items() if not k.endswith("_extra_state")}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (_ranks(), local))
     shards = {}

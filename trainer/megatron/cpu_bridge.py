@@ -18,6 +18,7 @@ warns that the CPU state changed inside the fork).
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any, Callable
 
 import torch
@@ -81,6 +82,24 @@ def install() -> None:
     #    megatron-core does for params tagged `sequence_parallel = True`.
     _patch(torch_norm.WrappedTorchNorm, "__new__", _norm_allowing_sequence_parallel)
 
+    # 6. Training-path modules build small bookkeeping tensors with `device="cuda"` literals
+    #    (token counters in the schedules, found-inf / overflow buffers in the optimizer and
+    #    grad clipping and the local multi-tensor L2 norm, a warm-up tensor in the grad
+    #    buffers). Those modules see a `torch` whose tensor factories build such tensors on the
+    #    CPU; everything else is torch itself.
+    from megatron.core import utils as mc_utils
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mc_optimizer
+    from megatron.core.pipeline_parallel import schedules
+    for mod in (schedules, mc_optimizer, clip_grads, param_and_grad_buffer, mc_utils):
+        _patch(mod, "torch", _TORCH_CPU_FOR_CUDA)
+
+    # 7. Grad clipping asserts every grad is a 'torch.cuda.FloatTensor'. On CPU the same fp32
+    #    grads are 'torch.FloatTensor'; scaling them by the clip coefficient is all it does.
+    _patch(clip_grads, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
+    _patch(mc_optimizer, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
+
 
 def uninstall() -> None:
     """Restore every patched attribute (for tests; a normal run never needs it)."""
@@ -136,6 +155,42 @@ def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: Any = None) -
         self.output_splits = _to_host_numbers(self.output_splits)
         self.output_splits_tp = _to_host_numbers(self.output_splits_tp)
     return tokens_per_expert
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+
+def _cpu_for_cuda(fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any):
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _TorchCpuForCuda(types.ModuleType):
+    """`torch`, except that the tensor factories above map device "cuda" to the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_TORCH_CPU_FOR_CUDA = _TorchCpuForCuda("torch")
+for _name in _FACTORIES:
+    setattr(_TORCH_CPU_FOR_CUDA, _name, _cpu_for_cuda(getattr(torch, _name)))
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
+                                      use_decoupled_grad: bool = False) -> None:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.detach().mul_(clip_coeff)
 
 
 def _norm_allowing_sequence_parallel(cls, config, hidden_size: int, eps: float = 1e-5,

@@ -295,3 +295,35 @@ def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
     nll_TB = tensor_parallel.vocab_parallel_cross_entropy(
         logits_TBV, targets_BT.transpose(0, 1).contiguous())
     return -nll_TB.transpose(0, 1)
+
+
+def token_logprobs_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) [B, T] fp32 of softmax(logits / temperature), differentiable,
+    from logits sharded over the vocabulary by TP (rank r holds ids r*V/TP ..).
+
+    The sums over the vocabulary are all-reduced over the TP group with megatron-core's
+    autograd-aware reduction (forward all-reduce, backward identity).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    x = logits_BTV.float() / temperature
+    tp = ps.get_tensor_model_parallel_world_size()
+    m = x.detach().amax(dim=-1)
+    if tp > 1:
+        import torch.distributed as dist
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    x = x - m[..., None]  # the max cancels in both results; it only keeps exp() finite
+    e = x.exp()
+    v_local = x.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local if tp > 1 else 0
+    local_t = targets_BT - start
+    here = (local_t >= 0) & (local_t < v_local)
+    x_t = x.gather(-1, local_t.clamp(0, v_local - 1)[..., None])[..., 0] * here
+    sums = torch.stack([e.sum(-1), (e * x).sum(-1), x_t], dim=-1)
+    if tp > 1:
+        sums = reduce_from_tensor_model_parallel_region(sums)
+    z, ex, xt = sums.unbind(-1)
+    log_z = z.log()
+    return xt - log_z, log_z - ex / z

@@ -144,6 +144,7 @@ class RouteReplay:
         self.routers = [m.router_replay for m in self.router_modules]
         self.tp = model.config.tensor_model_parallel_size
         self._mode: Mode | None = None
+        self._natural: list[Tensor | None] = [None] * len(self.routers)
 
     @property
     def num_layers(self) -> int:
@@ -156,8 +157,13 @@ class RouteReplay:
         return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
     @contextlib.contextmanager
-    def session(self, mode: Mode) -> Iterator["RouteReplay"]:
-        """Routers in `mode` for the body; action and all route tensors cleared on exit."""
+    def session(self, mode: Mode, observe_natural: bool = False) -> Iterator["RouteReplay"]:
+        """Routers in `mode` for the body; action and all route tensors cleared on exit.
+
+        `observe_natural` (REPLAY): also note each router's own top-k for `natural()`, by
+        re-running its gating on the same input after it ran (one small extra GEMM per
+        layer; RECORD needs no such thing: what it records is the natural top-k).
+        """
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if self._mode is not None:
@@ -171,6 +177,9 @@ class RouteReplay:
                 r.set_router_replay_action(action)
                 if mode is Mode.REPLAY:
                     hooks.append(m.register_forward_pre_hook(_check_token_count(layer, r)))
+                    if observe_natural:
+                        hooks.append(m.register_forward_hook(self._observer(layer)))
+            self._natural = [None] * self.num_layers
             self._mode = mode
             yield self
         finally:
@@ -183,11 +192,33 @@ class RouteReplay:
         for r in self.routers:
             r.clear_router_replay_action()
             r.clear_indices()
+        self._natural = [None] * self.num_layers
         self._mode = None
 
+    def _observer(self, layer: int):
+        def hook(module, args, output):
+            with torch.no_grad():
+                logits = module.gating(args[0]).view(-1, module.config.num_moe_experts)
+                if module.config.moe_router_pre_softmax:  # what megatron-core's top-k sees
+                    logits = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+                self._natural[layer] = logits.topk(module.topk, dim=-1).indices
+        return hook
+
+    def natural(self, B: int, T: int) -> Tensor:
+        """The routers' own top-k in the last forward, int64 [B, T, L, K]."""
+        if self._mode is Mode.RECORD:
+            return self.recorded(B, T)
+        missing = [l for l, x in enumerate(self._natural) if x is None]
+        if self._mode is None or missing:
+            raise RuntimeError("natural() needs a RECORD session, or a REPLAY session opened "
+                               "with observe_natural=True after a forward")
+        _, group = self._tp_rank_and_group()
+        return from_router_order(self._natural, B, T, self.tp, group)
+
     def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None, *,
-                   fill_BTLK: Tensor | None = None, seq_lens_B: Tensor | None = None) -> None:
-        """Routes for the next forward (one micro-batch) in a REPLAY session.
+                   fill_BTLK: Tensor | None = None, seq_lens_B: Tensor | None = None) -> Tensor:
+        """Routes for the next forward (one micro-batch) in a REPLAY session; returns the
+        int64 [B, T, L, K] routes it will run (given ids, fills elsewhere).
 
         Also queues them for REPLAY_BACKWARD, so a recomputed forward in the backward pass
         replays the same experts; call `backward_replays(output)` on the forward's output.
@@ -208,6 +239,28 @@ class RouteReplay:
             r.set_target_indices(x)
             # a previous micro-batch's backward may have left REPLAY_BACKWARD on
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return full
+
+    def natural_routes_of(self, forward, B: int, T: int) -> Tensor:
+        """Inside a REPLAY session: run `forward()` (no grad) with natural routing and return
+        the routes it picked, int64 [B, T, L, K]; the session is left as it was (routes for
+        the next forward still to be set). Used to fill gaps (module doc)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self._mode is not Mode.REPLAY:
+            raise RuntimeError("natural_routes_of needs an open Mode.REPLAY session")
+        for r in self.routers:
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+        try:
+            with torch.no_grad():
+                forward()
+            data = [r.get_recorded_indices() for r in self.routers]
+            _, group = self._tp_rank_and_group()
+            return from_router_order(data, B, T, self.tp, group)
+        finally:
+            for r in self.routers:
+                r.recorded_topk_idx = None
+                r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def backward_replays(self, output: Tensor) -> Tensor:
         """Identity on `output` that switches the routers to REPLAY_BACKWARD when the backward

@@ -1,0 +1,310 @@
+"""The megatron-core actor: same interface as `lockstep.trainer.actor.TorchActor`.
+
+It trains a megatron-core GPTModel (DDP grad buffers, megatron-core's optimizer and
+forward-backward schedule) and replays routes through megatron-core's `RouterReplay`, via the
+one adapter `RouteReplay`. `actor.master` stays our torch `MoEModel`: after every optimiser
+step the megatron weights are copied back into it (HF names, exact), so weight pushes to the
+rollout engine and HF checkpoints work unchanged.
+
+Data parallelism: each DP rank takes its share of every mini-batch's rows (and of the
+log-prob batch); results are summed over the DP group so every rank returns the full batch.
+The loss function sees the full batch's row ids, so it normalises over the whole mini-batch;
+megatron-core divides each micro-batch loss by the number of micro-batches and DDP averages
+over DP ranks, which `update` undoes (`loss * micro-batches * dp`).
+
+Differences from the torch actor (documented in docs/megatron.md): weight decay skips norms
+and biases (megatron-core's rule); the load-balancing loss is megatron-core's `aux_loss`;
+positions without a route inside a sequence take natural routes from a RECORD pass (see
+replay.py); `lm_head_dtype` is not supported.
+
+Shapes: B batch rows, T padded time, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import torch
+import torch.distributed as dist
+
+from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
+from lockstep.moe.model import MoEModel
+from lockstep.replay import compact_dtype
+from lockstep.trainer.actor import Batch, LogprobResult, LossFn, lr_lambda
+from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.megatron import convert
+from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model, forward_logits,
+                                             initialize_parallel, token_logprobs_entropy,
+                                             transformer_config)
+from lockstep.trainer.megatron.replay import Mode, RouteReplay
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def init_single_process_group() -> None:
+    """A world of one gloo process on a free loopback port (the one-machine default)."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def options_for(cfg: ActorConfig, options: MegatronOptions | None) -> MegatronOptions:
+    """MegatronOptions with the precision / aux-loss knobs taken from the ActorConfig."""
+    opts = options or MegatronOptions()
+    if cfg.lm_head_dtype not in (None, cfg.dtype):
+        raise ValueError(f"actor.lm_head_dtype={cfg.lm_head_dtype} is not supported by the "
+                         "megatron backend (megatron-core has no separate LM-head dtype)")
+    if cfg.dtype != "fp32" and not torch.cuda.is_available():
+        raise ValueError(f"actor.dtype={cfg.dtype}: the megatron backend on CPU trains in fp32 "
+                         "only (megatron-core's mixed-precision optimizer needs CUDA)")
+    router = None if cfg.router_dtype in (None, cfg.dtype) else cfg.router_dtype
+    if router not in (None, "fp32"):
+        raise ValueError(f"actor.router_dtype={cfg.router_dtype}: megatron-core's router dtype "
+                         "can only be raised to fp32")
+    return dataclasses.replace(opts, params_dtype=_DTYPES[cfg.dtype], router_dtype=router,
+                               aux_loss_coef=cfg.aux_loss_coef)
+
+
+class MegatronActor:
+    """Policy log-probs and updates on megatron-core; `master` mirrors the weights."""
+
+    def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
+                 temperature: float = 1.0, options: MegatronOptions | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg, self.temperature, self.master = cfg, temperature, model
+        self.opts = options_for(cfg, options)
+        mcfg = model.cfg
+        init_single_process_group()
+        initialize_parallel(self.opts)
+        tc = transformer_config(mcfg, self.opts)
+        tc.finalize_model_grads_func = finalize_model_grads
+        self.gpt = build_gpt_model(mcfg, self.opts, tc=tc)
+        convert.load_hf_into_megatron(self.gpt, {k: v.detach() for k, v in
+                                                 hf_state_dict(model).items()}, mcfg)
+        self.ddp = DistributedDataParallel(
+            config=tc, module=self.gpt,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                     overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=False))
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+            clip_grad=cfg.grad_clip, params_dtype=self.opts.torch_dtype,
+            bf16=self.opts.params_dtype == "bfloat16", fp16=self.opts.params_dtype == "float16",
+        ), [self.ddp])
+        self.lr_at = lr_lambda(cfg, total_updates)
+        self.num_steps = 0
+        self.replay = RouteReplay(self.gpt, mcfg.num_experts)
+        self.route_dtype = compact_dtype(mcfg.num_experts)
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self._set_lr()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _set_lr(self) -> float:
+        lr = self.cfg.lr * self.lr_at(self.num_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def _my_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.tensor_split(self.dp)[self.dp_rank]
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp > 1:
+            dist.all_reduce(x, group=self.dp_group)
+        return x
+
+    def _forward(self, mb: Batch, routes_BTLK, mask_BT):
+        """One forward of micro-batch `mb` inside an open session -> (lp, ent, used, natural).
+
+        lp/ent are [b, T] with 0 at position 0 (nothing predicts it), like the torch actor.
+        """
+        b, T = mb.input_ids_BT.shape
+        used = None
+        if routes_BTLK is not None:
+            used = self.replay.set_routes(routes_BTLK, mask_BT, seq_lens_B=mb.seq_lens_B,
+                                          fill_BTLK=self._fill(mb, routes_BTLK, mask_BT))
+        logits = self.replay.backward_replays(forward_logits(self.ddp, mb.input_ids_BT))
+        lp, ent = token_logprobs_entropy(logits[:, :-1], mb.input_ids_BT[:, 1:],
+                                         self.temperature)
+        zero = lp.new_zeros(b, 1)
+        natural = self.replay.natural(b, T)
+        return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), \
+            natural if used is None else used, natural
+
+    def _fill(self, mb: Batch, routes_BTLK, mask_BT):
+        """Natural routes for positions without a route that later tokens depend on (replay.py
+        explains why megatron-core needs them); None when there are no such positions."""
+        if mask_BT is None:
+            return None
+        T = mb.input_ids_BT.shape[1]
+        needed_BT = torch.arange(T)[None] < (mb.seq_lens_B[:, None] - 1)
+        if not (needed_BT & ~mask_BT).any():
+            return None
+        return self.replay.natural_routes_of(
+            lambda: forward_logits(self.ddp, mb.input_ids_BT), *mb.input_ids_BT.shape)
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.micro_batch_size))
+
+    # -- log-probs -----------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None = None,
+                 replay_mask_BT: torch.Tensor | None = None, record: bool = False,
+                 ) -> LogprobResult:
+        """As `TorchActor.logprobs`: replay `routes_BTLK` where `replay_mask_BT` (R3), or route
+        naturally; `record` returns the routes the forward ran (R2 replays them)."""
+        if routes_BTLK is None and replay_mask_BT is not None:
+            raise ValueError("replay_mask_BT given without routes_BTLK")
+        B, T = batch.input_ids_BT.shape
+        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        lp_BT, ent_BT = torch.zeros(B, T), torch.zeros(B, T)
+        nat = torch.zeros(B, T, L, K, dtype=torch.int64)
+        used = torch.zeros(B, T, L, K, dtype=torch.int64)
+        self.ddp.eval()
+        mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
+        for idx in self._micro_batches(self._my_rows(torch.arange(B))):
+            r = None if routes_BTLK is None else routes_BTLK[idx]
+            m = None if replay_mask_BT is None else replay_mask_BT[idx]
+            with self.replay.session(mode, observe_natural=True):
+                lp, ent, u, n = self._forward(batch.rows(idx), r, m)
+            lp_BT[idx], ent_BT[idx], used[idx], nat[idx] = lp, ent, u, n
+        for x in (lp_BT, ent_BT, used, nat):
+            self._dp_sum(x)
+        return LogprobResult(lp_BT, ent_BT, nat.to(self.route_dtype),
+                             used.to(self.route_dtype) if record else None)
+
+    # -- update --------------------------------------------------------------------------
+    def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
+               replay_mask_BT: torch.Tensor | None = None, shuffle_seed: int | None = None,
+               ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """As `TorchActor.update`: `epochs` passes in mini-batches (one optimiser step each)
+        of micro-batches, rows shuffled per epoch with `shuffle_seed` exactly as the torch actor
+        does. Returns (metrics averaged over steps, routes run, natural top-k) [B, T, L, K]."""
+        cfg = self.cfg
+        B, T = batch.input_ids_BT.shape
+        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        if B % cfg.mini_batch_size:
+            raise ValueError(f"batch of {B} rows is not a multiple of actor.mini_batch_size="
+                             f"{cfg.mini_batch_size}")
+        if cfg.mini_batch_size % self.dp:
+            raise ValueError(f"actor.mini_batch_size={cfg.mini_batch_size} is not divisible by "
+                             f"the data-parallel size {self.dp}")
+        if routes_BTLK is None and replay_mask_BT is not None:
+            raise ValueError("replay_mask_BT given without routes_BTLK")
+        used = torch.zeros(B, T, L, K, dtype=torch.int64)
+        nat = torch.zeros(B, T, L, K, dtype=torch.int64)
+        gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+        sums: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(cfg.epochs):
+            order = torch.arange(B) if gen is None else torch.randperm(B, generator=gen)
+            for mini in order.split(cfg.mini_batch_size):
+                step_metrics = self._forward_backward(batch, loss_fn, mini, routes_BTLK,
+                                                      replay_mask_BT, used, nat)
+                step_metrics.update(self._optimizer_step())
+                for k, v in step_metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n_steps += 1
+        self._dp_sum(used)
+        self._dp_sum(nat)
+        return ({k: v / n_steps for k, v in sums.items()}, used.to(self.route_dtype),
+                nat.to(self.route_dtype))
+
+    def _forward_backward(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor,
+                          routes_BTLK, replay_mask_BT, used, nat) -> dict[str, float]:
+        """Gradients of one mini-batch (this DP rank's rows, in micro-batches) through
+        megatron-core's schedule; grads end up DP-reduced in the DDP buffers."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro = self._micro_batches(self._my_rows(mini))
+        step_metrics: dict[str, float] = {}
+
+        def forward_step(data_iterator, model):
+            idx = next(data_iterator)
+            r = None if routes_BTLK is None else routes_BTLK[idx]
+            m = None if replay_mask_BT is None else replay_mask_BT[idx]
+            lp, ent, u, n = self._forward(batch.rows(idx), r, m)
+            used[idx], nat[idx] = u, n
+
+            def loss_func(_output):
+                loss, metrics = loss_fn(lp, ent, idx, mini)
+                for k, v in metrics.items():  # micro-batch means: weight them by rows
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
+                # megatron-core divides by the micro-batch count and DDP averages over DP
+                # ranks; our loss already is this micro-batch's share of the mini-batch loss
+                return loss * (len(micro) * self.dp), {}
+            return lp, loss_func
+
+        self.ddp.train()
+        mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
+        with self.replay.session(mode, observe_natural=True):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
+                num_microbatches=len(micro), seq_length=batch.input_ids_BT.shape[1],
+                micro_batch_size=self.cfg.micro_batch_size, forward_only=False)
+        return self._dp_mean_metrics(step_metrics)
+
+    def gradients(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
+                  replay_mask_BT: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Gradients of the loss over the whole batch as one mini-batch, under HF names (no
+        optimiser step; buffers are zeroed after). For parity checks against the torch model."""
+        B, T = batch.input_ids_BT.shape
+        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        scratch = torch.zeros(B, T, L, K, dtype=torch.int64)
+        self._forward_backward(batch, loss_fn, torch.arange(B), routes_BTLK, replay_mask_BT,
+                               scratch, scratch.clone())
+        grads = {n: p.main_grad for n, p in self.gpt.named_parameters()}
+        out = convert.megatron_to_hf_state_dict(self.gpt, self.master.cfg, grads)
+        self.optimizer.zero_grad()
+        self.ddp.zero_grad_buffer()
+        return out
+
+    def _dp_mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        # each rank weighted its rows by len(mini): the sum over DP ranks is the mini-batch mean
+        if self.dp == 1 or not metrics:
+            return metrics
+        names = sorted(metrics)
+        x = self._dp_sum(torch.tensor([metrics[k] for k in names], dtype=torch.float64))
+        return dict(zip(names, x.tolist()))
+
+    def _optimizer_step(self) -> dict[str, float]:
+        lr = self._set_lr()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.ddp.zero_grad_buffer()
+        self.num_steps += 1
+        self._set_lr()
+        self.sync_master()
+        return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
+                "actor/skipped_step": float(not ok)}
+
+    @torch.no_grad()
+    def sync_master(self) -> None:
+        """Copy the megatron weights into `master` (collective over the world)."""
+        load_hf_state_dict(self.master, convert.megatron_to_hf_state_dict(self.gpt,
+                                                                          self.master.cfg))
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Optimiser state and step count (the weights are saved as an HF folder)."""
+        return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore optimiser state; the weights are re-read from `master` (the HF folder)."""
+        convert.load_hf_into_megatron(self.gpt, {k: v.detach() for k, v in
+                                                 hf_state_dict(self.master).items()},
+                                      self.master.cfg)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_steps = state["num_steps"]
+        self._set_lr()
