@@ -87,8 +87,10 @@ class _Seq:
     slot: int
     prompt_len: int
     input_logprobs: torch.Tensor | None = None
+    input_top_logprobs: list | None = None
     top_logprobs: list | None = None
     sampling_mask: list | None = None
+    support_logprobs: list | None = None
 
 
 class Engine:
@@ -262,7 +264,8 @@ class Engine:
             if self.cfg.capture_routes and s.req.return_routes:
                 self.routes_SMLK[s.slot, :P] = out.routes_BTLK[b, :P].to(self.route_dtype)
             if s.req.return_input_logprobs:
-                s.input_logprobs = self._input_logprobs(out.hidden_BTD[b, :P], s.req)
+                s.input_logprobs, s.input_top_logprobs = \
+                    self._input_logprobs(out.hidden_BTD[b, :P], s.req)
             self.running[s.slot] = s
         self._active_B = None
         # max_new_tokens = 0: nothing to sample; P-1 prompt rows of routes.
@@ -335,6 +338,7 @@ class Engine:
             self._active_B = torch.tensor(sorted(self.running), dtype=torch.long)
             self._st = self._sampling_tensors(self._active_B)
             self._wants_extras = any(s.req.top_logprobs_num or s.req.return_sampling_mask
+                                     or s.req.return_support_logprobs
                                      for s in self.running.values())
         return self._active_B
 
@@ -361,19 +365,30 @@ class Engine:
             if seq.req.top_logprobs_num:
                 v, i = o.logprobs_BV[b].topk(seq.req.top_logprobs_num)
                 seq.top_logprobs = (seq.top_logprobs or []) + [list(zip(v.tolist(), i.tolist()))]
-            if seq.req.return_sampling_mask:
+            if seq.req.return_sampling_mask or seq.req.return_support_logprobs:
                 kept = None if o.support_BV is None or bool(o.support_BV[b].all()) else \
-                    o.support_BV[b].nonzero()[:, 0].to(torch.int32)
-                seq.sampling_mask = (seq.sampling_mask or []) + [kept]
+                    o.support_BV[b].nonzero()[:, 0]
+                if seq.req.return_sampling_mask:
+                    seq.sampling_mask = (seq.sampling_mask or []) + [
+                        None if kept is None else kept.to(torch.int32)]
+                if seq.req.return_support_logprobs:
+                    lp = o.logprobs_BV[b] if kept is None else o.logprobs_BV[b, kept]
+                    seq.support_logprobs = (seq.support_logprobs or []) + [
+                        lp - torch.logsumexp(lp, 0)]
 
-    def _input_logprobs(self, hidden_TD: torch.Tensor, req: GenerateRequest) -> torch.Tensor:
+    def _input_logprobs(self, hidden_TD: torch.Tensor, req: GenerateRequest):
+        """Prompt log-probs (same distribution as the outputs), entry 0 NaN; top-N if asked."""
         sp = req.sampling
         temp = 1.0 if sp.greedy else sp.temperature
         logp_TV = torch.log_softmax(self.model.logits(hidden_TD).float() / temp, dim=-1)
         ids = torch.tensor(req.input_ids)
         lp = torch.full((len(ids),), float("nan"))
         lp[1:] = logp_TV[:-1].gather(1, ids[1:, None])[:, 0]
-        return lp
+        top = None
+        if req.top_logprobs_num:
+            v, i = logp_TV[:-1].topk(req.top_logprobs_num, dim=-1)
+            top = [None] + [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
+        return lp, top
 
     def _finish(self, seq: _Seq, reason: dict) -> GenerationResult:
         slot, P = seq.slot, seq.prompt_len
@@ -390,7 +405,8 @@ class Engine:
             sampling_logprobs=self.sel_logprobs_SM[slot, :R].clone(),
             finish_reason=reason, weight_version=self.weight_version, routes_NLK=routes,
             input_logprobs=seq.input_logprobs, top_logprobs=seq.top_logprobs,
-            sampling_mask=seq.sampling_mask)
+            input_top_logprobs=seq.input_top_logprobs, sampling_mask=seq.sampling_mask,
+            support_logprobs=seq.support_logprobs)
         del self.running[slot]
         self.free_slots.append(slot)
         self._active_B = None

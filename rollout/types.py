@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..replay.trace import RoutingTrace
+
 
 class RequestError(ValueError):
     """A generation request that cannot be served; the message names the offending value."""
@@ -176,6 +178,8 @@ class GenerateRequest:
     """Also return the top-N (log-prob, id) pairs at every generated position."""
     return_sampling_mask: bool = False
     """Record the kept candidate ids at every generated position (sampling-mask replay)."""
+    return_support_logprobs: bool = False
+    """With the mask: also the renormalised log-probs over each position's support."""
 
 
 @dataclass
@@ -194,7 +198,7 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: torch.Tensor        # [R] fp32
-    sampling_logprobs: torch.Tensor      # [R] fp32
+    sampling_logprobs: torch.Tensor | None  # [R] fp32; None when a server did not report it
     finish_reason: dict[str, Any]        # {"type": "length", "length": R} | {"type": "stop", "matched": id}
     weight_version: str
     routes_NLK: torch.Tensor | None = None
@@ -202,8 +206,23 @@ class GenerationResult:
     input_logprobs: torch.Tensor | None = None
     """[P] fp32, entry 0 is NaN (the first prompt token has no prediction)."""
     top_logprobs: list[list[tuple[float, int]]] | None = None
-    sampling_mask: list[torch.Tensor] | None = None
+    """Per generated token, the top-N (log-prob, id) of the full distribution."""
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    """Per prompt token (entry 0 None), the top-N (log-prob, id) predicted for it."""
+    sampling_mask: list[torch.Tensor | None] | None = None
     """Per generated token, the kept candidate ids (int32, ascending); None where untruncated."""
+    support_logprobs: list[torch.Tensor] | None = None
+    """Per generated token, log-probs renormalised over its support (aligned with
+    `sampling_mask`; over the whole vocabulary where the mask entry is None)."""
+
+    def trace(self, num_experts: int, sample: int | None = None) -> RoutingTrace | None:
+        """Routes as a validated `RoutingTrace` (checked against P+R-1 rows)."""
+        if self.routes_NLK is None:
+            return None
+        t = RoutingTrace(self.routes_NLK, num_experts, sample=sample)
+        t.check(self.prompt_tokens, self.completion_tokens, t.num_layers, t.top_k, num_experts,
+                sample=sample)
+        return t
 
     @property
     def prompt_tokens(self) -> int:
