@@ -1,0 +1,239 @@
+"""One rollout interface over two backends: the in-process engine and any SGLang-compatible
+HTTP server (real SGLang launched with --enable-return-routed-experts, or `lockstep serve`).
+
+Both return `GenerationResult`s (prompt-major, `n` samples per request in order), with routes
+as compact [P+R-1, L_moe, K] tensors checked against the sample's length, full-vocabulary
+log-probs after temperature, the finish reason and the weight version that produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from ..moe.checkpoint import save_hf
+from ..moe.config import ModelConfig
+from ..moe.model import MoEModel
+from ..replay.codec import (COMPACT_MAGIC, ENCODING_COMPACT, ENCODING_INT32,
+                            ENCODING_REQUEST_FIELD, decode_routes)
+from .engine import Engine
+from .types import GenerateRequest, GenerationResult
+
+
+class RolloutError(RuntimeError):
+    """A server refused a request or answered something that breaks the contract."""
+
+
+class RolloutBackend(ABC):
+    """What the trainer needs from a rollout engine."""
+
+    weight_version: str
+
+    @abstractmethod
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        """Run requests; results prompt-major, sample index minor."""
+
+    @abstractmethod
+    async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
+        """Load new weights; returns the weight version results will report."""
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        return asyncio.run(self.agenerate(requests))
+
+    def update_weights(self, source: Any, weight_version: str | None = None) -> str:
+        return asyncio.run(self.aupdate_weights(source, weight_version))
+
+
+class LocalBackend(RolloutBackend):
+    """The embedded engine in this process (the default on one machine)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        return self.engine.generate(requests)
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        return self.engine.generate(requests)
+
+    def update_weights(self, source: Any, weight_version: str | None = None) -> str:
+        """`source`: a model, a state dict (HF or native names) or an HF folder."""
+        return self.engine.update_weights(source, weight_version)
+
+    async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
+        return self.update_weights(source, weight_version)
+
+
+class HTTPBackend(RolloutBackend):
+    """Async client for an SGLang-compatible `/generate` server.
+
+    Each request goes out as its own HTTP call (at most `max_concurrency` in flight) so the
+    server batches them continuously. Connection errors are retried with exponential backoff
+    (`retries` times); timeouts and HTTP errors are not (the server may still be working, or
+    the request is wrong). With `compact_routes` the client asks for lockstep's compact route
+    encoding; a real SGLang server ignores the field and sends int32, which is decoded as well.
+    """
+
+    def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
+                 max_concurrency: int = 64, timeout_s: float = 600.0, retries: int = 3,
+                 backoff_s: float = 0.5, compact_routes: bool = True,
+                 weights_dir: str | Path | None = None):
+        self.url = url.rstrip("/")
+        self.cfg = model_cfg
+        self.api_key = api_key
+        self.max_concurrency = max_concurrency
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.compact_routes = compact_routes
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.weight_version = "unknown"
+        self.encodings_seen: dict[str, int] = {ENCODING_INT32: 0, ENCODING_COMPACT: 0}
+        self.route_bytes_received = 0
+
+    # -- transport ----------------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, body: dict) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                async with session.post(self.url + path, json=body, headers=self._headers()) as r:
+                    text = await r.text()
+                    if r.status != 200:
+                        raise RolloutError(f"POST {path} -> HTTP {r.status}: {text[:500]}")
+                    return await r.json(content_type=None) if text else None
+            except asyncio.TimeoutError:
+                raise RolloutError(f"POST {self.url}{path}: no answer within "
+                                   f"{self.timeout.total}s (not retried)") from None
+            except aiohttp.ClientConnectionError as e:
+                if attempt == self.retries:
+                    raise RolloutError(f"POST {self.url}{path}: connection failed after "
+                                       f"{self.retries + 1} attempts: {e!r}") from e
+                await asyncio.sleep(self.backoff_s * 2 ** attempt * (0.5 + random.random()))
+
+    async def get(self, path: str) -> Any:
+        async with aiohttp.ClientSession(timeout=self.timeout) as s:
+            async with s.get(self.url + path, headers=self._headers()) as r:
+                if r.status != 200:
+                    raise RolloutError(f"GET {path} -> HTTP {r.status}: {(await r.text())[:500]}")
+                text = await r.text()
+                return await r.json(content_type=None) if text else None
+
+    # -- generate -----------------------------------------------------------------------------
+    def request_body(self, req: GenerateRequest) -> dict:
+        body: dict[str, Any] = {
+            "input_ids": req.input_ids, "sampling_params": req.sampling.to_sglang(),
+            "rid": req.rid or uuid.uuid4().hex,
+            "return_logprob": True, "logprob_start_len": 0 if req.return_input_logprobs else -1,
+            "top_logprobs_num": req.top_logprobs_num,
+            "return_routed_experts": req.return_routes, "routed_experts_start_len": 0,
+        }
+        if req.return_sampling_mask:
+            body["return_sampling_mask"] = True
+            body["sampling_logprobs_mode"] = "support" if req.return_support_logprobs else "selected"
+        if self.compact_routes and req.return_routes:
+            body[ENCODING_REQUEST_FIELD] = ENCODING_COMPACT
+        return body
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        sem = asyncio.Semaphore(self.max_concurrency)
+        conn = aiohttp.TCPConnector(limit=self.max_concurrency)
+        async with aiohttp.ClientSession(timeout=self.timeout, connector=conn) as session:
+            async def one(i: int, req: GenerateRequest) -> list[GenerationResult]:
+                async with sem:
+                    resp = await self._post(session, "/generate", self.request_body(req))
+                items = resp if isinstance(resp, list) else [resp]
+                if len(items) != req.sampling.n:
+                    raise RolloutError(f"request {i}: asked n={req.sampling.n}, server answered "
+                                       f"{len(items)} results")
+                return [self.parse(item, req, i, j) for j, item in enumerate(items)]
+            per_req = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        return [res for group in per_req for res in group]
+
+    def parse(self, item: dict, req: GenerateRequest, i: int, j: int) -> GenerationResult:
+        """One SGLang response object -> GenerationResult (contract checked, sample named)."""
+        who = f"request {i} sample {j}"
+        try:
+            meta = item["meta_info"]
+            out_ids = [int(t) for t in item["output_ids"]]
+            P, R = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
+            lp_entries = meta["output_token_logprobs"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutError(f"{who}: response lacks {e} (is the server running with "
+                               f"--skip-tokenizer-init?)") from None
+        if P != len(req.input_ids) or R != len(out_ids) or len(lp_entries) != R:
+            raise RolloutError(f"{who}: prompt_tokens={P} (sent {len(req.input_ids)}), "
+                               f"completion_tokens={R}, {len(out_ids)} output_ids and "
+                               f"{len(lp_entries)} log-probs disagree")
+        if [int(e[1]) for e in lp_entries] != out_ids:
+            raise RolloutError(f"{who}: output_token_logprobs ids differ from output_ids")
+        routes = None
+        if req.return_routes:
+            payload = meta.get("routed_experts")
+            if payload is None:
+                raise RolloutError(f"{who}: no routed_experts (launch SGLang with "
+                                   f"--enable-return-routed-experts)")
+            c = self.cfg
+            trace = decode_routes(payload, P + R - 1, c.num_hidden_layers, c.moe_layer_ids,
+                                  c.num_experts_per_tok, c.num_experts, sample=i)
+            compact = base64.b64decode(payload[:8])[:4] == COMPACT_MAGIC
+            enc = ENCODING_COMPACT if compact else ENCODING_INT32
+            self.encodings_seen[enc] += 1
+            self.route_bytes_received += len(payload)
+            routes = trace.ids_NLK
+        version = str(meta.get("weight_version", "unknown"))
+        self.weight_version = version
+        sel = meta.get("output_token_sampling_logprobs")
+        mask = meta.get("output_token_sampling_mask")
+        support_lp = None
+        if sel is not None and req.return_support_logprobs:
+            support_lp, sel = [torch.tensor(x, dtype=torch.float32) for x in sel], None
+        inp = meta.get("input_token_logprobs")
+        return GenerationResult(
+            rid=req.rid or str(meta.get("id", "")), index=j, prompt_ids=list(req.input_ids),
+            output_ids=out_ids,
+            output_logprobs=torch.tensor([float(e[0]) for e in lp_entries], dtype=torch.float32),
+            sampling_logprobs=None if sel is None else torch.tensor(sel, dtype=torch.float32),
+            finish_reason=meta.get("finish_reason") or {}, weight_version=version,
+            routes_NLK=routes,
+            input_logprobs=None if inp is None else torch.tensor(
+                [float("nan") if e[0] is None else float(e[0]) for e in inp]),
+            top_logprobs=None if "output_top_logprobs" not in meta else [
+                [(float(v), int(t)) for v, t, *_ in row] for row in meta["output_top_logprobs"]],
+            sampling_mask=None if mask is None else [torch.tensor(m, dtype=torch.int32)
+                                                     for m in mask],
+            support_logprobs=support_lp)
+
+    # -- weights ------------------------------------------------------------------------------
+    async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
+        """`source`: an HF folder path the server can read, or a model, which is first saved
+        under `weights_dir/<version>` (a filesystem the server shares)."""
+        if isinstance(source, MoEModel):
+            if self.weights_dir is None:
+                raise RolloutError("pushing a model over HTTP needs weights_dir (a folder the "
+                                   "server can read)")
+            weight_version = weight_version or uuid.uuid4().hex[:8]
+            source = save_hf(source, self.weights_dir / f"weights_{weight_version}")
+        body: dict[str, Any] = {"model_path": str(source), "flush_cache": True,
+                                "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        async with aiohttp.ClientSession(timeout=self.timeout) as s:
+            resp = await self._post(s, "/update_weights_from_disk", body)
+        if not isinstance(resp, dict) or not resp.get("success"):
+            raise RolloutError(f"update_weights_from_disk({source}) failed: {resp!r}")
+        info = await self.get("/model_info")
+        self.weight_version = str(info.get("weight_version", weight_version))
+        return self.weight_version

@@ -1,0 +1,150 @@
+"""Client round trips through a real loopback server, compact/int32 routes, retries, weights."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from lockstep.moe.model import MoEModel
+from lockstep.replay.codec import ENCODING_REQUEST_FIELD
+from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutError
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.server import ServerThread
+from lockstep.rollout.types import GenerateRequest, SamplingParams
+
+from model_fixtures import tiny_config
+
+ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return MoEModel(tiny_config(max_position_embeddings=64, mlp_only_layers=[0]))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with ServerThread(Engine.from_model(model, ENGINE)) as srv:
+        yield srv
+
+
+def _reqs():
+    g = torch.Generator().manual_seed(5)
+    reqs = [GenerateRequest(torch.randint(3, 40, (p,), generator=g).tolist(),
+                            SamplingParams(max_new_tokens=8, seed=10 + i, temperature=0.9))
+            for i, p in enumerate([3, 7, 5, 1, 6])]
+    reqs[2].sampling.n = 3
+    reqs[4].return_sampling_mask = True
+    reqs[4].sampling.top_k = 6
+    return reqs
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_http_round_trip_equals_engine(server, model, compact):
+    http = HTTPBackend(server.url, model.cfg, max_concurrency=4, compact_routes=compact)
+    local = LocalBackend(Engine.from_model(model, ENGINE))
+    got, want = http.generate(_reqs()), local.generate(_reqs())
+    assert len(got) == len(want) == 7
+    for g, w in zip(got, want):
+        assert (g.index, g.prompt_ids, g.output_ids) == (w.index, w.prompt_ids, w.output_ids)
+        assert torch.allclose(g.output_logprobs, w.output_logprobs, atol=1e-5)
+        assert g.routes_NLK.dtype == torch.uint8 and torch.equal(g.routes_NLK, w.routes_NLK)
+        assert g.finish_reason == w.finish_reason and g.weight_version == w.weight_version
+        g.trace(model.cfg.num_experts).check(g.prompt_tokens, g.completion_tokens, 2, 2, 6)
+    masked = [r for r in got if r.sampling_mask is not None]
+    assert len(masked) == 1 and torch.allclose(masked[0].sampling_logprobs,
+                                               want[-1].sampling_logprobs, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(masked[0].sampling_mask, want[-1].sampling_mask))
+    kind = "compact" if compact else "int32"
+    assert http.encodings_seen[kind] == 7 and http.encodings_seen[
+        "int32" if compact else "compact"] == 0
+
+
+def test_compact_is_smaller_and_int32_fallback_decodes(server, model):
+    reqs = [GenerateRequest([4, 5, 6, 7] * 4, SamplingParams(max_new_tokens=16, ignore_eos=True))
+            for _ in range(4)]
+    sizes = {}
+    for compact in (True, False):
+        http = HTTPBackend(server.url, model.cfg, compact_routes=compact)
+        http.generate(reqs)
+        sizes[compact] = http.route_bytes_received
+    # 3 decoder layers of int32 vs 2 MoE layers of uint8 (+ a 24-byte header per sample).
+    assert sizes[True] * 4 < sizes[False]
+    # A server that ignores the compact field (real SGLang) answers int32: the client asked
+    # for compact, gets int32, and still decodes and checks it.
+    http = HTTPBackend(server.url, model.cfg, compact_routes=True)
+    body = http.request_body(reqs[0])
+    assert body[ENCODING_REQUEST_FIELD] == "compact"
+    int32_answer = asyncio.run(_post_plain(server.url, {**body, ENCODING_REQUEST_FIELD: None}))
+    res = http.parse(int32_answer, reqs[0], 0, 0)
+    assert http.encodings_seen == {"int32": 1, "compact": 0}
+    assert res.routes_NLK.shape == (16 + 16 - 1, 2, 2)
+
+
+async def _post_plain(url, body):
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/generate", json=body) as r:
+            return await r.json()
+
+
+def test_row_count_and_contract_checks(server, model):
+    http = HTTPBackend(server.url, model.cfg)
+    req = GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    item = asyncio.run(_post_plain(server.url, http.request_body(req)))
+    item["meta_info"]["completion_tokens"] = 4
+    item["output_ids"] = item["output_ids"][:4]
+    item["meta_info"]["output_token_logprobs"] = item["meta_info"]["output_token_logprobs"][:4]
+    with pytest.raises(ValueError, match="sample 0: routes: compact header says rows=7, expected 6"):
+        http.parse(item, req, 0, 0)
+    item = asyncio.run(_post_plain(server.url, http.request_body(req)))
+    item["meta_info"]["prompt_tokens"] = 2
+    with pytest.raises(RolloutError, match="request 0 sample 0: prompt_tokens=2 \\(sent 3\\)"):
+        http.parse(item, req, 0, 0)
+    with pytest.raises(RolloutError, match="HTTP 400.*outside the vocabulary"):
+        http.generate([GenerateRequest([1, 99])])
+
+
+def test_retries_connection_errors_with_backoff(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    http = HTTPBackend(url, model.cfg, retries=2, backoff_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match="connection failed after 3 attempts"):
+        http.generate([GenerateRequest([1, 2], SamplingParams(max_new_tokens=2))])
+    assert time.monotonic() - t0 >= 0.05 * (0.5 + 1.0)  # two backoffs happened
+    # The server comes up while the client is backing off: the request then succeeds.
+    srv = ServerThread(Engine.from_model(model, ENGINE), port=port)
+    timer = threading.Timer(0.4, srv.start)
+    timer.start()
+    try:
+        http = HTTPBackend(url, model.cfg, retries=6, backoff_s=0.1)
+        res = http.generate([GenerateRequest([1, 2], SamplingParams(max_new_tokens=2))])
+        assert len(res) == 1 and res[0].weight_version == "0"
+    finally:
+        timer.join()
+        srv.stop()
+
+
+def test_weight_versions_tracked_over_http(model, tmp_path):
+    with ServerThread(Engine.from_model(model, ENGINE)) as srv:
+        http = HTTPBackend(srv.url, model.cfg, weights_dir=tmp_path)
+        req = lambda: [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=3, seed=1))]  # noqa: E731
+        assert http.generate(req())[0].weight_version == "0" and http.weight_version == "0"
+        torch.manual_seed(11)
+        new = MoEModel(model.cfg)
+        assert http.update_weights(new, weight_version="s1") == "s1"
+        res = http.generate(req())[0]
+        assert res.weight_version == "s1"
+        want = LocalBackend(Engine.from_model(new, ENGINE)).generate(req())[0]
+        assert res.output_ids == want.output_ids
+        with pytest.raises(RolloutError, match="update_weights_from_disk"):
+            http.update_weights(str(tmp_path / "missing"))
+    local = LocalBackend(Engine.from_model(model, ENGINE))
+    assert local.update_weights(new, "s2") == "s2" and local.weight_version == "s2"
