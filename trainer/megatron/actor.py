@@ -43,13 +43,18 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def init_single_process_group() -> None:
-    """A world of one gloo process on a free loopback port (the one-machine default)."""
+    """A world of one process on a free loopback port (the one-machine default): gloo on
+    CPU, nccl on GPU 0. Multi-process runs initialise torch.distributed themselves."""
     if dist.is_initialized():
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
 
 
 def options_for(cfg: ActorConfig, options: MegatronOptions | None) -> MegatronOptions:
@@ -104,6 +109,7 @@ class MegatronActor:
         self.lr_at = lr_lambda(cfg, total_updates)
         self.num_steps = 0
         self.replay = RouteReplay(self.gpt, mcfg.num_experts)
+        self.device = next(self.gpt.parameters()).device
         self.route_dtype = compact_dtype(mcfg.num_experts)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
@@ -134,13 +140,15 @@ class MegatronActor:
         if routes_BTLK is not None:
             used = self.replay.set_routes(routes_BTLK, mask_BT, seq_lens_B=mb.seq_lens_B,
                                           fill_BTLK=self._fill(mb, routes_BTLK, mask_BT))
-        logits = self.replay.backward_replays(forward_logits(self.ddp, mb.input_ids_BT))
-        lp, ent = token_logprobs_entropy(logits[:, :-1], mb.input_ids_BT[:, 1:],
-                                         self.temperature)
+        ids = mb.input_ids_BT.to(self.device)
+        logits = self.replay.backward_replays(forward_logits(self.ddp, ids))
+        lp, ent = token_logprobs_entropy(logits[:, :-1], ids[:, 1:], self.temperature)
         zero = lp.new_zeros(b, 1)
-        natural = self.replay.natural(b, T)
-        return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), \
-            natural if used is None else used, natural
+        natural = self.replay.natural(b, T).cpu()
+        # results live on the CPU like the batch the loss function indexes (a differentiable
+        # copy: the backward pass still reaches the model on its device)
+        lp, ent = torch.cat([zero, lp], 1).cpu(), torch.cat([zero, ent], 1).cpu()
+        return lp, ent, natural if used is None else used, natural
 
     def _fill(self, mb: Batch, routes_BTLK, mask_BT):
         """Natural routes for positions without a route that later tokens depend on (replay.py
@@ -152,7 +160,8 @@ class MegatronActor:
         if not (needed_BT & ~mask_BT).any():
             return None
         return self.replay.natural_routes_of(
-            lambda: forward_logits(self.ddp, mb.input_ids_BT), *mb.input_ids_BT.shape)
+            lambda: forward_logits(self.ddp, mb.input_ids_BT.to(self.device)),
+            *mb.input_ids_BT.shape).cpu()
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.micro_batch_size))

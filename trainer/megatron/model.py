@@ -163,7 +163,7 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         moe_enable_routing_replay=True,
         moe_router_fusion=False,
         moe_expert_capacity_factor=None,
-        moe_permute_fusion=False,
+        moe_permute_fusion=use_te,  # TE's fused (un)permute: after routing, replay-neutral
         # parallelism
         tensor_model_parallel_size=opts.tensor_parallel,
         expert_model_parallel_size=opts.expert_parallel,
@@ -273,8 +273,13 @@ def forward_logits(model, input_ids_BT: torch.Tensor) -> torch.Tensor:
     ids_BS = F.pad(input_ids_BT, (0, S - T)) if S != T else input_ids_BT
     device = ids_BS.device
     pos_BS = torch.arange(S, device=device).expand(B, S)
-    # True = masked out (megatron-core convention); explicit so no mask is built on "cuda".
-    mask_11SS = torch.ones(1, 1, S, S, dtype=torch.bool, device=device).triu(1)
+    if ids_BS.is_cuda:
+        # causal attention masks itself (TE / flash attention take no explicit causal mask)
+        mask_11SS = None
+    else:
+        # True = masked out (megatron-core convention); explicit, as the default is built
+        # on "cuda"
+        mask_11SS = torch.ones(1, 1, S, S, dtype=torch.bool, device=device).triu(1)
     logits_BSV = model(ids_BS, pos_BS, mask_11SS)
     return logits_BSV[:, :T]
 

@@ -131,7 +131,7 @@ def from_router_order(per_layer_NK: list[Tensor], B: int, T: int, tp: int,
         per_layer_NK = gathered
     K = per_layer_NK[0].shape[-1]
     ids_SBLK = torch.stack([x.view(-1, B, K) for x in per_layer_NK], dim=2)
-    return ids_SBLK[:T].transpose(0, 1).to(torch.int64).contiguous()
+    return ids_SBLK[:T].transpose(0, 1).to(device="cpu", dtype=torch.int64).contiguous()
 
 
 class RouteReplay:
