@@ -58,3 +58,15 @@ def run(args: argparse.Namespace) -> int:
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
                model_path=args.model)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lockstep.launch.serve --model DIR ...` (same as `lockstep serve`)."""
+    parser = argparse.ArgumentParser(prog="lockstep")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -100,6 +100,14 @@ class SGLangConfig:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
 
+    def env(self) -> dict[str, str]:
+        """Environment for the server: SGLang must report log-probs AFTER temperature (its
+        default), the quantity lockstep's engine reports and the trainer recomputes; the
+        variable below would switch it to pre-temperature log-probs, so we pin it off."""
+        env = dict(os.environ)
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
+        return env
+
     def command(self) -> list[str]:
         """The argv that launches the server."""
         argv = [self.python, "-m", "sglang.launch_server",
@@ -155,7 +163,7 @@ class SGLangServer:
         """Spawn the server (own process group) and block until `/health` answers 200."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cfg.command(), stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     env=self.cfg.env(), start_new_session=True)
         self.wait_healthy(timeout_s)
         return self
 

@@ -19,6 +19,8 @@ def test_command_has_required_flags_in_order():
         "--host", "127.0.0.1", "--port", "31000", "--tp-size", "4", "--ep-size", "2",
         "--dtype", "bfloat16", "--skip-tokenizer-init", "--enable-return-routed-experts"]
     assert cfg.url == "http://127.0.0.1:31000"
+    # Log-probs after temperature (the engine's and trainer's definition), whatever the shell says.
+    assert cfg.env()["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
 
 
 def test_command_optional_flags_and_extra_args():
