@@ -55,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"lockstep train: {out} already holds a run; pass --resume to continue it or "
               f"choose another --out", file=sys.stderr)
         return 2
-    trainer = Trainer(cfg, out, resume=args.resume,
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    trainer = Trainer(cfg, out, resume=args.resume, log=log,
                       progress=not args.no_progress and sys.stderr.isatty())
     summary = trainer.run()
     print(json.dumps(summary))

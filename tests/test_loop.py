@@ -5,7 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lockstep.moe.model import MoEModel
 from lockstep.replay import old_logprob_plan
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.server import ServerThread
 from lockstep.trainer.actor import collate
 from lockstep.trainer.config import load_config
 from lockstep.trainer.correction import correct
@@ -25,13 +28,13 @@ def _trainer(tmp_path, mode, *extra):
 
 def _rollout(tr, step=1):
     problems = tr.task.problems(tr.cfg.loop.seed, 0, tr.cfg.rollout.prompts_per_step)
-    results = tr.engine.generate(tr.requests(problems, step))
+    results = tr.rollout.generate(tr.requests(problems, step))
     return collate(results, tr.task.pad_id, *tr._route_shape())
 
 
 def test_r3_actor_runs_exactly_the_rollout_routes(tmp_path):
     tr = _trainer(tmp_path, "R3")
-    assert tr.engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert tr.rollout.engine.model.embed_tokens.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in tr.actor.master.parameters())
     batch = _rollout(tr)
     plan = old_logprob_plan("R3", batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
@@ -94,3 +97,25 @@ def test_loop_writes_metrics_checkpoints_and_rejects_config_change_on_resume(tmp
     assert tr2.state.step == 2 and tr2.state.cursor == 32
     tr2.run()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_http_backend_step_matches_the_embedded_engine(tmp_path):
+    """The same step through a real SGLang-wire server on loopback (weights pushed with
+    /update_weights_from_disk) samples the same tokens as the in-process engine."""
+    local = _trainer(tmp_path, "R3")
+    cfg = local.cfg
+    torch.manual_seed(123)  # the server starts from other weights: the trainer must push its own
+    engine = Engine(MoEModel(cfg.model), EngineConfig(dtype="bf16", max_running=64,
+                                                      max_len=16, seed=cfg.loop.seed))
+    with ServerThread(engine) as srv:
+        remote = Trainer(load_config(CONFIGS / "toy_r3.yaml", SMALL + [
+            "rollout.backend=http", f"rollout.url={srv.url}"]), tmp_path / "http",
+            progress=False, log=lambda s: None)
+        assert engine.weight_version == "0"
+        m_remote = remote.step(1)
+        assert engine.weight_version == "1"  # the update was pushed to the server
+    m_local = local.step(1)
+    assert m_remote["replay/mismatch"] == 0.0
+    for key in ("reward/mean", "response/length_mean", "routing/num_tokens"):
+        assert m_remote[key] == m_local[key], key
+    assert m_remote["rollout_corr/k3_kl"] == pytest.approx(m_local["rollout_corr/k3_kl"], rel=1e-3)

@@ -73,8 +73,18 @@ class RolloutConfig:
     """Engine router dtype; None = same as dtype."""
     lm_head_dtype: Dtype | None = None
     """Engine LM-head dtype; None = same as dtype."""
+    backend: Literal["embedded", "http"] = "embedded"
+    """embedded: our engine in this process; http: an SGLang-compatible server at `url`."""
+    url: str | None = None
+    """http backend: server base URL, e.g. http://127.0.0.1:30000."""
+    api_key: str | None = None
+    """http backend: bearer token, if the server wants one."""
+    weights_dir: str | None = None
+    """http backend: folder shared with the server for weight pushes (None = out_dir/weights)."""
 
     def __post_init__(self) -> None:
+        _need(self.backend != "http" or bool(self.url),
+              "rollout.backend=http needs rollout.url (the server's base URL)")
         _in("rollout", self, "prompts_per_step", 1, 1 << 20)
         _in("rollout", self, "samples_per_prompt", 1, 1 << 12)
         _in("rollout", self, "temperature", 0.0, 100.0, lo_open=True)
@@ -252,9 +262,6 @@ class ExperimentConfig:
         _need(B % self.actor.mini_batch_size == 0,
               f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
               f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
-        _need(self.actor.backend == "torch",
-              "actor.backend='megatron' is run by the megatron actor (lockstep.trainer.megatron), "
-              "which the torch step loop does not drive yet; use actor.backend=torch")
         task = Task(self.task)
         _need(self.model.vocab_size >= task.vocab_size,
               f"model.vocab_size={self.model.vocab_size} is smaller than the task tokenizer's "

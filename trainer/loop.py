@@ -22,6 +22,7 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.replay import old_logprob_plan, routing_divergence, update_plan
+from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
@@ -31,8 +32,8 @@ from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_chec
 from lockstep.trainer.config import ExperimentConfig, save_config
 from lockstep.trainer.correction import CorrectionResult, correct
 from lockstep.trainer.losses import grpo_advantages, policy_loss
-from lockstep.trainer.metrics import MetricsWriter, write_plots
-from lockstep.trainer.warmstart import WarmstartResult, warm_start
+from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
+from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
 def run_hash(cfg: ExperimentConfig) -> str:
@@ -69,29 +70,44 @@ class Trainer:
             model = MoEModel(cfg.model)
             state = LoopState(step=0, cursor=0, config_hash=run_hash(cfg), weight_version="0")
             if cfg.warmstart.enabled:
-                key = f"{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.loop.seed}"
-                self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed, key, log)
+                self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed,
+                                            cache_key(cfg), log)
                 (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
         self.state = state
         ro = cfg.rollout
-        self.engine = Engine.from_model(model, EngineConfig(
-            dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
-            max_running=ro.batch_size, max_len=self.task.prompt_len + self.max_new_tokens,
-            seed=cfg.loop.seed), weight_version=state.weight_version)
+        self.rollout = self.make_backend(model, state.weight_version)
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
-        self.actor = TorchActor(model, cfg.actor, cfg.loop.steps * updates_per_step,
-                                temperature=ro.temperature)
+        if cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
+            from lockstep.trainer.megatron.actor import MegatronActor as actor_cls
+        else:
+            actor_cls = TorchActor
+        self.actor = actor_cls(model, cfg.actor, cfg.loop.steps * updates_per_step,
+                               temperature=ro.temperature)
         if resume:
             self.actor.load_state_dict(trainer_state)
             set_rng_state(trainer_state["rng"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, state.step, cfg.loop.tensorboard,
                                      progress)
 
+    def make_backend(self, model: MoEModel, weight_version: str) -> RolloutBackend:
+        """The rollout engine, holding `model`'s weights at `weight_version`."""
+        ro = self.cfg.rollout
+        if ro.backend == "http":
+            backend = HTTPBackend(ro.url, self.cfg.model, api_key=ro.api_key,
+                                  max_concurrency=ro.prompts_per_step,
+                                  weights_dir=ro.weights_dir or self.out / "weights")
+            backend.update_weights(model, weight_version)  # the server's weights are unknown
+            return backend
+        return LocalBackend(Engine.from_model(model, EngineConfig(
+            dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
+            max_running=ro.batch_size, max_len=self.task.prompt_len + self.max_new_tokens,
+            seed=self.cfg.loop.seed), weight_version=weight_version))
+
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, t = self.cfg, _Timer()
         problems = self.task.problems(cfg.loop.seed, self.state.cursor, cfg.rollout.prompts_per_step)
-        results = self.engine.generate(self.requests(problems, step))                  # generate
+        results = self.rollout.generate(self.requests(problems, step))                 # generate
         batch = collate(results, self.task.pad_id, *self._route_shape())
         rewards_B = torch.tensor([self.task.reward(problems[i // cfg.rollout.samples_per_prompt],
                                                    r.output_ids) for i, r in enumerate(results)])
@@ -110,7 +126,7 @@ class Trainer:
             batch, self.loss_fn(batch, old, adv_BT, corr), up.routes_BTLK, up.replay_mask_BT,
             shuffle_seed=cfg.loop.seed * 1_000_003 + step)
         t.lap("update")
-        self.state.weight_version = self.engine.update_weights(self.actor.master)       # sync
+        self.state.weight_version = self.rollout.update_weights(self.actor.master, str(step))  # sync
         t.lap("sync")
         self.state.step, self.state.cursor = step, self.state.cursor + len(problems)
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **corr.metrics,
@@ -155,7 +171,7 @@ class Trainer:
 
     def routing_metrics(self, batch: Batch, old: LogprobResult, up, used_BTLK, natural_BTLK):
         """Rollout-vs-trainer divergence, staleness, and a check that replay replayed."""
-        layers = self.engine.model.cfg.moe_layer_ids
+        layers = self.cfg.model.moe_layer_ids
         m = {"replay/mode": self.mode.value}
         m.update(routing_divergence(batch.rollout_routes_BTLK, old.natural_BTLK,
                                     batch.rollout_routes_valid_BT, "routing", layers))
@@ -171,7 +187,7 @@ class Trainer:
         return m
 
     def _route_shape(self) -> tuple[int, int, int]:
-        c = self.engine.model.cfg
+        c = self.cfg.model
         return c.num_experts, c.num_moe_layers, c.num_experts_per_tok
 
     # -- the run ---------------------------------------------------------------------------
@@ -187,7 +203,14 @@ class Trainer:
             self.metrics.close()
         if cfg.plots:
             write_plots(self.out)
-        return {"steps": self.state.step, "out_dir": str(self.out)}
+        summary = summarize(read_metrics(self.out / "metrics.jsonl"))
+        if self.warmstart is None and (self.out / "warmstart.json").exists():
+            self.warmstart = WarmstartResult(**json.loads((self.out / "warmstart.json").read_text()))
+        if self.warmstart is not None:
+            summary["warmstart/accuracy"] = self.warmstart.accuracy
+            summary["warmstart/expected_reward"] = self.warmstart.expected_reward
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
 
     def save(self) -> Path:
         return save_checkpoint(self.out, self.actor.master, self.actor.state_dict(), self.state,

@@ -81,6 +81,24 @@ class MetricsWriter:
             self._tb.close()
 
 
+def summarize(rows: list[dict[str, Any]], window: int = 20) -> dict[str, float]:
+    """Run summary: reward over the first and last `window` steps, run means of the mismatch
+    metrics, total step time."""
+    def mean(key: str, part: list[dict[str, Any]]) -> float:
+        vals = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    first, last = rows[:window], rows[-window:]
+    return {"steps": len(rows), "window": window,
+            "reward/first_mean": mean("reward/mean", first),
+            "reward/last_mean": mean("reward/mean", last),
+            "rollout_corr/k3_kl_mean": mean("rollout_corr/k3_kl", rows),
+            "rollout_corr/kl_mean": mean("rollout_corr/kl", rows),
+            "routing/flip_rate_mean": mean("routing/flip_rate", rows),
+            "routing/token_any_flip_mean": mean("routing/token_any_flip", rows),
+            "time/steps_total_s": sum(r.get("time/step_s") or 0.0 for r in rows)}
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (NaN/None entries skipped)."""
     out, buf = [], []

@@ -12,6 +12,7 @@ Shapes: B demonstrations, T prompt + answer tokens, V vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from lockstep.moe.checkpoint import load_hf_state_dict, read_hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Problem, Task
-from lockstep.trainer.config import WarmstartConfig
+from lockstep.trainer.config import ExperimentConfig, WarmstartConfig
 
 RESULT_FILE = "warmstart.json"
 DEMO_SEED_OFFSET = 1_000_003  # demonstration and evaluation streams differ from the RL stream's
@@ -90,6 +91,13 @@ def expected_reward(model: MoEModel, task: Task, problems: list[Problem]) -> flo
     """Mean probability of the exact answer (+ <eos>) under temperature-1 sampling."""
     lp_B, _, _ = _answer_logprobs(model, task, problems)
     return float(lp_B.exp().mean())
+
+
+def cache_key(cfg: ExperimentConfig) -> str:
+    """Cache key: model, task and the warm-start settings that change its result, plus seed."""
+    ws = {k: v for k, v in asdict(cfg.warmstart).items() if k not in ("enabled", "cache_dir")}
+    blob = json.dumps([asdict(cfg.model), asdict(cfg.task), ws, cfg.loop.seed], sort_keys=True)
+    return f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}-seed{cfg.loop.seed}"
 
 
 def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key: str,
