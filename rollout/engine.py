@@ -291,9 +291,10 @@ class Engine:
     def _sample_and_record(self, logits_BV: torch.Tensor, slots_B: torch.Tensor,
                            seqs: list[_Seq] | None) -> list[GenerationResult]:
         """Sample one token per row, write it and its log-probs, finish what stopped."""
-        st = self._st if seqs is None else self._sampling_tensors(slots_B)
+        decode = seqs is None
+        st = self._st if decode else self._sampling_tensors(slots_B)
         gen_B = self.gen_S[slots_B]
-        banned_BV = self._banned(slots_B, gen_B)
+        banned_BV = None if decode and not self._any_min_new else self._banned(slots_B, gen_B)
         o = sample(logits_BV, st, self.uniforms.next(slots_B), banned_BV)
         tok_B = o.token_ids_B
         self.tokens_SM[slots_B, gen_B] = tok_B
@@ -302,8 +303,10 @@ class Engine:
         self._record_extras(o, slots_B)
         gen_B = gen_B + 1
         self.gen_S[slots_B] = gen_B
-        stop_B = (tok_B[:, None] == self.stop_SJ[slots_B]).any(-1)
-        done_B = stop_B | (gen_B >= self.max_new_S[slots_B])
+        stop_BJ, max_new_B = (self._stop_BJ, self._max_new_B) if decode else \
+            (self.stop_SJ[slots_B], self.max_new_S[slots_B])
+        stop_B = (tok_B[:, None] == stop_BJ).any(-1)
+        done_B = stop_B | (gen_B >= max_new_B)
         if not bool(done_B.any()):
             return []
         out = []
@@ -337,6 +340,11 @@ class Engine:
         if self._active_B is None:
             self._active_B = torch.tensor(sorted(self.running), dtype=torch.long)
             self._st = self._sampling_tensors(self._active_B)
+            self._stop_BJ = self.stop_SJ[self._active_B]
+            self._max_new_B = self.max_new_S[self._active_B]
+            # min_new_tokens pending somewhere? (re-checked each step only while it is)
+            self._any_min_new = bool((self.gen_S[self._active_B]
+                                      < self.min_new_S[self._active_B]).any())
             self._wants_extras = any(s.req.top_logprobs_num or s.req.return_sampling_mask
                                      or s.req.return_support_logprobs
                                      for s in self.running.values())
@@ -350,6 +358,8 @@ class Engine:
         """Stop ids are excluded from the support until min_new_tokens were generated."""
         pending_B = gen_B < self.min_new_S[slots_B]
         if not bool(pending_B.any()):
+            if slots_B is self._active_B:
+                self._any_min_new = False  # generation only grows: stays false for this batch
             return None
         stop_BJ = self.stop_SJ[slots_B]
         banned_BV = torch.zeros(len(slots_B), self.vocab_size + 1, dtype=torch.bool)

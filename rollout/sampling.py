@@ -123,9 +123,11 @@ def sample(logits_BV: torch.Tensor, st: SamplingTensors, uniform_B: torch.Tensor
     target_B1 = (uniform_B.to(cdf_BV.dtype) * total_B)[:, None]
     ids_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
     ids_B = ids_B.clamp_(max=logits_BV.shape[1] - 1)
-    # Rounding can put the target past the last positive weight: fall back to the row's argmax.
+    # Rounding can put the target past the last positive weight: fall back to the row's argmax
+    # (rare, so the argmax runs only when it happens).
     zero_B = weights_BV.gather(1, ids_B[:, None]).squeeze(1) <= 0
-    ids_B = torch.where(zero_B, weights_BV.argmax(-1), ids_B)
+    if bool(zero_B.any()):
+        ids_B = torch.where(zero_B, weights_BV.argmax(-1), ids_B)
     lp_B = logp_BV.gather(1, ids_B[:, None]).squeeze(1)
     if keep_BV is None:
         sel_B = lp_B
