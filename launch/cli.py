@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockstep.launch import serve, train
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -12,8 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL for MoE policies with routing replay (R2/R3) and rollout correction.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    # Sub-commands register here, each from its own module: module.add_parser(sub).
-    del sub
+    # Sub-commands, each defined in its own module.
+    train.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 
