@@ -37,6 +37,32 @@ class ModelOutput:
     """Per MoE layer, fp32 router logits of all N tokens (for the load-balancing loss)."""
 
 
+def _emulated_on_cpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in the operands' dtype.
+
+    NOTE: CPUs without native bf16/fp16 matmul (AVX2) run them 5-12x slower than fp32 at our
+    sizes. Both round the fp32-accumulated result once: the products of bf16/fp16 numbers are
+    exact in fp32, so upcasting differs only by summation order (about 1e-4 of outputs move one
+    ulp). GPUs keep the native kernel.
+    """
+    if _emulated_on_cpu(x):
+        return F.linear(x.float(), w.float()).to(x.dtype)
+    return F.linear(x, w)
+
+
+def attention(q, k, v, mask=None) -> torch.Tensor:
+    """Causal (mask None) or masked GQA attention; on CPU low precision runs in fp32 as above."""
+    if _emulated_on_cpu(q):
+        return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -44,25 +70,60 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype (the Qwen3 convention, needed for parity).
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel forward and backward; in fp32 it gives the same bits as the
+            # explicit form below (tests/test_model_fast_paths.py checks), which costs ~8 kernels.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in fp32, scale in the input dtype (the Qwen3 convention, needed for parity;
+        # F.rms_norm would scale in fp32 and round once, not twice).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float):
-    """fp32 cos/sin of shape [B, 1, T, Dh] (rotate-half convention)."""
+def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and signed sin of shape [B, 1, T, Dh] in `dtype` (rotate-half convention).
+
+    The sign of rotate_half, (-x2, x1), is folded into sin: sin_signed = (-sin, sin), so a
+    layer rotates with a plain half swap (x2, x1). Negating a factor is exact, so the result
+    has the same bits as x * cos + cat(-x2, x1) * sin. Computed once per forward in fp32 and
+    cast once, not per layer.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
                                              device=positions_BT.device).float() / head_dim))
     freqs_BTF = positions_BT[..., None].float() * inv_freq
-    emb_BTDh = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
-    return emb_BTDh.cos()[:, None], emb_BTDh.sin()[:, None]
+    cos_half, sin_half = freqs_BTF.cos(), freqs_BTF.sin()
+    cos = torch.cat((cos_half, cos_half), dim=-1)[:, None]
+    sin_signed = torch.cat((-sin_half, sin_half), dim=-1)[:, None]
+    return cos.to(dtype), sin_signed.to(dtype)
 
 
-def apply_rope(x_BHTDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x_BHTDh.dtype), sin.to(x_BHTDh.dtype)
-    x1, x2 = x_BHTDh.chunk(2, dim=-1)
-    return x_BHTDh * cos + torch.cat((-x2, x1), dim=-1) * sin
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x2, x1), dim=-1)
+
+
+class Rope(torch.autograd.Function):
+    """y = x * cos + swap_halves(x) * sin_signed, with a hand-written backward.
+
+    Autograd of the plain expression records chunk/cat/mul/mul/add and replays five kernels
+    backward; the gradient is just g * cos + swap_halves(g * sin_signed) (the swap is its own
+    transpose), and cos/sin need no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin_signed):
+        ctx.save_for_backward(cos, sin_signed)
+        return x * cos + swap_halves(x) * sin_signed
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin_signed = ctx.saved_tensors
+        return g * cos + swap_halves(g * sin_signed), None, None
+
+
+def apply_rope(x_BHTDh: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    return Rope.apply(x_BHTDh, cos, sin_signed)
 
 
 class KVCache:
@@ -98,6 +159,46 @@ class KVCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
+@dataclass
+class CacheRows:
+    """Where one forward's rows live in a KVCache; built once per forward, shared by layers."""
+
+    cache: KVCache
+    slots_B: torch.Tensor
+    positions_BT: torch.Tensor
+    first_slot: int | None
+    """Slots are first_slot, first_slot+1, ...: the cache is read through a view, not a copy."""
+    length: int
+    """Keys 0..length-1 of each slot are read (max position + 1)."""
+    mask_B1TM: torch.Tensor
+    """Causal by position: key index <= query position."""
+
+    @classmethod
+    def build(cls, cache: KVCache, slots_B: torch.Tensor, positions_BT: torch.Tensor):
+        B = slots_B.shape[0]
+        s0 = int(slots_B[0])
+        consecutive = bool((slots_B == torch.arange(s0, s0 + B, device=slots_B.device)).all())
+        length = int(positions_BT.max()) + 1
+        key_pos_M = torch.arange(length, device=positions_BT.device)
+        return cls(cache, slots_B, positions_BT, s0 if consecutive else None, length,
+                   (key_pos_M <= positions_BT[:, :, None])[:, None])
+
+    def write_and_read(self, layer: int, k_BGTDh: torch.Tensor, v_BGTDh: torch.Tensor):
+        """Store this forward's keys/values, return all keys/values of the rows (B, G, M, Dh)."""
+        ck, cv = self.cache.k[layer], self.cache.v[layer]  # (S, G, M, Dh)
+        if ck.dtype != k_BGTDh.dtype:
+            raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k_BGTDh.dtype}")
+        index = (self.slots_B[:, None], slice(None), self.positions_BT)
+        ck[index] = k_BGTDh.transpose(1, 2)
+        cv[index] = v_BGTDh.transpose(1, 2)
+        M = self.length
+        if self.first_slot is not None:
+            rows = slice(self.first_slot, self.first_slot + self.slots_B.shape[0])
+            return ck[rows, :, :M], cv[rows, :, :M]
+        return (ck[:, :, :M].index_select(0, self.slots_B),
+                cv[:, :, :M].index_select(0, self.slots_B))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -111,27 +212,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x_BTD, cos, sin, positions_BT, kv_cache, slots_B):
+    def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
         B, T, _ = x_BTD.shape
-        q = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H|G, T, Dh)
-        if kv_cache is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        q = self.q_norm(linear(x_BTD, self.q_proj.weight).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(linear(x_BTD, self.k_proj.weight).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = linear(x_BTD, self.v_proj.weight).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)  # (B, H|G, T, Dh)
+        if cache_rows is None:
+            o = attention(q, k, v)
         else:
-            ck, cv = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]  # (S, G, M, Dh)
-            if ck.dtype != k.dtype:
-                raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k.dtype}")
-            ck[slots_B[:, None], :, positions_BT] = k.transpose(1, 2)
-            cv[slots_B[:, None], :, positions_BT] = v.transpose(1, 2)
-            m = int(positions_BT.max()) + 1
-            keys, values = ck[slots_B, :, :m], cv[slots_B, :, :m]  # (B, G, m, Dh)
-            key_pos = torch.arange(m, device=x_BTD.device)
-            mask_B1Tm = (key_pos <= positions_BT[:, :, None])[:, None]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B1Tm,
-                                               enable_gqa=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            keys, values = cache_rows.write_and_read(self.layer_idx, k, v)  # (B, G, M, Dh)
+            o = attention(q, keys, values, cache_rows.mask_B1TM)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
 
 
 class DenseMLP(nn.Module):
@@ -142,7 +234,8 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
+        return linear(h, self.down_proj.weight)
 
 
 class Experts(nn.Module):
@@ -159,7 +252,9 @@ class Experts(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // K  # token index of each sorted (token, k) pair
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        x_sorted = x_ND[token_of]
+        # index_select, not x_ND[token_of]: advanced indexing is several times slower on CPU
+        # forward, and its backward is an accumulating index_put (a sort) instead of index_add.
+        x_sorted = x_ND.index_select(0, token_of)
         # unbind once: indexing the stacked weight per expert would make backward allocate
         # (and zero-fill) a full-size gradient for every expert.
         gate_up_E, down_E = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
@@ -167,9 +262,9 @@ class Experts(nn.Module):
         for e, h in enumerate(x_sorted.split(counts)):
             if h.shape[0] == 0:
                 continue
-            g, u = F.linear(h, gate_up_E[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(g) * u, down_E[e]))
-        y_sorted = torch.cat(outs) * gates_NK.reshape(-1)[order, None]
+            g, u = linear(h, gate_up_E[e]).chunk(2, dim=-1)
+            outs.append(linear(F.silu(g) * u, down_E[e]))
+        y_sorted = torch.cat(outs) * gates_NK.reshape(-1).index_select(0, order)[:, None]
         return torch.zeros_like(x_ND).index_add_(0, token_of, y_sorted)
 
 
@@ -186,7 +281,7 @@ class MoEBlock(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
-        router_logits_NE = F.linear(x_ND.to(w.dtype), w).float()
+        router_logits_NE = linear(x_ND.to(w.dtype), w).float()
         probs_NE = router_logits_NE.softmax(dim=-1)
         natural_NK = probs_NE.topk(self.top_k, dim=-1).indices
         if replay_ids_NK is None:
@@ -257,7 +352,7 @@ class MoEModel(nn.Module):
 
     def logits(self, hidden_XD: torch.Tensor) -> torch.Tensor:
         w = self.lm_head_weight
-        return F.linear(hidden_XD.to(self.lm_head_dtype), w.to(self.lm_head_dtype))
+        return linear(hidden_XD.to(self.lm_head_dtype), w.to(self.lm_head_dtype))
 
     def _check_routes(self, ids_BTLK: torch.Tensor, mask_BT: torch.Tensor, B: int, T: int):
         cfg = self.cfg
@@ -304,11 +399,12 @@ class MoEModel(nn.Module):
             raise RouteError("replay_mask given without routed_experts")
 
         x = self.embed_tokens(input_ids_BT).to(self.compute_dtype)
-        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+        cos, sin_signed = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cache_rows = None if kv_cache is None else \
+            CacheRows.build(kv_cache, cache_slots_B, positions_BT)
         routes, natural, router_logits = [], [], []
         for layer in self.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, positions_BT,
-                                    kv_cache, cache_slots_B)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin_signed, cache_rows)
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
                 y, ids_NK, nat_NK, logits_NE = layer.mlp(h, replay_ids_LNK[len(routes)],
