@@ -119,3 +119,13 @@ def test_http_backend_step_matches_the_embedded_engine(tmp_path):
     for key in ("reward/mean", "response/length_mean", "routing/num_tokens"):
         assert m_remote[key] == m_local[key], key
     assert m_remote["rollout_corr/k3_kl"] == pytest.approx(m_local["rollout_corr/k3_kl"], rel=1e-3)
+
+
+def test_bypass_mode_step(tmp_path):
+    """verl's bypass (PPO-IS): pi_old := mu_old; IS/RS are recomputed against pi_theta in the
+    loss, whose metrics then come from the current policy."""
+    tr = _trainer(tmp_path, "R3", "correction.bypass_mode=true", "correction.rollout_rs=token_k3",
+                  "correction.rollout_rs_threshold=0.01")
+    m = tr.step(1)
+    assert m["replay/mismatch"] == 0.0 and "rollout_corr/rollout_rs_masked_fraction" in m
+    assert m["actor/grad_norm"] == 0.0  # a random policy earns no reward: nothing to learn yet

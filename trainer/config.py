@@ -183,7 +183,7 @@ class WarmstartConfig:
     """Run (or load from the cache) the warm start before RL."""
     target_accuracy: float = 0.30
     """Stop once greedy exact-match accuracy on held-out prompts reaches this."""
-    lr: float = 3e-3
+    lr: float = 5e-3
     """AdamW learning rate of the warm start."""
     batch_size: int = 64
     """Demonstrations per step."""

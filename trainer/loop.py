@@ -30,7 +30,7 @@ from lockstep.trainer.actor import Batch, LogprobResult, TorchActor, collate
 from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_checkpoint,
                                          save_checkpoint, set_rng_state)
 from lockstep.trainer.config import ExperimentConfig, save_config
-from lockstep.trainer.correction import CorrectionResult, correct
+from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
 from lockstep.trainer.losses import grpo_advantages, policy_loss
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
@@ -122,14 +122,17 @@ class Trainer:
         corr = correct(cfg.correction, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)  # IS/RS
         up = update_plan(self.mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
                          recorded_routes_BTLK=old.routes_BTLK, recorded_valid_BT=batch.token_mask_BT)
+        current_BT = torch.zeros_like(old.logprobs_BT)  # pi_theta as the update forwards saw it
         actor_metrics, used_BTLK, natural_BTLK = self.actor.update(                    # update
-            batch, self.loss_fn(batch, old, adv_BT, corr), up.routes_BTLK, up.replay_mask_BT,
-            shuffle_seed=cfg.loop.seed * 1_000_003 + step)
+            batch, self.loss_fn(batch, old, adv_BT, corr, current_BT), up.routes_BTLK,
+            up.replay_mask_BT, shuffle_seed=cfg.loop.seed * 1_000_003 + step)
         t.lap("update")
         self.state.weight_version = self.rollout.update_weights(self.actor.master, str(step))  # sync
         t.lap("sync")
         self.state.step, self.state.cursor = step, self.state.cursor + len(problems)
+        split = is_split_metrics(current_BT, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **corr.metrics,
+                **split,
                 **self.routing_metrics(batch, old, up, used_BTLK, natural_BTLK),
                 **actor_metrics, **t.metrics()}
 
@@ -144,15 +147,19 @@ class Trainer:
             for i, p in enumerate(problems)]
 
     def loss_fn(self, batch: Batch, old: LogprobResult, adv_BT: torch.Tensor,
-                corr: CorrectionResult):
-        """The corrected policy loss of one micro-batch, as its share of its mini-batch."""
+                corr: CorrectionResult, current_BT: torch.Tensor):
+        """The corrected policy loss of one micro-batch, as its share of its mini-batch; also
+        keeps the micro-batch's log-probs in `current_BT` (for the staleness metrics)."""
         cfg = self.cfg
-        mask_BT = corr.response_mask.float()
+        bypass = cfg.correction.bypass_mode  # IS/RS then happen inside policy_loss, vs pi_theta
+        mask_BT = (batch.response_mask_BT if bypass else corr.response_mask).float()
+        weights_BT = None if bypass else corr.weights
 
         def fn(lp_BT, ent_BT, rows, mini):
+            current_BT[rows] = lp_BT.detach().float()
             out = policy_loss(
                 cfg.loss, lp_BT, old.logprobs_BT[rows], adv_BT[rows], mask_BT[rows],
-                is_weights=None if corr.weights is None else corr.weights[rows],
+                is_weights=None if weights_BT is None else weights_BT[rows],
                 entropy=ent_BT, correction=cfg.correction,
                 rollout_logprobs=batch.rollout_logprobs_BT[rows],
                 num_tokens=mask_BT[mini].sum().clamp(min=1),
