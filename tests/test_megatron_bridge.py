@@ -93,6 +93,11 @@ def test_options_are_validated():
         MegatronOptions.from_dict({"tp": 2})
     with pytest.raises(ConfigError, match="tensor_parallel must be a positive integer"):
         MegatronOptions(tensor_parallel=0)
+    with pytest.raises(ConfigError, match="expert_tensor_parallel=1 with expert_parallel=1 "
+                                          "must equal tensor_parallel=2"):
+        MegatronOptions(tensor_parallel=2, expert_tensor_parallel=1)
+    assert MegatronOptions(tensor_parallel=2).etp == 2
+    assert MegatronOptions(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1).etp == 1
     cfg = ModelConfig(vocab_size=15, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2)
     with pytest.raises(ConfigError, match="vocab_size=15 is not divisible by tensor_parallel=2"):

@@ -4,7 +4,7 @@ of a single process, with routing replay and recording on, and export the same H
 Shapes: B batch, T tokens, L MoE layers, K top-k, E experts.
 """
 
-import os
+import copy
 import socket
 
 import pytest
@@ -25,7 +25,7 @@ TOL = 1e-4
 LAYOUTS = {  # name -> MegatronOptions kwargs
     "dp2": dict(),
     "ep2": dict(expert_parallel=2),
-    "tp2_sp": dict(tensor_parallel=2),
+    "tp2_sp": dict(tensor_parallel=2),  # experts split over TP too (ETP = TP = 2)
     "ep2_allgather": dict(expert_parallel=2, token_dispatcher="allgather"),
 }
 
@@ -79,9 +79,82 @@ def _worker(rank: int, port: int, path: str) -> None:
                            recorded=recorded,
                            export_exact=all(torch.equal(exported[k], sd[k]) for k in sd)
                            and set(exported) == set(sd))
+    out["actors"] = _actor_checks(cfg, sd, data)
     torch.save(out, f"{path}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+ACTOR_LAYOUTS = {"ep2": dict(expert_parallel=2), "tp2_sp": dict(tensor_parallel=2)}
+
+
+def _batch(data):
+    from lockstep.trainer.actor import Batch
+
+    ids, lens, valid = data["ids"], data["lens"], data["valid"]
+    T = ids.shape[1]
+    resp = (torch.arange(T)[None] >= 2) & (torch.arange(T)[None] < lens[:, None])
+    return Batch(ids, resp, torch.zeros(ids.shape), lens, data["routes"], valid)
+
+
+def _loss_fn(batch, adv_B):
+    mask = batch.response_mask_BT.float()
+
+    def fn(lp_bT, ent_bT, rows, mini):
+        loss = -(lp_bT * adv_B[rows, None] * mask[rows]).sum() / mask[mini].sum()
+        return loss, {"loss/pg": float(loss.detach()) * len(mini) / len(rows)}
+    return fn
+
+
+def _actor_cfg():
+    from lockstep.trainer.config import ActorConfig
+    return ActorConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, grad_clip=1.0)
+
+
+def _torch_grads(model, batch, adv_B):
+    """HF-named gradients of the loss over the whole batch on our torch model (R3 replay)."""
+    m = copy.deepcopy(model)
+    out = m(batch.input_ids_BT, routed_experts_BTLK=batch.rollout_routes_BTLK,
+            replay_mask_BT=batch.rollout_routes_valid_BT)
+    lp = torch.log_softmax(out.logits_BTV, -1)[:, :-1].gather(
+        -1, batch.input_ids_BT[:, 1:, None])[..., 0]
+    lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], 1)
+    rows = torch.arange(batch.size)
+    _loss_fn(batch, adv_B)(lp, lp, rows, rows)[0].backward()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    return {k: v.detach().clone() for k, v in hf_state_dict(m).items()}
+
+
+def _actor_step(actor, batch, adv_B):
+    grads = actor.gradients(batch, _loss_fn(batch, adv_B), batch.rollout_routes_BTLK,
+                            batch.rollout_routes_valid_BT) if hasattr(actor, "gradients") \
+        else _torch_grads(actor.master, batch, adv_B)
+    before = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
+                            record=True)
+    metrics, used, natural = actor.update(batch, _loss_fn(batch, adv_B),
+                                          batch.rollout_routes_BTLK,
+                                          batch.rollout_routes_valid_BT, shuffle_seed=3)
+    after = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
+    return dict(grads=grads, lp_before=before.logprobs_BT, routes_before=before.routes_BTLK,
+                metrics=metrics, used=used, natural=natural, lp_after=after.logprobs_BT,
+                weights={k: v.detach().clone() for k, v in hf_state_dict(actor.master).items()})
+
+
+def _actor_checks(cfg, sd, data):
+    """MegatronActor (EP=2, TP=2) on this rank: log-probs and one R3 update."""
+    from lockstep.trainer.megatron.actor import MegatronActor
+    from lockstep.trainer.megatron.model import MegatronOptions
+
+    out = {}
+    for layout, kw in ACTOR_LAYOUTS.items():
+        model = MoEModel(cfg)
+        load_hf_state_dict(model, sd)
+        actor = MegatronActor(model, _actor_cfg(), total_updates=2,
+                              options=MegatronOptions(**kw))
+        out[layout] = _actor_step(actor, _batch(data), data["adv"])
+    return out
 
 
 def _free_port() -> int:
@@ -111,7 +184,9 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
     routes[~valid] = 0
     routes = routes.to(torch.uint8)
     path = str(tmp_path / "inputs.pt")
-    torch.save(dict(cfg=cfg.to_hf_dict(), sd=sd, ids=ids, routes=routes, valid=valid), path)
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    torch.save(dict(cfg=cfg.to_hf_dict(), sd=sd, ids=ids, routes=routes, valid=valid,
+                    lens=lens, adv=adv), path)
 
     mp.spawn(_worker, args=(_free_port(), path), nprocs=2, join=True)
 
@@ -122,6 +197,7 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
         return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     want_replay, want_natural = shifted(ref.logits_BTV), shifted(nat.logits_BTV)
     scored = valid[:, :-1]  # positions whose target is a real token
+    scored_all = torch.cat([torch.zeros(B, 1, dtype=torch.bool), scored], 1)
     results = [torch.load(f"{path}.rank{r}") for r in range(2)]
     for layout in LAYOUTS:
         for res in (results[0][layout], results[1][layout]):
@@ -137,3 +213,33 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
             assert torch.equal(rec.sort(-1).values[real], want.sort(-1).values[real]), layout
     # the TP ranks agree with each other exactly (same data, same routes)
     assert torch.equal(results[0]["tp2_sp"]["lp_replay"], results[1]["tp2_sp"]["lp_replay"])
+
+    # MegatronActor with EP=2 (DP=2: rows split, grads averaged) and TP=2 (SP: norm grads
+    # summed over TP) against the torch actor on one process: log-probs, routes, one step
+    from lockstep.trainer.actor import TorchActor
+    data = torch.load(path)
+    batch = _batch(data)
+    ref = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),
+                      batch, adv)
+    for layout in ACTOR_LAYOUTS:
+        for rank in range(2):
+            got = results[rank]["actors"][layout]
+            err = (got["lp_before"] - ref["lp_before"])[scored_all].abs().max()
+            assert err <= TOL, f"actor {layout} rank {rank}: old log-probs differ by {err}"
+            assert torch.equal(got["routes_before"][valid], routes[valid])
+            assert torch.equal(got["used"][valid], routes[valid])
+            scale = max(g.abs().max() for g in ref["grads"].values())
+            diff, key = max(((got["grads"][k] - ref["grads"][k]).abs().max(), k)
+                            for k in ref["grads"])
+            assert diff <= 1e-5 * scale, f"actor {layout} rank {rank}: grads: {diff} ({key})"
+            for k in ("loss/pg", "actor/grad_norm"):
+                a, b = ref["metrics"][k], got["metrics"][k]
+                assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (layout, k, a, b)
+            err = (got["lp_after"] - ref["lp_after"])[scored_all].abs().max()
+            assert err <= 1e-3, f"actor {layout} rank {rank}: log-probs after the step: {err}"
+            # Adam's first step is ~lr * g / (|g| + eps): on elements whose gradient is ~eps,
+            # rounding in g (reduction order over ranks) moves the step by a fraction of lr
+            diff, key = max(((got["weights"][k] - ref["weights"][k]).abs().max(), k)
+                            for k in ref["weights"])
+            assert diff <= 0.1 * _actor_cfg().lr, \
+                f"actor {layout} rank {rank}: weights after the step: {diff} ({key})"

@@ -136,16 +136,21 @@ def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
                    cfg: ModelConfig, lay: Layout = Layout()) -> dict[str, Tensor]:
     """HF weights from megatron-core shards keyed by (tp_rank, ep_rank, etp_rank).
 
-    Every (tp_rank, ep_rank=0, etp_rank=0) shard is needed for the TP-split tensors and every
-    (0, ep_rank, etp_rank) shard for the experts; replicated tensors are taken from (0, 0, 0).
+    TP-split tensors are read from a shard of each TP rank, experts from a shard of each
+    (EP rank, ETP rank); replicated tensors from any shard (all copies are equal).
     """
-    need = {(r, 0, 0) for r in range(lay.tp)} | {
-        (0, e, t) for e in range(lay.ep) for t in range(lay.etp)}
-    missing = sorted(need - set(shards))
-    if missing:
-        raise ValueError(f"megatron_to_hf needs shards (tp_rank, ep_rank, etp_rank) {missing}")
-    s0 = shards[(0, 0, 0)]
-    tps = [shards[(r, 0, 0)] for r in range(lay.tp)]
+    def pick(what: str, want) -> Mapping[str, Tensor]:
+        for key in sorted(shards):
+            if want(key):
+                return shards[key]
+        raise ValueError(f"megatron_to_hf needs a shard with {what}; have (tp_rank, ep_rank, "
+                         f"etp_rank) {sorted(shards)}")
+
+    tps = [pick(f"tp_rank={r}", lambda k, r=r: k[0] == r) for r in range(lay.tp)]
+    s0 = tps[0]
+    expert_shards = {(e, t): pick(f"ep_rank={e}, etp_rank={t}",
+                                  lambda k, e=e, t=t: k[1] == e and k[2] == t)
+                     for e in range(lay.ep) for t in range(lay.etp)}
     G, hd, D = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     qpg = cfg.num_attention_heads // G  # query heads per group
 
@@ -182,7 +187,7 @@ def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
             per_rank = cfg.num_experts // lay.ep
             for e in range(cfg.num_experts):
                 fc1, fc2 = _expert_names(f"{m}.mlp", e % per_rank, lay)
-                parts = [shards[(0, e // per_rank, t)] for t in range(lay.etp)]
+                parts = [expert_shards[(e // per_rank, t)] for t in range(lay.etp)]
                 x = f"{h}.mlp.experts.{e}"
                 hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"] = unfc1(
                     [p[fc1] for p in parts])

@@ -39,8 +39,8 @@ class MegatronOptions:
     """TP size; > 1 turns sequence parallelism on (megatron-core requires it for MoE)."""
     expert_parallel: int = 1
     """EP size: experts are partitioned over this many ranks."""
-    expert_tensor_parallel: int = 1
-    """Expert TP size (ETP); 1 keeps every expert whole on its EP rank."""
+    expert_tensor_parallel: int | None = None
+    """Expert TP size (ETP); None = tensor_parallel (megatron-core's default)."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype."""
     router_dtype: Literal["fp32", "fp64"] | None = None
@@ -61,8 +61,18 @@ class MegatronOptions:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel"):
             v = getattr(self, name)
+            if v is None and name == "expert_tensor_parallel":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"megatron.{name} must be a positive integer, got {v!r}")
+        if self.expert_parallel == 1 and self.etp != self.tensor_parallel:
+            # megatron-core 0.16.1 tags expert weights as dense (`allreduce=True`) when
+            # EP == 1, so it reduces their grads over the dense data-parallel group; with
+            # ETP != TP the expert-data-parallel group is larger and grads would go unsummed.
+            raise ConfigError(f"megatron.expert_tensor_parallel={self.etp} with "
+                              f"expert_parallel=1 must equal tensor_parallel="
+                              f"{self.tensor_parallel}: megatron-core would not sum the "
+                              "expert gradients over the ranks that share an expert")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"megatron.params_dtype {self.params_dtype!r} is not one of "
                               "'float32', 'bfloat16', 'float16'")
@@ -82,6 +92,12 @@ class MegatronOptions:
         if unknown:
             raise ConfigError(f"unknown megatron option(s) {unknown}; valid keys are {valid}")
         return cls(**d)
+
+    @property
+    def etp(self) -> int:
+        """Expert TP size in effect."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None \
+            else self.expert_tensor_parallel
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -167,7 +183,7 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         # parallelism
         tensor_model_parallel_size=opts.tensor_parallel,
         expert_model_parallel_size=opts.expert_parallel,
-        expert_tensor_parallel_size=opts.expert_tensor_parallel,
+        expert_tensor_parallel_size=opts.etp,
         sequence_parallel=opts.tensor_parallel > 1,
         # precision and kernels
         params_dtype=dtype,
@@ -250,7 +266,7 @@ def initialize_parallel(opts: MegatronOptions) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=opts.tensor_parallel,
         expert_model_parallel_size=opts.expert_parallel,
-        expert_tensor_parallel_size=opts.expert_tensor_parallel,
+        expert_tensor_parallel_size=opts.etp,
     )
     model_parallel_cuda_manual_seed(opts.seed)
 
