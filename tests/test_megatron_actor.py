@@ -147,3 +147,15 @@ def test_one_update_matches_torch_actor(replay):
     assert moved <= 1e-3, moved
     diff = max((a - b).abs().max() for a, b in zip(tw.parameters(), mw.parameters()))
     assert diff <= 1e-4, diff
+
+
+def test_gap_in_routes_is_filled_with_natural_routes_of_an_unreplayed_pass():
+    cfg, model, batch, _ = setup(seed=4)
+    ta, ma = actors(model)
+    r, v = batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT.clone()
+    v[0, 2] = False  # e.g. a tool-output token the engine did not route
+    natural = ta.logprobs(batch).natural_BTLK  # no replay at all
+    got = ma.logprobs(batch, r, v, record=True).routes_BTLK
+    assert torch.equal(got[v], r[v])
+    assert torch.equal(got[0, 2].sort(-1).values, natural[0, 2].sort(-1).values)
+    assert not torch.equal(got[0, 2].sort(-1).values, r[0, 2].sort(-1).values)

@@ -5,14 +5,23 @@ module patches exactly those, and only when `torch.cuda.is_available()` is False
 `install()` refuses, so a cluster run always executes megatron-core unchanged. Nothing here
 touches routing math or `RouterReplay`; the routes on CPU are megatron-core's own.
 
-Each patch below names the upstream place it bridges and why the replacement is equivalent
-on CPU. `install()` is idempotent; `uninstall()` restores every original (tests use it).
+Bridged (each patch below names the upstream place and why the replacement is equivalent):
+1. `torch.cuda.current_device()` used as a device -> "cpu";
+2. the RNG tracker's CUDA generator states -> CPU generator states;
+3. the all-to-all dispatcher's side stream / event, and its split sizes for gloo;
+4. `te_general_gemm` undefined without Transformer Engine (NameError in 0.16.1 as soon as
+   `moe_router_dtype` is set);
+5. the torch-norm wrapper's refusal of sequence parallelism (needed for MoE with TP > 1);
+6. `device="cuda"` literals in the schedules, optimizer, grad clipping, grad buffers and the
+   local multi-tensor helpers;
+7. the `'torch.cuda.FloatTensor'` assertion in grad clipping.
+`install()` is idempotent; `uninstall()` restores every original (tests use it).
 
-What is NOT bridged (refused elsewhere or not needed on CPU): fused kernels (TE, apex,
-permute/rope/router fusion), CUDA graphs, the default causal mask built on "cuda" (callers
-pass an explicit attention mask), dropout (RL keeps it at 0: on CPU the tracker's named RNG
-states swap the one CPU generator, so dropout would still be reproducible, but megatron-core
-warns that the CPU state changed inside the fork).
+Not bridged (refused elsewhere or not needed on CPU): fused kernels (TE, apex,
+permute/rope/router fusion), CUDA graphs, bf16/fp16 mixed-precision optimizers, the default
+causal mask built on "cuda" (callers pass an explicit mask), dropout (RL keeps it at 0; on CPU
+the tracker's named states swap the one CPU generator, so dropout would be reproducible, but
+megatron-core warns that the CPU state changed inside the fork).
 """
 
 from __future__ import annotations
