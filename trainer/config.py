@@ -73,8 +73,14 @@ class RolloutConfig:
     """Engine router dtype; None = same as dtype."""
     lm_head_dtype: Dtype | None = None
     """Engine LM-head dtype; None = same as dtype."""
-    backend: Literal["embedded", "http"] = "embedded"
-    """embedded: our engine in this process; http: an SGLang-compatible server at `url`."""
+    backend: Literal["embedded", "http", "ray"] = "embedded"
+    """embedded: our engine in this process; http: an SGLang-compatible server at `url`;
+    ray: `num_engines` embedded engines as Ray actors (extra 'ray'; lockstep.launch.ray_workers)."""
+    num_engines: int = 1
+    """ray backend: engine workers, one CPU bundle each in a placement group."""
+    ray_address: str | None = None
+    """ray backend: cluster to join (None: RAY_ADDRESS, else the one `ray start` began on this
+    machine, else a new local one)."""
     url: str | None = None
     """http backend: server base URL, e.g. http://127.0.0.1:30000."""
     api_key: str | None = None
@@ -85,6 +91,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _need(self.backend != "http" or bool(self.url),
               "rollout.backend=http needs rollout.url (the server's base URL)")
+        _in("rollout", self, "num_engines", 1, 1 << 12)
         _in("rollout", self, "prompts_per_step", 1, 1 << 20)
         _in("rollout", self, "samples_per_prompt", 1, 1 << 12)
         _in("rollout", self, "temperature", 0.0, 100.0, lo_open=True)
