@@ -7,7 +7,7 @@
     int32 encoding; target <= 1/4.
 (d) `lockstep serve` (own process) under C concurrent clients: requests/s, failed requests.
 
-    OMP_NUM_THREADS=1 python bench/rollout.py [--preset small] [--dtype fp32] [--repeats 5]
+    OMP_NUM_THREADS=1 python bench/rollout.py [--preset small] [--dtype all|bf16|fp32] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -60,11 +60,13 @@ def hf_tok_s(hf, prompts_BP: torch.Tensor, new: int) -> float:
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
-    """Median of `repeats` runs of each callable, alternated against drift on a shared host."""
+    """Median of `repeats` runs of each callable; the order rotates every round so drift on a
+    shared host hits every contender alike."""
     got = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            got[k].append(f())
+    keys = list(fns)
+    for r in range(repeats):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            got[k].append(fns[k]())
     return {k: statistics.median(v) for k, v in got.items()}
 
 
@@ -101,11 +103,12 @@ async def load_test(http: HTTPBackend, prompts, new: int, clients: int, per_clie
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPES) + ["all"], default="all",
+                    help="engine and transformers dtype for (a), (b); all = bf16 and fp32")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--per-client", type=int, default=4)
     ap.add_argument("--skip-hf", action="store_true")
@@ -117,41 +120,47 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts_BP = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=g)
     prompts = prompts_BP.tolist()
-    ecfg = dict(dtype=args.dtype, max_running=args.batch, max_len=args.prompt + args.new)
-    eng_on = Engine.from_model(model, EngineConfig(**ecfg))
-    eng_off = Engine.from_model(model, EngineConfig(**ecfg, capture_routes=False))
     print(f"model {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}"
-          f"), {args.dtype}, batch {args.batch}, prompt {args.prompt}, new {args.new}, "
-          f"torch threads {torch.get_num_threads()}, medians of {args.repeats}")
+          f"), batch {args.batch}, prompt {args.prompt}, new {args.new}, torch threads "
+          f"{torch.get_num_threads()}, medians of {args.repeats} (order rotated)")
+    for dtype in (["bf16", "fp32"] if args.dtype == "all" else [args.dtype]):
+        ecfg = dict(dtype=dtype, max_running=args.batch, max_len=args.prompt + args.new)
+        # One engine, capture toggled between runs: same weights and buffers in memory, so
+        # the only difference is the capture work itself.
+        eng_on = Engine.from_model(model, EngineConfig(**ecfg))
 
-    fns = {"on": lambda: engine_tok_s(eng_on, prompts, args.new),
-           "off": lambda: engine_tok_s(eng_off, prompts, args.new)}
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-        with tempfile.TemporaryDirectory() as d:
-            save_hf(model, d + "/ck")
-            hf = AutoModelForCausalLM.from_pretrained(d + "/ck", dtype=TORCH_DTYPES[args.dtype]).eval()
-        fns["hf"] = lambda: hf_tok_s(hf, prompts_BP, args.new)
-    for f in fns.values():  # warm-up
-        f()
-    m = interleaved(fns, args.repeats)
-    if "hf" in m:
-        print(f"(a) engine {m['on']:8.0f} new tok/s | transformers generate {m['hf']:8.0f} "
-              f"new tok/s | ratio {m['on'] / m['hf']:.2f}x (target >= 3x)")
-    print(f"(b) capture on {m['on']:8.0f} | off {m['off']:8.0f} new tok/s | "
-          f"loss {100 * (1 - m['on'] / m['off']):+.1f}% (target <= 2%)")
+        def run(capture: bool) -> float:
+            eng_on.cfg.capture_routes = capture
+            return engine_tok_s(eng_on, prompts, args.new)
+        fns = {"on": lambda: run(True), "off": lambda: run(False)}
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
+            with tempfile.TemporaryDirectory() as d:
+                save_hf(model, d + "/ck")
+                hf = AutoModelForCausalLM.from_pretrained(d + "/ck", dtype=TORCH_DTYPES[dtype]).eval()
+            fns["hf"] = lambda: hf_tok_s(hf, prompts_BP, args.new)
+        for f in fns.values():  # warm-up
+            f()
+        m = interleaved(fns, args.repeats)
+        if "hf" in m:
+            print(f"(a) {dtype}: engine {m['on']:7.0f} new tok/s | transformers generate "
+                  f"{m['hf']:7.0f} | ratio {m['on'] / m['hf']:.2f}x (target >= 3x)")
+        print(f"(b) {dtype}: capture on {m['on']:7.0f} | off {m['off']:7.0f} new tok/s | "
+              f"loss {100 * (1 - m['on'] / m['off']):+.1f}% (target <= 2%)")
 
+    eng_on.cfg.capture_routes = True
     res = eng_on.generate(requests(prompts[:8], args.new))
     rows = sum(r.routes_NLK.shape[0] for r in res)
     mem = sum(r.routes_NLK.numel() * r.routes_NLK.element_size() for r in res) / rows
     sglang_mem = 4 * cfg.num_hidden_layers * cfg.num_experts_per_tok
+    serve_dtype = "bf16" if args.dtype == "all" else args.dtype
     with tempfile.TemporaryDirectory() as d:
         save_hf(model, d + "/ck")
         port = free_port()
         log = open(os.path.join(d, "server.log"), "w")
         proc = subprocess.Popen([sys.executable, "-m", "lockstep.launch.serve", "--model",
-                                 d + "/ck", "--dtype", args.dtype, "--port", str(port),
+                                 d + "/ck", "--dtype", serve_dtype, "--port", str(port),
                                  "--max-running", str(args.batch), "--threads", "1"],
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -168,7 +177,7 @@ def main() -> None:
             asyncio.run(load_test(http, prompts, args.new, args.clients, 1))  # warm-up
             ok, failed, dt, errs = asyncio.run(load_test(http, prompts, args.new, args.clients,
                                                          args.per_client))
-            print(f"(d) server, {args.clients} concurrent clients x {args.per_client} requests "
+            print(f"(d) server ({serve_dtype}), {args.clients} concurrent clients x {args.per_client} requests "
                   f"(prompt {args.prompt}, {args.new} new): {ok / dt:.1f} requests/s, "
                   f"{ok * args.new / dt:.0f} new tok/s, {failed} failed {errs if errs else ''}")
         finally:

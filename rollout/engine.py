@@ -128,6 +128,7 @@ class Engine:
         self.waiting: list[GenerateRequest] = []
         self._active_B: torch.Tensor | None = None                # rebuilt when running changes
         self._rid_counter = 0
+        self._live: dict[str, int] = {}                           # rid -> samples not finished
 
     @classmethod
     def from_hf(cls, folder: str | Path, cfg: EngineConfig | None = None,
@@ -168,12 +169,19 @@ class Engine:
         if not req.rid:
             self._rid_counter += 1
             req.rid = f"req-{self._rid_counter}"
+        if req.rid in self._live:
+            raise RequestError(f"rid {req.rid!r} is already queued or running")
+        self._live[req.rid] = req.sampling.n
         self.waiting.append(req)
         return req.rid
 
     def abort(self, rid: str | None = None) -> list[GenerationResult]:
         """Drop a queued request or finish its running samples now (rid None: everything)."""
-        self.waiting = [r for r in self.waiting if rid is not None and r.rid != rid]
+        keep = [r for r in self.waiting if rid is not None and r.rid != rid]
+        for r in self.waiting:
+            if r not in keep:
+                self._live.pop(r.rid, None)
+        self.waiting = keep
         hit = [s for s in self.running.values() if rid is None or s.req.rid == rid]
         return [self._finish(s, {"type": "abort", "message": "aborted by request"}) for s in hit]
 
@@ -418,6 +426,9 @@ class Engine:
             input_top_logprobs=seq.input_top_logprobs, sampling_mask=seq.sampling_mask,
             support_logprobs=seq.support_logprobs)
         del self.running[slot]
+        self._live[seq.req.rid] -= 1
+        if not self._live[seq.req.rid]:
+            del self._live[seq.req.rid]
         self.free_slots.append(slot)
         self._active_B = None
         return res

@@ -224,8 +224,12 @@ def test_bad_requests_rejected_by_name(model):
                                                                   ignore_eos=True))])[0]
     assert len(r.output_ids) == 4 and r.finish_reason == {"type": "length", "length": 4}
     rid = eng.add_request(GenerateRequest([1, 2], SamplingParams(max_new_tokens=20)))
+    with pytest.raises(RequestError, match="already queued or running"):
+        eng.add_request(GenerateRequest([3], rid=rid))
     eng.step()
     aborted = eng.abort(rid)
     assert len(aborted) == 1 and aborted[0].finish_reason["type"] == "abort"
     assert not eng.has_work and len(eng.free_slots) == 4
     assert math.isfinite(float(aborted[0].output_logprobs.sum()))
+    eng.add_request(GenerateRequest([3], rid=rid))  # a finished rid can be used again
+    assert len(eng.abort()) == 0 and not eng.has_work and not eng._live
