@@ -4,6 +4,7 @@ This step bounds the rollout engine's tokens/s: generation at small scale is per
 not compute. The baseline in the same run is transformers' Qwen3-MoE doing the same step (one
 token per row on a DynamicCache holding the same prefix), as inside `generate()`.
     OMP_NUM_THREADS=1 python bench/decode_step.py [--preset small|medium] [--dtype bf16|fp32|all]
+        [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import KVCache, MoEModel
 
-from model_forward import DTYPES, PRESETS  # same two models as the fwd+bwd bench
+from model_forward import CLOCKS, DTYPES, PRESETS  # same models and clocks as fwd+bwd
 
 
-def median_seconds(step, repeats: int, warmup: int = 3) -> float:
+def median_seconds(step, repeats: int, warmup: int = 3, clock=time.perf_counter) -> float:
     for _ in range(warmup):
         step()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -72,11 +73,11 @@ def run(preset: str, dtype_name: str, args) -> None:
     diff = (step_ours().logits_BTV.float() - step_theirs().logits.float()).abs().max().item()
     t_ours, t_theirs = [], []
     for _ in range(3):  # interleaved against drift on a shared host
-        t_ours.append(median_seconds(step_ours, args.repeats))
-        t_theirs.append(median_seconds(step_theirs, args.repeats))
+        t_ours.append(median_seconds(step_ours, args.repeats, clock=CLOCKS[args.clock]))
+        t_theirs.append(median_seconds(step_theirs, args.repeats, clock=CLOCKS[args.clock]))
     to, tt = statistics.median(t_ours), statistics.median(t_theirs)
     print(f"model {preset}, decode step batch {B}, cache length {P}, {dtype_name}, "
-          f"torch threads {torch.get_num_threads()} (max |logit diff| {diff:.1e})")
+          f"torch threads {torch.get_num_threads()}, {args.clock} clock (max |logit diff| {diff:.1e})")
     print(f"lockstep     step: {to * 1e3:7.2f} ms  ({B / to:8.0f} new tok/s)")
     print(f"transformers step: {tt * 1e3:7.2f} ms  ({B / tt:8.0f} new tok/s)")
     print(f"ratio theirs/ours: {tt / to:.2f}x\n")
@@ -89,6 +90,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cache-len", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="cpu: this thread's CPU time (drops waits on a shared host)")
     args = ap.parse_args()
     for dtype_name in sorted(DTYPES) if args.dtype == "all" else [args.dtype]:
         run(args.preset, dtype_name, args)
