@@ -293,8 +293,13 @@ class Engine:
         last_B1 = self.tokens_SM[active_B, gen_B - 1][:, None]
         out = self.model(last_B1, positions_BT=pos_B1, kv_cache=self.cache, cache_slots_B=active_B)
         if self.cfg.capture_routes:
-            self.routes_SMLK[active_B, pos_B1[:, 0]] = out.routes_BTLK[:, 0].to(self.route_dtype)
+            self.capture_step(active_B, pos_B1[:, 0], out.routes_BTLK[:, 0])
         return self._sample_and_record(out.logits_BTV[:, 0], active_B, None)
+
+    def capture_step(self, slots_B: torch.Tensor, pos_B: torch.Tensor,
+                     routes_BLK: torch.Tensor) -> None:
+        """All the per-step work route capture adds: one cast and one indexed write."""
+        self.routes_SMLK[slots_B, pos_B] = routes_BLK.to(self.route_dtype)
 
     def _sample_and_record(self, logits_BV: torch.Tensor, slots_B: torch.Tensor,
                            seqs: list[_Seq] | None) -> list[GenerationResult]:
