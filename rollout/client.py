@@ -51,6 +51,9 @@ class RolloutBackend(ABC):
     def update_weights(self, source: Any, weight_version: str | None = None) -> str:
         return asyncio.run(self.aupdate_weights(source, weight_version))
 
+    def close(self) -> None:
+        """Release what the backend holds (worker processes, placement); no-op by default."""
+
 
 class LocalBackend(RolloutBackend):
     """The embedded engine in this process (the default on one machine)."""

@@ -98,10 +98,15 @@ class Trainer:
                                   weights_dir=ro.weights_dir or self.out / "weights")
             backend.update_weights(model, weight_version)  # the server's weights are unknown
             return backend
-        return LocalBackend(Engine.from_model(model, EngineConfig(
+        engine_cfg = EngineConfig(
             dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
             max_running=ro.batch_size, max_len=self.task.prompt_len + self.max_new_tokens,
-            seed=self.cfg.loop.seed), weight_version=weight_version))
+            seed=self.cfg.loop.seed)
+        if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
+            from lockstep.launch.ray_workers import RayBackend
+            return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,
+                                         address=ro.ray_address)
+        return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
 
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -208,6 +213,7 @@ class Trainer:
                     self.save()
         finally:
             self.metrics.close()
+            self.rollout.close()
         if cfg.plots:
             write_plots(self.out)
         summary = summarize(read_metrics(self.out / "metrics.jsonl"))
