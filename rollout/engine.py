@@ -265,15 +265,17 @@ class Engine:
         P_B = torch.tensor([len(r.input_ids) for r in reqs])
         logits_BV = self.model.logits(out.hidden_BTD[torch.arange(Bp), P_B - 1])
         row_of = {id(r): b for b, r in enumerate(reqs)}
+        prompt_lp: dict[int, tuple] = {}
         for s in seqs:
             b, P = row_of[id(s.req)], s.prompt_len
             if s.slot != first[b]:
                 self.cache.copy_slot(int(first[b]), s.slot, P)
             if self.cfg.capture_routes and s.req.return_routes:
                 self.routes_SMLK[s.slot, :P] = out.routes_BTLK[b, :P].to(self.route_dtype)
-            if s.req.return_input_logprobs:
-                s.input_logprobs, s.input_top_logprobs = \
-                    self._input_logprobs(out.hidden_BTD[b, :P], s.req)
+            if s.req.return_input_logprobs:  # same prompt for all n samples: computed once
+                if id(s.req) not in prompt_lp:
+                    prompt_lp[id(s.req)] = self._input_logprobs(out.hidden_BTD[b, :P], s.req)
+                s.input_logprobs, s.input_top_logprobs = prompt_lp[id(s.req)]
             self.running[s.slot] = s
         self._active_B = None
         # max_new_tokens = 0: nothing to sample; P-1 prompt rows of routes.

@@ -29,9 +29,6 @@ from ..replay.trace import RoutingTrace
 from .engine import Engine
 from .types import GenerateRequest, GenerationResult, RequestError, SamplingParams
 
-_PER_REQUEST = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
-                "top_logprobs_num", "return_routed_experts", "routed_experts_start_len",
-                "return_sampling_mask", "sampling_logprobs_mode")
 _SAMPLING_LOGPROBS_MODES = ("selected", "support")
 
 
