@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import random
+import shutil
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -104,6 +105,7 @@ class HTTPBackend(RolloutBackend):
         self.weight_version = "unknown"
         self.encodings_seen: dict[str, int] = {ENCODING_INT32: 0, ENCODING_COMPACT: 0}
         self.route_bytes_received = 0
+        self._written: list[Path] = []  # weight folders this client saved for the server
 
     # -- transport ----------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -223,12 +225,13 @@ class HTTPBackend(RolloutBackend):
     async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
         """`source`: an HF folder path the server can read, or a model, which is first saved
         under `weights_dir/<version>` (a filesystem the server shares)."""
+        written = None
         if isinstance(source, MoEModel):
             if self.weights_dir is None:
                 raise RolloutError("pushing a model over HTTP needs weights_dir (a folder the "
                                    "server can read)")
             weight_version = weight_version or uuid.uuid4().hex[:8]
-            source = save_hf(source, self.weights_dir / f"weights_{weight_version}")
+            source = written = save_hf(source, self.weights_dir / f"weights_{weight_version}")
         body: dict[str, Any] = {"model_path": str(source), "flush_cache": True,
                                 "abort_all_requests": False}
         if weight_version is not None:
@@ -237,6 +240,11 @@ class HTTPBackend(RolloutBackend):
             resp = await self._post(s, "/update_weights_from_disk", body)
         if not isinstance(resp, dict) or not resp.get("success"):
             raise RolloutError(f"update_weights_from_disk({source}) failed: {resp!r}")
+        if written is not None:  # the server holds them in memory: keep only the newest folder
+            for old in self._written:
+                if Path(old) != Path(written):
+                    shutil.rmtree(old, ignore_errors=True)
+            self._written = [written]
         info = await self.get("/model_info")
         self.weight_version = str(info.get("weight_version", weight_version))
         return self.weight_version

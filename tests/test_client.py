@@ -139,7 +139,9 @@ def test_weight_versions_tracked_over_http(model, tmp_path):
         assert http.generate(req())[0].weight_version == "0" and http.weight_version == "0"
         torch.manual_seed(11)
         new = MoEModel(model.cfg)
+        assert http.update_weights(model, weight_version="s0") == "s0"
         assert http.update_weights(new, weight_version="s1") == "s1"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["weights_s1"]  # older one removed
         res = http.generate(req())[0]
         assert res.weight_version == "s1"
         want = LocalBackend(Engine.from_model(new, ENGINE)).generate(req())[0]
