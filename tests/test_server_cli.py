@@ -1,5 +1,5 @@
-"""`lockstep serve` as a real process on a folder written by transformers' save_pretrained;
-log-probs and routes checked against transformers itself (an independent implementation)."""
+"""Serving a folder written by transformers' save_pretrained: log-probs and routes checked
+against transformers itself (an independent implementation); `lockstep serve` as a process."""
 
 import socket
 import subprocess
@@ -8,14 +8,17 @@ import sys
 import pytest
 import torch
 
+from lockstep.launch.serve import main as serve_main
 from lockstep.moe.config import ModelConfig
 from lockstep.rollout.client import HTTPBackend, RolloutError
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 
-def test_serve_transformers_folder_matches_transformers(tmp_path):
+def _transformers_folder(tmp_path):
     hf_cfg = transformers.Qwen3MoeConfig(
         vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -24,7 +27,37 @@ def test_serve_transformers_folder_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
-    cfg = ModelConfig.from_json(tmp_path / "hf")
+    return hf, ModelConfig.from_json(tmp_path / "hf")
+
+
+def _check_against_transformers(http: HTTPBackend, hf) -> None:
+    reqs = [GenerateRequest([5, 9, 1, 7][:p], SamplingParams(max_new_tokens=10, seed=p))
+            for p in (4, 2, 3)]
+    for r in http.generate(reqs):
+        ids = torch.tensor(r.prompt_ids + r.output_ids)[None]
+        with torch.no_grad():
+            out = hf(ids, output_router_logits=True)
+        P, R = r.prompt_tokens, r.completion_tokens
+        lp = torch.log_softmax(out.logits[0].float(), -1)[P - 1:P + R - 1]
+        want = lp.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        assert torch.allclose(r.output_logprobs, want, atol=1e-4)
+        hf_routes = torch.stack([x.topk(2, dim=-1).indices for x in out.router_logits], 1)
+        assert torch.equal(r.routes_NLK.long().sort(-1).values,
+                           hf_routes[:P + R - 1].sort(-1).values)
+    with pytest.raises(RolloutError, match="HTTP 400"):
+        http.generate([GenerateRequest([41])])
+
+
+def test_transformers_folder_served_matches_transformers(tmp_path):
+    hf, cfg = _transformers_folder(tmp_path)
+    engine = Engine.from_hf(tmp_path / "hf", EngineConfig(dtype="fp32", max_len=64))
+    with ServerThread(engine, model_path=str(tmp_path / "hf")) as srv:
+        _check_against_transformers(HTTPBackend(srv.url, cfg), hf)
+
+
+@pytest.mark.slow
+def test_serve_cli_process(tmp_path):
+    hf, cfg = _transformers_folder(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -33,28 +66,14 @@ def test_serve_transformers_folder_matches_transformers(tmp_path):
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         http = HTTPBackend(f"http://127.0.0.1:{port}", cfg, retries=60, backoff_s=0.25)
-        reqs = [GenerateRequest([5, 9, 1, 7][:p], SamplingParams(max_new_tokens=10, seed=p))
-                for p in (4, 2, 3)]
-        for r in http.generate(reqs):
-            ids = torch.tensor(r.prompt_ids + r.output_ids)[None]
-            with torch.no_grad():
-                out = hf(ids, output_router_logits=True)
-            P, R = r.prompt_tokens, r.completion_tokens
-            lp = torch.log_softmax(out.logits[0].float(), -1)[P - 1:P + R - 1]
-            want = lp.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
-            assert torch.allclose(r.output_logprobs, want, atol=1e-4)
-            hf_routes = torch.stack([x.topk(2, dim=-1).indices for x in out.router_logits], 1)
-            assert torch.equal(r.routes_NLK.long().sort(-1).values,
-                               hf_routes[:P + R - 1].sort(-1).values)
-        with pytest.raises(RolloutError, match="HTTP 400"):
-            http.generate([GenerateRequest([41])])
+        _check_against_transformers(http, hf)
         assert proc.poll() is None  # still serving
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def test_serve_reports_unloadable_folder(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lockstep.launch.serve", "--model",
-                        str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "cannot load" in r.stderr and "config.json" in r.stderr
+def test_serve_reports_unloadable_folder(tmp_path, capsys):
+    assert serve_main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load" in err and "config.json" in err
