@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=64, help="sequences decoded at once")
     p.add_argument("--max-len", type=int, default=None,
                    help="prompt + generated tokens per sequence (default: model's max positions)")
+    p.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
+                   help="refuse sampling-mask requests whose support could exceed this (SGLang's flag)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"lockstep serve: {args.model} ({args.dtype}) on http://{args.host}:{args.port}",
           flush=True)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
-               model_path=args.model)
+               model_path=args.model, sampling_mask_max_tokens=args.sampling_mask_max_tokens)
     return 0
 
 

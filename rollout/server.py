@@ -145,8 +145,13 @@ class _Parsed:
     mask_mode: str | None
 
 
-def parse_generate(body: Any) -> tuple[list[_Parsed], bool]:
-    """SGLang /generate body -> requests; also whether the input was a batch."""
+def parse_generate(body: Any, vocab_size: int | None = None,
+                   mask_max_tokens: int | None = None) -> tuple[list[_Parsed], bool]:
+    """SGLang /generate body -> requests; also whether the input was a batch.
+
+    `mask_max_tokens` plays SGLang's --sampling-mask-max-tokens: a request for the sampling
+    mask whose support could exceed it (top_k unset or larger, vocabulary larger) is refused
+    up front, so clients keep top_k below it as they must with SGLang."""
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
     if body.get("stream"):
@@ -184,6 +189,13 @@ def parse_generate(body: Any) -> tuple[list[_Parsed], bool]:
         rstart = _check_type("routed_experts_start_len", g("routed_experts_start_len", 0), int)
         mask = _check_type("return_sampling_mask", g("return_sampling_mask", False), bool)
         mode = g("sampling_logprobs_mode", None)
+        if mask and mask_max_tokens is not None and vocab_size is not None \
+                and vocab_size > mask_max_tokens \
+                and not (sp.greedy or 1 <= sp.top_k <= mask_max_tokens):
+            raise RequestError(f"return_sampling_mask with top_k={sp.top_k} could return "
+                               f"supports of up to {vocab_size} ids, more than "
+                               f"sampling_mask_max_tokens={mask_max_tokens}: set top_k <= "
+                               f"{mask_max_tokens}")
         if mode is not None and not mask:
             raise RequestError("sampling_logprobs_mode needs return_sampling_mask=true")
         if mode is not None and mode not in _SAMPLING_LOGPROBS_MODES:
@@ -255,6 +267,7 @@ def build_response(res: GenerationResult, p: _Parsed, engine: Engine, n: int) ->
 
 
 def create_app(engine: Engine, api_key: str | None = None, model_path: str | None = None,
+               sampling_mask_max_tokens: int | None = 4096,
                max_body_bytes: int = 256 * 1024 * 1024) -> web.Application:
     """The aiohttp application (engine worker started and stopped with the app)."""
     worker = EngineWorker(engine)
@@ -277,7 +290,8 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             raise RequestError(f"request body is not valid JSON: {e}") from None
 
     async def generate(request: web.Request) -> web.Response:
-        parsed, batched = parse_generate(await body_of(request))
+        parsed, batched = parse_generate(await body_of(request), engine.vocab_size,
+                                         sampling_mask_max_tokens)
         busy = [p.req.rid for p in parsed if p.req.rid in worker._waiters]
         if busy:
             raise RequestError(f"rid {busy[0]!r} is already running")
@@ -384,8 +398,10 @@ class ServerThread:
     own engine): `with ServerThread(engine) as srv: ... srv.url`."""
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, model_path: str | None = None):
-        self.app = create_app(engine, api_key=api_key, model_path=model_path)
+                 api_key: str | None = None, model_path: str | None = None,
+                 sampling_mask_max_tokens: int | None = 4096):
+        self.app = create_app(engine, api_key=api_key, model_path=model_path,
+                              sampling_mask_max_tokens=sampling_mask_max_tokens)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -423,7 +439,10 @@ class ServerThread:
 
 
 def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 30000,
-               api_key: str | None = None, model_path: str | None = None) -> None:
+               api_key: str | None = None, model_path: str | None = None,
+               sampling_mask_max_tokens: int | None = 4096) -> None:
     """Serve until interrupted (what `lockstep serve` runs)."""
-    web.run_app(create_app(engine, api_key=api_key, model_path=model_path), host=host,
-                port=port, access_log=None, print=lambda s: print(s, flush=True))
+    app = create_app(engine, api_key=api_key, model_path=model_path,
+                     sampling_mask_max_tokens=sampling_mask_max_tokens)
+    web.run_app(app, host=host, port=port, access_log=None,
+                print=lambda s: print(s, flush=True))

@@ -205,6 +205,17 @@ def test_abort_request_finishes_running_request(server):
     assert call(server.url, "/abort_request", {"rid": 3})[0] == 400
 
 
+def test_sampling_mask_max_tokens(model):
+    with ServerThread(Engine.from_model(model, ENGINE), sampling_mask_max_tokens=8) as srv:
+        body = {"input_ids": [1, 2], "return_sampling_mask": True,
+                "sampling_params": {"max_new_tokens": 2}}
+        status, out = call(srv.url, "/generate", body)
+        assert status == 400 and "sampling_mask_max_tokens=8: set top_k <= 8" in out["error"]["message"]
+        body["sampling_params"]["top_k"] = 8
+        status, out = call(srv.url, "/generate", body)
+        assert status == 200 and all(len(m) <= 8 for m in out["meta_info"]["output_token_sampling_mask"])
+
+
 def test_api_key(model):
     with ServerThread(Engine.from_model(model, ENGINE), api_key="sekret") as srv:
         body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
