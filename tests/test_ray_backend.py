@@ -2,6 +2,7 @@
 in-process engine's, weight pushes reach every worker, the RL loop runs on it, and a worker
 that dies is named in the error. One cluster for the module; ~1 minute on 2 cores."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from lockstep.launch.ray_workers import RayBackend, shard  # noqa: E402
+from lockstep.moe.checkpoint import save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.rollout.client import LocalBackend, RolloutError  # noqa: E402
 from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
@@ -30,7 +32,8 @@ ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    # address="local": a private cluster even where `ray start` runs (or left a stale address)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
@@ -80,8 +83,9 @@ class TestTwoEngines:
     """One 2-engine backend for the parity and weight-sync checks (closed after the class)."""
 
     @pytest.fixture(scope="class")
-    def backend(self, cluster, model):
-        b = RayBackend.from_model(model, ENGINE, num_engines=2)
+    def backend(self, cluster, model, tmp_path_factory):
+        # built from an HF folder (the Trainer test covers building from a model's state dict)
+        b = RayBackend(save_hf(model, tmp_path_factory.mktemp("hf")), ENGINE, num_engines=2)
         yield b
         b.close()
 
@@ -100,10 +104,10 @@ class TestTwoEngines:
         assert len(got) == 15 and all(shard(reqs, 2))  # both workers had requests
         _assert_same(got, want)
 
-    def test_weight_sync_reaches_every_worker(self, backend, model):
+    def test_weight_sync_reaches_every_worker(self, backend, model, tmp_path):
         new = MoEModel(model.cfg)  # fresh random weights (a different seed than `model`)
         before = backend.generate(_requests(seed=7))
-        assert backend.update_weights(new, "v1") == "v1"
+        assert backend.update_weights(save_hf(new, tmp_path / "new"), "v1") == "v1"
         after = backend.generate(_requests(seed=7))
         assert {r.weight_version for r in after} == {"v1"}
         local = LocalBackend(Engine.from_model(model, ENGINE))
@@ -115,8 +119,10 @@ class TestTwoEngines:
             assert any(a.output_ids != b.output_ids or
                        not torch.allclose(a.output_logprobs, b.output_logprobs)
                        for a, b in zip(after[lo:hi], before[lo:hi]))
-        # an HF-style version bump without an explicit version
+        # a native state dict, cast to the engines' dtypes; version bumped when not given
         assert backend.update_weights(new.state_dict()) == "v1+1"
+        _assert_same(backend.generate(_requests(seed=7)),
+                     [dataclasses.replace(r, weight_version="v1+1") for r in after])
 
     def test_stale_weight_version_is_refused(self, backend, model):
         # one worker loads weights behind the backend's back
