@@ -4,12 +4,19 @@
     batch of engine rollouts (bf16 engine, fp32 actor), with R3 replay of the engine's routes
     vs natural routing. Modes alternate within each repeat; medians are compared.
     Target: replay overhead <= 3%.
+(c) (with --mismatch-model DIR, e.g. a warm-started toy checkpoint) Where the train/infer
+    mismatch comes from: on fixed batches sampled by the bf16 engine, k3 KL of the fp32 actor's
+    log-probs vs the engine's with replay off and with R3, split into tokens whose prediction
+    depends on a routing flip (an engine/actor expert-set difference at any earlier position)
+    and the rest; repeated with the engine's LM head, then also its router, in fp32.
 (b) Peak memory added by the log-prob of the chosen tokens (forward + backward) on a large
     vocabulary, full fp32 log-softmax vs `kernels.logprob.chunked_logprobs`, measured in
     separate processes by bench/logprob_memory.py. Target: chunked/full <= 1/4.
 
     OMP_NUM_THREADS=1 python bench/train_step.py
     OMP_NUM_THREADS=1 python bench/train_step.py --repeats 15 --vocab 65536 --tokens 2048
+    OMP_NUM_THREADS=1 python bench/train_step.py --skip-memory --repeats 3 \
+        --mismatch-model runs/toy/checkpoints/step_300/hf
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
-from lockstep.replay import old_logprob_plan, update_plan
+from lockstep.replay import compare_routes, old_logprob_plan, update_plan
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
@@ -94,6 +102,56 @@ def bench_replay(args) -> None:
               f"{(med['R3'] / med['off'] - 1) * 100:+.1f}%, target <= +3%)")
 
 
+def bench_mismatch(args) -> None:
+    cfg = load_config(ROOT / "configs/toy_r3.yaml")
+    task, model = Task(cfg.task), load_hf(args.mismatch_model)
+    c = model.cfg
+    actor = TorchActor(model, cfg.actor, total_updates=1)
+    print(f"(c) train/infer k3 KL on {args.mismatch_batches} batches of "
+          f"{cfg.rollout.batch_size} samples from {args.mismatch_model}")
+    for extra in ({}, {"lm_head_dtype": "fp32"}, {"lm_head_dtype": "fp32", "router_dtype": "fp32"}):
+        engine = Engine.from_model(model, EngineConfig(
+            dtype="bf16", max_running=cfg.rollout.batch_size,
+            max_len=task.prompt_len + task.max_new_tokens, **extra))
+        sums = {(m, part): [0.0, 0] for m in ("off", "R3") for part in ("flip", "rest")}
+        flip_rates = []
+        for b in range(args.mismatch_batches):
+            problems = task.problems(777, b * cfg.rollout.prompts_per_step,
+                                     cfg.rollout.prompts_per_step)
+            reqs = [GenerateRequest(task.prompt_ids(p), SamplingParams(
+                max_new_tokens=task.max_new_tokens, n=cfg.rollout.samples_per_prompt,
+                seed=10**6 * b + 8 * i)) for i, p in enumerate(problems)]
+            batch = collate(engine.generate(reqs), task.pad_id, c.num_experts,
+                            c.num_moe_layers, c.num_experts_per_tok)
+            routes, valid = batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT
+            resp_BT = batch.response_mask_BT
+            for mode in ("off", "R3"):
+                res = actor.logprobs(batch, *((routes, valid) if mode == "R3" else ()))
+                log_r = res.logprobs_BT - batch.rollout_logprobs_BT
+                k3_BT = log_r.exp() - 1 - log_r
+                if mode == "off":  # token t is predicted from positions < t
+                    cmp = compare_routes(routes, res.natural_BTLK, valid)
+                    flip_rates.append(float(cmp.flip_BTL[valid].float().mean()))
+                    seen_BT = cmp.any_flip_BT.cumsum(1) > 0
+                    hit_BT = torch.zeros_like(resp_BT)
+                    hit_BT[:, 1:] = seen_BT[:, :-1]
+                for part, sel in (("flip", hit_BT & resp_BT), ("rest", ~hit_BT & resp_BT)):
+                    sums[(mode, part)][0] += float(k3_BT[sel].sum())
+                    sums[(mode, part)][1] += int(sel.sum())
+        n_flip, n_rest = sums[("off", "flip")][1], sums[("off", "rest")][1]
+        k3 = {(m, part): sums[(m, part)][0] / max(sums[(m, part)][1], 1) for m, part in sums}
+        for m in ("off", "R3"):
+            k3[(m, "all")] = (sums[(m, "flip")][0] + sums[(m, "rest")][0]) / (n_flip + n_rest)
+        name = "engine bf16" + "".join(f", {k[:-6]} fp32" for k in extra)
+        print(f"  {name}: flip rate {statistics.mean(flip_rates):.4f}, response tokens after "
+              f"a flip {n_flip / (n_flip + n_rest):.3f}")
+        for m in ("off", "R3"):
+            print(f"    {m:3s} k3 all {k3[(m, 'all')]:.3e} | after a flip "
+                  f"{k3[(m, 'flip')]:.3e} | rest {k3[(m, 'rest')]:.3e}")
+        print("    R3 / off: " + ", ".join(f"{part} {k3[('R3', part)] / k3[('off', part)]:.3f}"
+                                           for part in ("all", "flip", "rest")))
+
+
 def bench_memory(args) -> None:
     print(f"(b) log-prob peak memory, via bench/logprob_memory.py")
     cmd = [sys.executable, str(ROOT / "bench/logprob_memory.py"), "--tokens", str(args.tokens),
@@ -111,8 +169,12 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256, help="(b) hidden size")
     ap.add_argument("--mem-repeats", type=int, default=1, help="(b) repeats")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--mismatch-model", default=None, help="(c) HF folder of a trained toy policy")
+    ap.add_argument("--mismatch-batches", type=int, default=8, help="(c) batches")
     args = ap.parse_args()
     bench_replay(args)
+    if args.mismatch_model:
+        bench_mismatch(args)
     if not args.skip_memory:
         bench_memory(args)
 

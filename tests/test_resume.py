@@ -20,7 +20,7 @@ OVERRIDES = ["warmstart.enabled=false", "rollout.prompts_per_step=8",
 
 
 def _train(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lockstep.launch.train", "--out", str(out), "--no-progress",
+    cmd = [sys.executable, "-m", "lockstep.launch.cli", "train", "--out", str(out), "--no-progress",
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -62,8 +62,8 @@ class Batch:
 
     def rows(self, idx: torch.Tensor) -> "Batch":
         """The sub-batch of rows `idx` (long [b])."""
-        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                        for f in fields(self)})
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{k: None if v is None else v[idx] for k, v in parts.items()})
 
 
 def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
