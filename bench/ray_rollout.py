@@ -85,14 +85,15 @@ def main() -> None:
         ray.shutdown()
     tokens = args.prompts * args.n * args.new
     params = sum(p.numel() for p in model.parameters())
-    print(f"preset {args.preset} ({params / 1e6:.1f}M params, {args.dtype}), {args.prompts} prompts "
-          f"x {args.n} samples x {args.new} new tokens, {args.engines} engines, "
-          f"median of {args.repeats}; same samples: {same}")
-    # NOTE: the engine is bound by per-step overhead, so N engines on N/N-th of the batch do
+    print(f"preset {args.preset} ({params / 1e6:.1f}M params, {args.dtype}), "
+          f"{args.prompts} prompts x {args.n} samples x {args.new} new tokens, "
+          f"{args.engines} engines, median of {args.repeats}; same samples: {same}")
+    # NOTE: the engine is bound by per-step overhead, so N engines on 1/N of the batch each do
     # more total work than one engine; the speed-up needs N free cores.
     print(f"start-up: ray.init {t_init:.1f} s, {args.engines} workers {t_workers:.1f} s")
     print(f"(a) generate: in-process {gen_local:.3f} s ({tokens / gen_local:.0f} tok/s), "
-          f"ray {gen_ray:.3f} s ({tokens / gen_ray:.0f} tok/s): speed-up x{gen_local / gen_ray:.2f}")
+          f"ray {gen_ray:.3f} s ({tokens / gen_ray:.0f} tok/s): "
+          f"speed-up x{gen_local / gen_ray:.2f}")
     print(f"(b) weight push: in-process {push_local * 1e3:.1f} ms, ray {push_ray * 1e3:.1f} ms: "
           f"x{push_ray / push_local:.1f} the in-process copy")
 

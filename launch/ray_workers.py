@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,8 @@ class WorkerInfo:
     threads: int = 0
 
     def __str__(self) -> str:
-        return f"engine worker {self.index} ({self.name}, pid {self.pid}, node {self.node[:12]})"
+        where = "starting" if self.pid < 0 else f"pid {self.pid}, node {self.node[:12]}"
+        return f"engine worker {self.index} ({self.name}, {where})"
 
 
 def shard(requests: list[GenerateRequest], num_shards: int) -> list[list[GenerateRequest]]:
@@ -119,7 +121,8 @@ class RayBackend(RolloutBackend):
                  threads_per_engine: int = 1, startup_timeout_s: float = 300.0,
                  name: str = "lockstep-engine"):
         if not (isinstance(num_engines, int) and num_engines >= 1):
-            raise ValueError(f"RayBackend: num_engines must be a positive integer, got {num_engines!r}")
+            raise ValueError(f"RayBackend: num_engines must be a positive integer, "
+                             f"got {num_engines!r}")
         if isinstance(source, MoEModel):
             source, model_cfg = source.state_dict(), source.cfg
         if isinstance(source, dict) and model_cfg is None:
@@ -132,9 +135,10 @@ class RayBackend(RolloutBackend):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address, runtime_env={"env_vars": WORKER_ENV})
-        self.pg: PlacementGroup | None = placement_group(
-            [{"CPU": cpus_per_engine}] * num_engines, strategy=strategy, name=f"{name}-{os.getpid()}-{id(self):x}")
+        self.pg: PlacementGroup | None = None
         try:
+            self.pg = placement_group([{"CPU": cpus_per_engine}] * num_engines, strategy=strategy,
+                                      name=f"{name}-{os.getpid()}-{id(self):x}")
             if not self.pg.wait(startup_timeout_s):
                 raise RolloutError(
                     f"RayBackend: could not reserve {num_engines} bundles of {cpus_per_engine} "
@@ -146,8 +150,7 @@ class RayBackend(RolloutBackend):
             remote_cls = ray.remote(EngineWorker)
             for i, info in enumerate(self.infos):
                 self.workers.append(remote_cls.options(
-                    num_cpus=cpus_per_engine,
-                    max_restarts=0, runtime_env={"env_vars": WORKER_ENV},
+                    num_cpus=cpus_per_engine, max_restarts=0, runtime_env={"env_vars": WORKER_ENV},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=i),
                 ).remote(src, model_cfg, engine_cfg, self.weight_version, threads_per_engine))
@@ -281,7 +284,8 @@ class RayBackend(RolloutBackend):
 def _reason(e: RayActorError) -> str:
     """Ray's death message, cut to its first line plus the last line of any traceback in it
     (a constructor's exception)."""
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Ray colours its task names
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     if not lines:
         return type(e).__name__
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"

@@ -90,7 +90,8 @@ class TestTwoEngines:
         b.close()
 
     def test_workers_placed_one_thread_each(self, backend):
-        assert len({i.pid for i in backend.infos}) == 2 and os.getpid() not in {i.pid for i in backend.infos}
+        pids = {i.pid for i in backend.infos}
+        assert len(pids) == 2 and os.getpid() not in pids
         assert [i.threads for i in backend.infos] == [1, 1]
         pg_table = ray.util.placement_group_table(backend.pg)
         assert pg_table["state"] == "CREATED" and len(pg_table["bundles"]) == 2
@@ -159,7 +160,8 @@ def test_trainer_runs_two_steps_on_ray(cluster, tmp_path):
     tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
     assert isinstance(tr.rollout, RayBackend) and len(tr.rollout.infos) == 2
     summary = tr.run()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["replay/mismatch"] == 0.0 and summary["steps"] == 2
     assert tr.rollout.closed  # run() released the workers and the placement group
