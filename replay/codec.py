@@ -7,22 +7,21 @@ layer; a dense layer's rows are zeros. Internally we keep MoE layers only, so th
 
 Compact (lockstep, opt-in): a client sets the top-level request field
 `lockstep_routed_experts_encoding: "compact"` (SGLang ignores unknown top-level keys and keeps
-sending int32). The payload is base64 of a 24-byte little-endian header followed by the ids,
-MoE layers only, as uint8 (num_experts <= 256) or uint16, row-major [rows, L, K]:
+sending int32). The payload is base64 of a 5-byte header followed by the ids of the MoE layers
+only, row-major [rows, L, K], bit-packed at b = ceil(log2(num_experts)) bits per id (E=8 -> 3,
+E=128 -> 7, E=256 -> 8) as one little-endian bitstream (id i = bits [i*b, (i+1)*b), zero pad):
 
-    offset size field
-    0      4    magic b"LSRT"
-    4      1    version (1)
-    5      1    bytes per id (1 or 2)
-    6      2    num_layers L (MoE layers)   uint16
-    8      2    top_k K                     uint16
-    10     2    reserved (0)                uint16
-    12     4    num_experts E               uint32
-    16     4    start (routed_experts_start_len) uint32
-    20     4    rows                        uint32
+    offset field
+    0      magic 0x4C ('L')
+    1      version (2)
+    2      bits per id b (1..16; never 0)
+    3      rows mod 256
+    4      crc32(<III L, K, E) & 0xFF (layout check)
 
-An SGLang int32 payload can never start with the magic (its first id < 2**16 makes bytes
-2-3 zero), so `decode_routes` tells the two apart and a client falls back to int32 by itself.
+Rows, L, K and E are not spelled out: the decoder already knows what to expect and checks the
+body length ceil(rows*L*K*b/8), the low byte of rows and the layout byte against it. An SGLang
+int32 payload never has a non-zero byte 2 (its first id is < 2**16), so `decode_routes` tells
+the two apart and a client falls back to int32 by itself.
 Shapes: N rows, H decoder layers (num_hidden_layers), L MoE layers, K top-k.
 """
 
@@ -31,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,10 +44,10 @@ ENCODING_INT32 = "int32"
 ENCODING_COMPACT = "compact"
 ENCODINGS = (ENCODING_INT32, ENCODING_COMPACT)
 
-COMPACT_MAGIC = b"LSRT"
-COMPACT_VERSION = 1
-_HEADER = struct.Struct("<4sBBHHHIII")
-COMPACT_HEADER_BYTES = _HEADER.size  # 24
+COMPACT_MAGIC = 0x4C  # b"L"
+COMPACT_VERSION = 2  # 1 was the 24-byte-header uint8/uint16 format
+_HEADER = struct.Struct("<BBBBB")  # magic, version, bits per id, rows & 0xFF, layout check
+COMPACT_HEADER_BYTES = _HEADER.size  # 5
 
 
 def _who(sample: int | None) -> str:
@@ -132,56 +132,151 @@ def encode_sglang(trace: RoutingTrace, num_hidden_layers: int,
 
 
 # ---- compact ------------------------------------------------------------------------------
+def compact_bits(num_experts: int) -> int:
+    """Bits per id on the compact wire: ceil(log2(num_experts)), at least 1."""
+    compact_dtype(num_experts)  # validates 1 <= num_experts <= MAX_EXPERTS
+    return max(1, (num_experts - 1).bit_length())
+
+
+def _layout_check(num_layers: int, top_k: int, num_experts: int) -> int:
+    """One byte summarising (L, K, E): catches e.g. L and K swapped, which keep the body length."""
+    return zlib.crc32(struct.pack("<III", num_layers, top_k, num_experts)) & 0xFF
+
+
+def pack_bits(ids: np.ndarray, bits: int) -> bytes:
+    """Non-negative ints < 2**bits (any shape, bits <= 16) -> little-endian bitstream: id i
+    occupies bits [i*bits, (i+1)*bits), bit 0 = least significant bit of byte 0; zero padding."""
+    v_n = np.asarray(ids).reshape(-1)
+    n = v_n.size
+    if n and (int(v_n.min()) < 0 or int(v_n.max()) >> bits):
+        raise RouteError(f"pack_bits: ids must lie in [0, 2**{bits}), got "
+                         f"[{int(v_n.min())}, {int(v_n.max())}]")
+    if bits in (8, 16):
+        return v_n.astype(np.uint8 if bits == 8 else "<u2").tobytes()
+    nbytes = (n * bits + 7) // 8
+    if bits < 8:
+        # 8 ids fill exactly `bits` bytes: build each group as one little-endian uint64 word.
+        v_G8 = np.zeros(-(-n // 8) * 8, dtype=np.uint8)
+        v_G8[:n] = v_n
+        v_G8 = v_G8.reshape(-1, 8)
+        word_G = v_G8[:, 0].astype(np.uint64)
+        for j in range(1, 8):  # casting one column at a time beats shifting a strided uint64 view
+            word_G |= v_G8[:, j].astype(np.uint64) << np.uint64(j * bits)
+        return word_G.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :bits].tobytes()[:nbytes]
+    # 9..15 bits (E in 257..32768): spread every id over its bits, then repack.
+    bits_nB = np.unpackbits(v_n.astype("<u2").view(np.uint8).reshape(-1, 2), axis=1,
+                            bitorder="little")
+    return np.packbits(bits_nB[:, :bits].reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(body: bytes, count: int, bits: int) -> tuple[np.ndarray, bool]:
+    """Inverse of `pack_bits` for a body of exactly ceil(count*bits/8) bytes: (`count` ids as
+    int64, whether the padding bits after the last id are all zero)."""
+    buf = np.frombuffer(body, dtype=np.uint8)
+    if bits in (8, 16):
+        return buf.view(np.uint8 if bits == 8 else "<u2").astype(np.int64), True
+    used = count * bits
+    pad_clean = used % 8 == 0 or not (int(buf[-1]) >> (used % 8))
+    if bits < 8:
+        groups = -(-count // 8)
+        packed = np.zeros(groups * bits, dtype=np.uint8)
+        packed[:buf.size] = buf
+        bytes_G8 = np.zeros((groups, 8), dtype=np.uint8)
+        bytes_G8[:, :bits] = packed.reshape(groups, bits)  # `bits` bytes hold 8 ids
+        word_G = bytes_G8.view("<u8").reshape(groups)
+        shift_8 = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+        ids_G8 = (word_G[:, None] >> shift_8) & np.uint64((1 << bits) - 1)
+        return ids_G8.reshape(-1)[:count].astype(np.int64), pad_clean
+    # 9..15 bits: an id starts at bit offset % 8 <= 7 and so lies within 3 bytes.
+    padded = np.zeros(buf.size + 2, dtype=np.uint32)
+    padded[:buf.size] = buf
+    offset_n = np.arange(count, dtype=np.int64) * bits
+    byte_n = offset_n >> 3
+    word_n = padded[byte_n] | (padded[byte_n + 1] << 8) | (padded[byte_n + 2] << 16)
+    ids_n = (word_n >> (offset_n & 7).astype(np.uint32)) & ((1 << bits) - 1)
+    return ids_n.astype(np.int64), pad_clean
+
+
 def encode_compact(trace: RoutingTrace) -> str:
-    """RoutingTrace -> base64(header + uint8/uint16 little-endian ids), MoE layers only."""
-    itemsize = trace.ids_NLK.element_size()
-    header = _HEADER.pack(COMPACT_MAGIC, COMPACT_VERSION, itemsize, trace.num_layers,
-                          trace.top_k, 0, trace.num_experts, trace.start, trace.num_rows)
-    body = trace.ids_NLK.numpy().astype("<u1" if itemsize == 1 else "<u2", copy=False).tobytes()
-    return base64.b64encode(header + body).decode("ascii")
+    """RoutingTrace -> base64(5-byte header + bit-packed ids), MoE layers only, row-major."""
+    bits = compact_bits(trace.num_experts)
+    header = _HEADER.pack(COMPACT_MAGIC, COMPACT_VERSION, bits, trace.num_rows & 0xFF,
+                          _layout_check(trace.num_layers, trace.top_k, trace.num_experts))
+    return base64.b64encode(header + pack_bits(trace.ids_NLK.numpy(), bits)).decode("ascii")
 
 
 def _decode_compact_raw(raw: bytes, num_tokens_expected: int, num_layers: int, top_k: int,
                         num_experts: int, sample: int | None, start_len: int) -> RoutingTrace:
     who = _who(sample)
-    if len(raw) < COMPACT_HEADER_BYTES or raw[:4] != COMPACT_MAGIC:
+    if raw[:4] == b"LSRT":
+        raise RouteError(f"{who}: compact version 1 payload (24-byte 'LSRT' header); this reader "
+                         f"knows version {COMPACT_VERSION} (bit-packed): upgrade the server")
+    if len(raw) < COMPACT_HEADER_BYTES or raw[0] != COMPACT_MAGIC:
         raise RouteError(f"{who}: compact payload must start with the {COMPACT_HEADER_BYTES}-byte "
-                         f"header beginning {COMPACT_MAGIC!r}, got {raw[:4]!r} ({len(raw)} bytes)")
-    _, version, itemsize, L, K, _, E, start, rows = _HEADER.unpack_from(raw)
+                         f"header beginning {bytes([COMPACT_MAGIC])!r}, got {raw[:4]!r} "
+                         f"({len(raw)} bytes; truncated?)")
+    _, version, bits, rows_lo, layout = _HEADER.unpack_from(raw)
     if version != COMPACT_VERSION:
         raise RouteError(f"{who}: compact version {version}, this reader knows {COMPACT_VERSION}")
-    expected_itemsize = torch.empty(0, dtype=compact_dtype(num_experts)).element_size()
-    got = {"num_layers": L, "top_k": K, "num_experts": E, "start_len": start, "rows": rows,
-           "bytes per id": itemsize}
-    want = {"num_layers": num_layers, "top_k": top_k, "num_experts": num_experts,
-            "start_len": start_len, "rows": num_tokens_expected, "bytes per id": expected_itemsize}
-    for name in got:
-        if got[name] != want[name]:
-            raise RouteError(f"{who}: compact header says {name}={got[name]}, expected {want[name]}")
+    want_bits = compact_bits(num_experts)
+    if bits != want_bits:
+        raise RouteError(f"{who}: compact header says {bits} bits per id, expected {want_bits} "
+                         f"for num_experts={num_experts} (the server's model has another E)")
+    want_layout = _layout_check(num_layers, top_k, num_experts)
+    if layout != want_layout:
+        raise RouteError(f"{who}: compact header layout check 0x{layout:02x} does not match "
+                         f"num_layers={num_layers} (MoE), top_k={top_k}, num_experts={num_experts} "
+                         f"(0x{want_layout:02x}); the server's model has another layout")
+    if rows_lo != num_tokens_expected & 0xFF:
+        raise RouteError(f"{who}: compact header says rows={rows_lo}, expected "
+                         f"{num_tokens_expected} (the header holds rows mod 256; expected is "
+                         f"prompt + completion - 1 - start_len {start_len})")
+    count = num_tokens_expected * num_layers * top_k
     body = raw[COMPACT_HEADER_BYTES:]
-    if len(body) != rows * L * K * itemsize:
-        raise RouteError(f"{who}: compact body has {len(body)} bytes, header implies "
-                         f"{rows}x{L}x{K}x{itemsize} = {rows * L * K * itemsize}")
-    ids = np.frombuffer(body, dtype="<u1" if itemsize == 1 else "<u2").reshape(rows, L, K)
-    return RoutingTrace(torch.from_numpy(ids.astype(np.int64)), num_experts, start=start_len,
-                        sample=sample)
+    want_len = (count * bits + 7) // 8
+    if len(body) != want_len:
+        raise RouteError(f"{who}: compact body has {len(body)} bytes, expected "
+                         f"ceil({num_tokens_expected} rows x {num_layers} layers x top_k {top_k} x "
+                         f"{bits} bits / 8) = {want_len} (truncated, or wrong rows)")
+    ids_n, clean_pad = unpack_bits(body, count, bits)
+    if not clean_pad:
+        raise RouteError(f"{who}: compact body has non-zero padding bits after id {count} "
+                         f"(corrupt payload, or fewer rows than {num_tokens_expected})")
+    ids_NLK = torch.from_numpy(ids_n.reshape(num_tokens_expected, num_layers, top_k))
+    return RoutingTrace(ids_NLK, num_experts, start=start_len, sample=sample)
 
 
 def decode_compact(payload: str | bytes, num_tokens_expected: int, num_layers: int, top_k: int,
                    num_experts: int, sample: int | None = None, start_len: int = 0) -> RoutingTrace:
-    """Compact payload -> RoutingTrace; every header field is checked against the caller's
-    expectation (`num_layers` = MoE layers)."""
+    """Compact payload -> RoutingTrace (`num_layers` = MoE layers). Errors (RouteError naming
+    the sample): bad base64 or header, a version, bits per id, layout byte or rows low byte
+    other than the caller's model and `num_tokens_expected` imply, a body length other than
+    ceil(rows*L*K*bits/8), non-zero padding bits, ids out of [0, num_experts) or repeated."""
     return _decode_compact_raw(_b64decode(payload, sample), num_tokens_expected, num_layers,
                                top_k, num_experts, sample, start_len)
+
+
+def _is_compact(raw: bytes) -> bool:
+    # int32: bytes 2-3 hold the high half of an id < 2**16, so they are zero.
+    return len(raw) >= 3 and raw[0] == COMPACT_MAGIC and raw[2] != 0
+
+
+def routes_encoding(payload: str | bytes) -> str:
+    """`compact` or `int32`: which encoding a `routed_experts` payload uses (reads 6 bytes)."""
+    try:
+        head = base64.b64decode(payload[:8])
+    except (binascii.Error, ValueError, TypeError):
+        return ENCODING_INT32  # let decode_routes report the bad payload
+    return ENCODING_COMPACT if _is_compact(head) else ENCODING_INT32
 
 
 def decode_routes(payload: str | bytes, num_tokens_expected: int, num_hidden_layers: int,
                   moe_layer_ids: Sequence[int], top_k: int, num_experts: int,
                   sample: int | None = None, start_len: int = 0) -> RoutingTrace:
-    """Decode either encoding: compact when the payload starts with the compact magic, else
+    """Decode either encoding: compact when the payload starts with the compact header, else
     SGLang int32. What a client uses, since a real SGLang server ignores the compact request."""
     raw = _b64decode(payload, sample)
-    if raw[:4] == COMPACT_MAGIC:
+    if _is_compact(raw):
         layers = _check_layer_map(num_hidden_layers, moe_layer_ids)
         return _decode_compact_raw(raw, num_tokens_expected, len(layers), top_k, num_experts,
                                    sample, start_len)
@@ -201,11 +296,11 @@ def encode_routes(trace: RoutingTrace, encoding: str, num_hidden_layers: int,
 
 
 def wire_bytes_per_token(encoding: str, num_hidden_layers: int, num_moe_layers: int, top_k: int,
-                         num_experts: int) -> int:
-    """Decoded bytes per route row (base64 adds 4/3 to both alike; compact adds a 24-byte
-    header per sample)."""
+                         num_experts: int) -> float:
+    """Decoded bytes per route row (base64 adds 4/3 to both alike; compact adds a
+    COMPACT_HEADER_BYTES header per sample and pads the last byte)."""
     if encoding == ENCODING_INT32:
-        return 4 * num_hidden_layers * top_k
+        return float(4 * num_hidden_layers * top_k)
     if encoding == ENCODING_COMPACT:
-        return torch.empty(0, dtype=compact_dtype(num_experts)).element_size() * num_moe_layers * top_k
+        return compact_bits(num_experts) * num_moe_layers * top_k / 8
     raise RouteError(f"unknown routes encoding {encoding!r}; valid: {list(ENCODINGS)}")

@@ -9,7 +9,6 @@ log-probs after temperature, the finish reason and the weight version that produ
 from __future__ import annotations
 
 import asyncio
-import base64
 import random
 import shutil
 import uuid
@@ -23,8 +22,8 @@ import torch
 from ..moe.checkpoint import save_hf
 from ..moe.config import ModelConfig
 from ..moe.model import MoEModel
-from ..replay.codec import (COMPACT_MAGIC, ENCODING_COMPACT, ENCODING_INT32,
-                            ENCODING_REQUEST_FIELD, decode_routes)
+from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
+                            decode_routes, routes_encoding)
 from .engine import Engine
 from .types import GenerateRequest, GenerationResult
 
@@ -193,9 +192,7 @@ class HTTPBackend(RolloutBackend):
             c = self.cfg
             trace = decode_routes(payload, P + R - 1, c.num_hidden_layers, c.moe_layer_ids,
                                   c.num_experts_per_tok, c.num_experts, sample=i)
-            compact = base64.b64decode(payload[:8])[:4] == COMPACT_MAGIC
-            enc = ENCODING_COMPACT if compact else ENCODING_INT32
-            self.encodings_seen[enc] += 1
+            self.encodings_seen[routes_encoding(payload)] += 1
             self.route_bytes_received += len(payload)
             routes = trace.ids_NLK
         version = str(meta.get("weight_version", "unknown"))
