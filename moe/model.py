@@ -116,27 +116,8 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x2, x1), dim=-1)
 
 
-class Rope(torch.autograd.Function):
-    """y = x * cos + swap_halves(x) * sin_signed, with a hand-written backward.
-
-    Autograd of the plain expression records chunk/cat/mul/mul/add and replays five kernels
-    backward; the gradient is just g * cos + swap_halves(g * sin_signed) (the swap is its own
-    transpose), and cos/sin need no gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, x, cos, sin_signed):
-        ctx.save_for_backward(cos, sin_signed)
-        return x * cos + swap_halves(x) * sin_signed
-
-    @staticmethod
-    def backward(ctx, g):
-        cos, sin_signed = ctx.saved_tensors
-        return g * cos + swap_halves(g * sin_signed), None, None
-
-
 def apply_rope(x_BHTDh: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
-    return Rope.apply(x_BHTDh, cos, sin_signed)
+    return x_BHTDh * cos + swap_halves(x_BHTDh) * sin_signed
 
 
 class KVCache:
