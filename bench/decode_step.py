@@ -77,7 +77,8 @@ def run(preset: str, dtype_name: str, args) -> None:
         t_theirs.append(median_seconds(step_theirs, args.repeats, clock=CLOCKS[args.clock]))
     to, tt = statistics.median(t_ours), statistics.median(t_theirs)
     print(f"model {preset}, decode step batch {B}, cache length {P}, {dtype_name}, "
-          f"torch threads {torch.get_num_threads()}, {args.clock} clock (max |logit diff| {diff:.1e})")
+          f"torch threads {torch.get_num_threads()}, {args.clock} clock "
+          f"(max |logit diff| {diff:.1e})")
     print(f"lockstep     step: {to * 1e3:7.2f} ms  ({B / to:8.0f} new tok/s)")
     print(f"transformers step: {tt * 1e3:7.2f} ms  ({B / tt:8.0f} new tok/s)")
     print(f"ratio theirs/ours: {tt / to:.2f}x\n")

@@ -61,10 +61,23 @@ def grouped_linear(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor
     bits on CPU (per-expert matmuls inside), far fewer kernels when rows per expert are few
     (decoding). Its weight gradient is one (E, O, D) tensor, not E zero-filled full-size ones.
     """
+    if x_XD.device.type != "cpu":
+        # CUDA's grouped_mm takes only bf16 on recent GPUs; a loop of matmuls runs anywhere.
+        return grouped_linear_loop(x_XD, w_EOD, offs_E)
     if _emulated_on_cpu(x_XD):  # see linear()
         return F.grouped_mm(x_XD.float(), w_EOD.float().transpose(1, 2),
                             offs=offs_E).to(x_XD.dtype)
     return F.grouped_mm(x_XD, w_EOD.transpose(1, 2), offs=offs_E)
+
+
+def grouped_linear_loop(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor):
+    """grouped_linear as one matmul per expert."""
+    ends = offs_E.tolist()
+    # unbind once: indexing the stacked weight per expert would make backward allocate
+    # (and zero-fill) a full-size gradient for every expert.
+    w_E = w_EOD.unbind(0)
+    return torch.cat([linear(x_XD[start:end], w_E[e])
+                      for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
 
 
 def attention(q, k, v, mask=None) -> torch.Tensor:
@@ -208,9 +221,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
         B, T, _ = x_BTD.shape
-        q = self.q_norm(linear(x_BTD, self.q_proj.weight).view(B, T, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(linear(x_BTD, self.k_proj.weight).view(B, T, -1, self.head_dim)).transpose(1, 2)
-        v = linear(x_BTD, self.v_proj.weight).view(B, T, -1, self.head_dim).transpose(1, 2)
+        Dh = self.head_dim
+        q = self.q_norm(linear(x_BTD, self.q_proj.weight).view(B, T, -1, Dh)).transpose(1, 2)
+        k = self.k_norm(linear(x_BTD, self.k_proj.weight).view(B, T, -1, Dh)).transpose(1, 2)
+        v = linear(x_BTD, self.v_proj.weight).view(B, T, -1, Dh).transpose(1, 2)
         q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)  # (B, H|G, T, Dh)
         if cache_rows is None:
             o = attention(q, k, v)
