@@ -1,0 +1,149 @@
+"""The engine's decode step: one new token per running sequence, no autograd, no replay.
+
+Shape legend: B running rows, D model width, H query heads, G key/value heads, R = H/G query
+heads per key/value head, Dh head width, M cache length read, V vocabulary, E experts, K top-k,
+L MoE layers.
+
+Same math as `MoEModel.forward` with a KV cache and T = 1, with fewer and cheaper ops: at small
+scale a decode step is per-op overhead, not arithmetic. What differs from the forward:
+- `DecodeWeights` holds the weights once in the layout the step wants: q, k and v projections
+  fused into one matrix, and on CPU with bf16/fp16 compute an fp32 copy of every matmul weight
+  (exact: bf16/fp16 values are fp32 values), so `linear()` no longer converts each weight on
+  every call (~200 conversions per step at 4 layers).
+- q and k are normalised... rotated together (one RoPE expression for both).
+- No T axis, no replay branch, no router logits kept for the load-balancing loss.
+Matmul results are rounded to the compute dtype where the forward rounds them, so bf16 keeps the
+forward's rounding points. fp32 differs from the forward only in summation order inside
+attention (~1e-7 on logits); tests/test_engine.py checks routes and log-probs against a full
+forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..moe.model import (KVCache, MoEModel, _emulated_on_cpu, attention, grouped_linear, linear,
+                         rms_norm, rope_cos_sin)
+
+
+def _fingerprint(model: MoEModel) -> tuple:
+    """Changes whenever a parameter is written in place (version counter) or replaced."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+class DecodeWeights:
+    """A model's weights laid out for `decode_step`. Valid while the model's parameters are
+    unchanged: `current(model)` checks every parameter's storage and in-place version counter
+    (load_state_dict, copy_ and optimiser steps bump it), so a stale copy is never used."""
+
+    def __init__(self, model: MoEModel):
+        self.key = _fingerprint(model)
+        cfg = model.cfg
+
+        def mm_weight(w: torch.Tensor) -> torch.Tensor:
+            # linear() and grouped_linear() run bf16/fp16 matmuls as fp32 on CPU anyway; an fp32
+            # weight there is used as is (.float() of an fp32 tensor is the tensor itself).
+            return w.float() if _emulated_on_cpu(w) else w
+
+        self.layers = []
+        for layer in model.layers:
+            a = layer.self_attn
+            w = dict(
+                n1=layer.input_layernorm.weight, n2=layer.post_attention_layernorm.weight,
+                qn=a.q_norm.weight, kn=a.k_norm.weight,
+                qkv=mm_weight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                o=mm_weight(a.o_proj.weight))
+            if layer.is_moe:
+                # The router computes in its own weights' dtype (router_dtype): inputs are cast
+                # to it and its logits rounded to it, whatever dtype its matmul runs in here.
+                w.update(router=mm_weight(layer.mlp.gate.weight),
+                         router_dtype=layer.mlp.gate.weight.dtype,
+                         gate_up=mm_weight(layer.mlp.experts.gate_up_proj),
+                         down=mm_weight(layer.mlp.experts.down_proj))
+            else:
+                w.update(gate_up=mm_weight(torch.cat([layer.mlp.gate_proj.weight,
+                                                      layer.mlp.up_proj.weight])),
+                         down=mm_weight(layer.mlp.down_proj.weight))
+            self.layers.append(w)
+        self.norm = model.norm.weight
+        self.lm_head = mm_weight(model.lm_head_weight.to(model.lm_head_dtype))
+        self.eps = cfg.rms_norm_eps
+
+    def current(self, model: MoEModel) -> bool:
+        return self.key == _fingerprint(model)
+
+
+@torch.no_grad()
+def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: torch.Tensor,
+                cache: KVCache, slots_B: torch.Tensor):
+    """Feed token ids_B[b] at position pos_B[b] of slot slots_B[b]; returns next-token logits
+    [B, V] (in the LM head's dtype) and the experts each token ran, int64 [B, L, K]."""
+    cfg = model.cfg
+    B = ids_B.shape[0]
+    H, G, Dh, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
+        cfg.num_experts_per_tok
+    E, eps = cfg.num_experts, dw.eps
+    x_BD = model.embed_tokens(ids_B).to(model.compute_dtype)
+    cos, sin_signed = rope_cos_sin(pos_B[:, None], Dh, cfg.rope_theta, x_BD.dtype)
+    cos, sin_signed = cos.view(B, 1, Dh), sin_signed.view(B, 1, Dh)
+    M = int(pos_B.max()) + 1
+    # Keys beyond a row's own position belong to the slot's previous occupant or are unwritten.
+    allowed_B11M = (torch.arange(M) <= pos_B[:, None])[:, None, None]
+    s0 = int(slots_B[0])
+    consecutive = bool((slots_B == torch.arange(s0, s0 + B)).all())
+    routes = []
+    for i, w in enumerate(dw.layers):
+        h = rms_norm(x_BD, w["n1"], eps)
+        qkv = linear(h, w["qkv"])
+        q = rms_norm(qkv[:, :H * Dh].view(B, H, Dh), w["qn"], eps)
+        k = rms_norm(qkv[:, H * Dh:(H + G) * Dh].view(B, G, Dh), w["kn"], eps)
+        v = qkv[:, (H + G) * Dh:].view(B, G, Dh)
+        qk = torch.cat([q, k], dim=1)
+        x1, x2 = qk.chunk(2, dim=-1)
+        qk = qk * cos + torch.cat([x2, x1], dim=-1) * sin_signed
+        q, k = qk[:, :H], qk[:, H:]
+        ck, cv = cache.k[i], cache.v[i]  # (S, G, M_max, Dh)
+        if ck.dtype != k.dtype:
+            raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k.dtype}")
+        ck[slots_B, :, pos_B] = k
+        cv[slots_B, :, pos_B] = v
+        if consecutive:
+            keys, values = ck[s0:s0 + B, :, :M], cv[s0:s0 + B, :, :M]
+        else:
+            keys, values = ck[:, :, :M].index_select(0, slots_B), \
+                cv[:, :, :M].index_select(0, slots_B)
+        o = attention(q[:, :, None], keys, values, allowed_B11M)  # (B, H, 1, Dh)
+        x_BD = x_BD + linear(o.reshape(B, H * Dh), w["o"])
+        h = rms_norm(x_BD, w["n2"], eps)
+        if "router" in w:
+            y, ids_BK = moe(h, w, K, E, cfg.norm_topk_prob)
+            routes.append(ids_BK)
+        else:
+            g, u = linear(h, w["gate_up"]).chunk(2, dim=-1)
+            y = linear(F.silu(g) * u, w["down"])
+        x_BD = x_BD + y
+    hidden = rms_norm(x_BD, dw.norm, eps)
+    logits_BV = linear(hidden.to(model.lm_head_dtype), dw.lm_head)
+    routes_BLK = torch.stack(routes, 1) if routes else \
+        torch.empty(B, 0, K, dtype=torch.long)
+    return logits_BV, routes_BLK
+
+
+def moe(h_BD, w: dict, K: int, E: int, norm_topk_prob: bool):
+    """Router top-k and the grouped experts (MoEBlock without replay); returns (y_BD, ids_BK)."""
+    router = w["router"]
+    router_dtype = w["router_dtype"]
+    logits_BE = linear(h_BD.to(router_dtype), router).to(router_dtype).float()
+    probs_BE = logits_BE.softmax(-1)
+    gates_BK, ids_BK = probs_BE.topk(K, dim=-1)
+    if norm_topk_prob:
+        gates_BK = gates_BK / gates_BK.sum(-1, keepdim=True)
+    flat = ids_BK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // K
+    offs_E = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+    g, u = grouped_linear(h_BD.index_select(0, token_of), w["gate_up"], offs_E).chunk(2, dim=-1)
+    y = grouped_linear(F.silu(g) * u, w["down"], offs_E)
+    y = y * gates_BK.to(h_BD.dtype).reshape(-1).index_select(0, order)[:, None]
+    return torch.zeros_like(h_BD).index_add_(0, token_of, y), ids_BK
