@@ -10,12 +10,11 @@ scale a decode step is per-op overhead, not arithmetic. What differs from the fo
   fused into one matrix, and on CPU with bf16/fp16 compute an fp32 copy of every matmul weight
   (exact: bf16/fp16 values are fp32 values), so `linear()` no longer converts each weight on
   every call (~200 conversions per step at 4 layers).
-- q and k are normalised... rotated together (one RoPE expression for both).
-- No T axis, no replay branch, no router logits kept for the load-balancing loss.
-Matmul results are rounded to the compute dtype where the forward rounds them, so bf16 keeps the
-forward's rounding points. fp32 differs from the forward only in summation order inside
-attention (~1e-7 on logits); tests/test_engine.py checks routes and log-probs against a full
-forward.
+- q and k are rotated together (one RoPE expression for both); no T axis, no replay branch, no
+  router logits kept for the load-balancing loss.
+Every result is rounded where the forward rounds it, so the step gives the same bits as the
+cached forward in fp32 and bf16 (tests/test_decode.py), and the engine's routes and log-probs
+match one full forward (tests/test_engine.py).
 """
 
 from __future__ import annotations
@@ -51,7 +50,9 @@ class DecodeWeights:
             a = layer.self_attn
             w = dict(
                 n1=layer.input_layernorm.weight, n2=layer.post_attention_layernorm.weight,
-                qn=a.q_norm.weight, kn=a.k_norm.weight,
+                # q and k are normalised in one call, then scaled per head (same bits).
+                qk_norm=torch.cat([a.q_norm.weight.expand(cfg.num_attention_heads, -1),
+                                   a.k_norm.weight.expand(cfg.num_key_value_heads, -1)]),
                 qkv=mm_weight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
                 o=mm_weight(a.o_proj.weight))
             if layer.is_moe:
@@ -90,24 +91,28 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
     M = int(pos_B.max()) + 1
     # Keys beyond a row's own position belong to the slot's previous occupant or are unwritten.
     allowed_B11M = (torch.arange(M) <= pos_B[:, None])[:, None, None]
+    # Flat row of (slot, kv head, position) in one layer's (S * G * M_max, Dh) cache view.
+    M_max = cache.max_len
+    row_BG = ((slots_B[:, None] * G + torch.arange(G)) * M_max + pos_B[:, None]).reshape(-1)
     s0 = int(slots_B[0])
     consecutive = bool((slots_B == torch.arange(s0, s0 + B)).all())
     routes = []
     for i, w in enumerate(dw.layers):
         h = rms_norm(x_BD, w["n1"], eps)
         qkv = linear(h, w["qkv"])
-        q = rms_norm(qkv[:, :H * Dh].view(B, H, Dh), w["qn"], eps)
-        k = rms_norm(qkv[:, H * Dh:(H + G) * Dh].view(B, G, Dh), w["kn"], eps)
+        qk = qkv[:, :(H + G) * Dh].view(B, H + G, Dh)
+        # rms_norm()'s bf16 form; in fp32 the unweighted norm times the weight is the same bits.
+        qk = w["qk_norm"] * F.rms_norm(qk.float(), (Dh,), None, eps).to(qk.dtype)
         v = qkv[:, (H + G) * Dh:].view(B, G, Dh)
-        qk = torch.cat([q, k], dim=1)
         x1, x2 = qk.chunk(2, dim=-1)
         qk = qk * cos + torch.cat([x2, x1], dim=-1) * sin_signed
         q, k = qk[:, :H], qk[:, H:]
         ck, cv = cache.k[i], cache.v[i]  # (S, G, M_max, Dh)
         if ck.dtype != k.dtype:
             raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k.dtype}")
-        ck[slots_B, :, pos_B] = k
-        cv[slots_B, :, pos_B] = v
+        # index_copy_ on the flat rows: cheaper than ck[slots_B, :, pos_B] = k (index_put).
+        ck.view(-1, Dh).index_copy_(0, row_BG, k.reshape(B * G, Dh))
+        cv.view(-1, Dh).index_copy_(0, row_BG, v.reshape(B * G, Dh))
         if consecutive:
             keys, values = ck[s0:s0 + B, :, :M], cv[s0:s0 + B, :, :M]
         else:
