@@ -1,8 +1,10 @@
 """Latency of one KV-cache decode step (one new token per row) of lockstep's MoE model.
 
 This step bounds the rollout engine's tokens/s: generation at small scale is per-step overhead,
-not compute. The baseline in the same run is transformers' Qwen3-MoE doing the same step (one
-token per row on a DynamicCache holding the same prefix), as inside `generate()`.
+not compute. Timed: the model's cached forward, and the engine's decode step
+(`lockstep.rollout.decode.decode_step`: same bits, prepared weights). The baseline in the same
+run is transformers' Qwen3-MoE doing the same step (one token per row on a DynamicCache holding
+the same prefix), as inside `generate()`.
     OMP_NUM_THREADS=1 python bench/decode_step.py [--preset small|medium] [--dtype bf16|fp32|all]
         [--clock wall|cpu]
 """
@@ -19,6 +21,7 @@ import torch
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import KVCache, MoEModel
+from lockstep.rollout.decode import DecodeWeights, decode_step
 
 from model_forward import CLOCKS, DTYPES, PRESETS  # same models and clocks as fwd+bwd
 
@@ -59,6 +62,11 @@ def run(preset: str, dtype_name: str, args) -> None:
     def step_ours():  # rewrites cache index P each time: same work every repeat
         return ours(new_B1, positions_BT=pos_B1, kv_cache=cache, cache_slots_B=slots_B)
 
+    weights = DecodeWeights(ours)
+
+    def step_engine():
+        return decode_step(ours, weights, new_B1[:, 0], pos_B1[:, 0], cache, slots_B)
+
     # Theirs: a DynamicCache with the same prefix; cropped back after each step.
     hf_cache = DynamicCache(config=theirs.config)
     theirs(prompt_BP, cache=hf_cache, use_cache=True)
@@ -70,18 +78,24 @@ def run(preset: str, dtype_name: str, args) -> None:
         return out
 
     # Same next-token logits from both (sanity: the benchmark times equal work).
-    diff = (step_ours().logits_BTV.float() - step_theirs().logits.float()).abs().max().item()
-    t_ours, t_theirs = [], []
+    want = step_ours().logits_BTV[:, 0]
+    diff = (want.float() - step_theirs().logits[:, 0].float()).abs().max().item()
+    if not torch.equal(step_engine()[0], want):
+        raise AssertionError("engine decode step and cached forward disagree")
+    t_ours, t_engine, t_theirs = [], [], []
     for _ in range(3):  # interleaved against drift on a shared host
         t_ours.append(median_seconds(step_ours, args.repeats, clock=CLOCKS[args.clock]))
+        t_engine.append(median_seconds(step_engine, args.repeats, clock=CLOCKS[args.clock]))
         t_theirs.append(median_seconds(step_theirs, args.repeats, clock=CLOCKS[args.clock]))
-    to, tt = statistics.median(t_ours), statistics.median(t_theirs)
+    to, te, tt = (statistics.median(t) for t in (t_ours, t_engine, t_theirs))
     print(f"model {preset}, decode step batch {B}, cache length {P}, {dtype_name}, "
           f"torch threads {torch.get_num_threads()}, {args.clock} clock "
           f"(max |logit diff| {diff:.1e})")
-    print(f"lockstep     step: {to * 1e3:7.2f} ms  ({B / to:8.0f} new tok/s)")
-    print(f"transformers step: {tt * 1e3:7.2f} ms  ({B / tt:8.0f} new tok/s)")
-    print(f"ratio theirs/ours: {tt / to:.2f}x\n")
+    print(f"lockstep forward step: {to * 1e3:7.2f} ms  ({B / to:8.0f} new tok/s)  "
+          f"transformers/this {tt / to:.2f}x")
+    print(f"engine decode_step:    {te * 1e3:7.2f} ms  ({B / te:8.0f} new tok/s)  "
+          f"transformers/this {tt / te:.2f}x (same bits as the forward)")
+    print(f"transformers step:     {tt * 1e3:7.2f} ms  ({B / tt:8.0f} new tok/s)\n")
 
 
 def main() -> None:
