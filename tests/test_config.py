@@ -1,5 +1,7 @@
 """Experiment config: YAML reading, dotted overrides, type/bound checks, unknown keys."""
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,52 @@ def test_shipped_configs_load_and_differ_only_in_replay(name):
     a, b = cfg.to_dict(), ref.to_dict()
     a.pop("replay"), b.pop("replay")
     assert a == b
+
+
+def test_actor_megatron_section(tmp_path):
+    p = _write(tmp_path, "actor:\n  backend: megatron\n  megatron:\n    expert_parallel: 2\n")
+    cfg = load_config(p, ["actor.megatron.tensor_parallel=2",
+                          "actor.megatron.token_dispatcher=allgather"])
+    m = cfg.actor.megatron
+    assert (m.tensor_parallel, m.expert_parallel, m.etp, m.token_dispatcher) == (2, 2, 2,
+                                                                                  "allgather")
+    assert m.seed == 1234 and m.expert_tensor_parallel is None  # the rest keeps its defaults
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    # a default section leaves the hash as it was before the section existed; a layout changes it
+    plain = load_config(None, ["actor.backend=megatron"])
+    d = plain.to_dict()
+    d["actor"].pop("megatron")  # what to_dict gave before the section existed
+    assert plain.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()
+                                          ).hexdigest()[:16]
+    assert plain.hash() != cfg.hash()
+    assert plain.hash() != load_config(None, ["actor.backend=megatron",
+                                              "actor.megatron.recompute_activations=true"]).hash()
+
+
+def test_actor_megatron_errors(tmp_path):
+    mg = "actor.backend=megatron"
+    with pytest.raises(ExperimentConfigError, match=r"'tp' is not a valid key of actor\.megatron; "
+                                                    r"valid keys are \[.*'tensor_parallel'"):
+        load_config(None, [mg, "actor.megatron.tp=2"])
+    with pytest.raises(ExperimentConfigError, match=r"actor\.megatron\.tp.*valid keys in "
+                                                    r"actor\.megatron are \[.*'expert_parallel'"):
+        load_config(_write(tmp_path, "actor:\n  backend: megatron\n  megatron: {tp: 2}\n"))
+    cases = {
+        "actor.megatron.tensor_parallel=0": r"tensor_parallel must be a positive integer, got 0",
+        "actor.megatron.tensor_parallel=two": r"actor\.megatron\.tensor_parallel must be an int",
+        "actor.megatron.token_dispatcher=flex": r"token_dispatcher='flex' is not one of",
+        "actor.megatron.expert_tensor_parallel=2": r"expert_tensor_parallel=2 with "
+                                                   r"expert_parallel=1 must equal",
+        "actor.megatron.params_dtype=bfloat16": r"params_dtype='bfloat16': set actor\.dtype",
+        "actor.megatron.router_dtype=fp32": r"router_dtype='fp32': set actor\.router_dtype",
+        "actor.megatron.aux_loss_coef=0.1": r"aux_loss_coef=0\.1: set actor\.aux_loss_coef",
+    }
+    for override, msg in cases.items():
+        with pytest.raises(ExperimentConfigError, match=msg):
+            load_config(None, [mg, override])
+    with pytest.raises(ExperimentConfigError, match=r"actor\.megatron\.tensor_parallel=2: "
+                                                    r"actor\.megatron options apply only to "
+                                                    r"actor\.backend=megatron, but actor\.backend"
+                                                    r"='torch'"):
+        load_config(None, ["actor.megatron.tensor_parallel=2"])

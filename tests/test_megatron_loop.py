@@ -19,8 +19,8 @@ pytestmark = pytest.mark.megatron
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "toy_r3.yaml"
 
 
-def trainer(tmp_path, name: str, mode: str) -> Trainer:
-    cfg = load_config(CONFIG, [
+def trainer(tmp_path, name: str, mode: str, *extra: str) -> Trainer:
+    cfg = load_config(CONFIG, [*extra,
         f"actor.backend={name}", f"replay.mode={mode}", "loop.steps=2", "rollout.prompts_per_step=4",
         "rollout.samples_per_prompt=4", "actor.mini_batch_size=8", "actor.micro_batch_size=4",
         "warmstart.enabled=false", "loop.tensorboard=false", "loop.plots=false",
@@ -65,3 +65,20 @@ def test_resume_continues_exactly(tmp_path):
     for k, v in third.items():
         if not k.startswith("time/") and isinstance(v, float):
             assert math.isclose(v, again[k], rel_tol=1e-6, abs_tol=1e-7), (k, v, again[k])
+
+
+def test_megatron_section_reaches_the_actor(tmp_path):
+    tr = trainer(tmp_path, "megatron", "R3", "actor.megatron.seed=7",
+                 "actor.megatron.recompute_activations=true")
+    assert tr.actor.opts.seed == 7 and tr.actor.opts.recompute_activations
+    assert tr.actor.gpt.config.recompute_granularity == "full"
+    assert all(math.isfinite(v) for v in tr.step(1).values() if isinstance(v, float))
+
+
+@pytest.mark.parametrize("override", ["actor.megatron.tensor_parallel=2",
+                                      "actor.megatron.expert_parallel=2"])
+def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
+    with pytest.raises(ValueError, match=override.replace(".", r"\.") + r".*world of one "
+                                         r"process.*torchrun\) is not supported yet"):
+        trainer(tmp_path, "megatron", "R3", override)
+    assert not (tmp_path / "megatron").exists()  # refused before anything was written

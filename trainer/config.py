@@ -28,6 +28,7 @@ from lockstep.replay import ReplayMode
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.losses import LossConfig
+from lockstep.trainer.megatron.model import MegatronOptions  # no megatron-core import
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 
@@ -144,6 +145,8 @@ class ActorConfig:
     """Vocabulary chunk of the log-prob kernel (the [tokens, V] log-softmax is never built)."""
     aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss (0 = off)."""
+    megatron: MegatronOptions = field(default_factory=MegatronOptions)
+    """backend=megatron only: TP/EP/ETP layout, dispatcher, TE, recompute (docs/megatron.md)."""
 
     def __post_init__(self) -> None:
         _in("actor", self, "lr", 0.0, 1.0, lo_open=True)
@@ -162,6 +165,23 @@ class ActorConfig:
               f"actor.mini_batch_size={self.mini_batch_size}")
         _in("actor", self, "logprob_chunk", 1)
         _in("actor", self, "aux_loss_coef", 0.0)
+        default = MegatronOptions()
+        for name, instead in _MEGATRON_FROM_ACTOR.items():
+            _need(getattr(self.megatron, name) == getattr(default, name),
+                  f"actor.megatron.{name}={getattr(self.megatron, name)!r}: set {instead} "
+                  f"instead (the megatron actor takes it from there)")
+        changed = [f"actor.megatron.{f.name}={getattr(self.megatron, f.name)!r}"
+                   for f in dataclasses.fields(MegatronOptions)
+                   if getattr(self.megatron, f.name) != getattr(default, f.name)]
+        _need(self.backend == "megatron" or not changed,
+              f"{', '.join(changed)}: actor.megatron options apply only to actor.backend="
+              f"megatron, but actor.backend={self.backend!r}; drop them or set "
+              "actor.backend=megatron")
+
+
+# MegatronOptions fields the megatron actor overwrites from ActorConfig (actor.options_for).
+_MEGATRON_FROM_ACTOR = {"params_dtype": "actor.dtype", "router_dtype": "actor.router_dtype",
+                        "aux_loss_coef": "actor.aux_loss_coef"}
 
 
 @dataclass
@@ -282,8 +302,12 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
     def hash(self, *sections: str) -> str:
-        """Short stable hash of the named sections (all when none), e.g. for caches."""
+        """Short stable hash of the named sections (all when none), e.g. for caches.
+        A default `actor.megatron` is left out, so configs hash as they did before it existed
+        (runs written then still resume); any non-default layout changes the hash."""
         d = self.to_dict()
+        if self.actor.megatron == MegatronOptions():
+            d["actor"].pop("megatron")
         d = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

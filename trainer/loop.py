@@ -43,11 +43,35 @@ def run_hash(cfg: ExperimentConfig) -> str:
     return probe.hash()
 
 
+def check_megatron_world(cfg: ExperimentConfig) -> None:
+    """Refuse an `actor.megatron` layout the loop cannot run. The loop is one process (every
+    rank would run its own engine and write the same run directory), so the megatron actor
+    gets a world of one: tensor, expert and expert-tensor parallel sizes must all be 1."""
+    import torch.distributed as dist
+
+    if cfg.actor.backend != "megatron":
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != 1:
+        raise ValueError(f"Trainer runs in one process, but torch.distributed has a world of "
+                         f"{world}: multi-rank megatron (torchrun) is not supported by the loop")
+    m = cfg.actor.megatron
+    big = {k: v for k, v in (("tensor_parallel", m.tensor_parallel),
+                             ("expert_parallel", m.expert_parallel),
+                             ("expert_tensor_parallel", m.etp)) if v != 1}
+    if big:
+        raise ValueError(
+            f"{', '.join(f'actor.megatron.{k}={v}' for k, v in big.items())}: the RL loop runs "
+            "megatron-core in a world of one process, so every parallel size must be 1; "
+            "multi-rank launch (torchrun) is not supported yet (docs/megatron.md)")
+
+
 class Trainer:
     """Owns the engine, the actor, the task stream and the run directory."""
 
     def __init__(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool = False,
                  progress: bool = True, log: Callable[[str], None] = print):
+        check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
         self.mode = cfg.replay.mode
@@ -77,12 +101,13 @@ class Trainer:
         ro = cfg.rollout
         self.rollout = self.make_backend(model, state.weight_version)
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
+        total_updates = cfg.loop.steps * updates_per_step
         if cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
-            from lockstep.trainer.megatron.actor import MegatronActor as actor_cls
+            from lockstep.trainer.megatron.actor import MegatronActor
+            self.actor = MegatronActor(model, cfg.actor, total_updates,
+                                       temperature=ro.temperature, options=cfg.actor.megatron)
         else:
-            actor_cls = TorchActor
-        self.actor = actor_cls(model, cfg.actor, cfg.loop.steps * updates_per_step,
-                               temperature=ro.temperature)
+            self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature)
         if resume:
             self.actor.load_state_dict(trainer_state)
             set_rng_state(trainer_state["rng"])
