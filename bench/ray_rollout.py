@@ -21,7 +21,7 @@ import time
 import ray
 import torch
 
-from lockstep.launch.ray_workers import WORKER_ENV, RayBackend
+from lockstep.rollout.ray_backend import WORKER_ENV, RayBackend
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import LocalBackend

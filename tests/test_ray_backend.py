@@ -14,7 +14,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from lockstep.launch.ray_workers import RayBackend, shard  # noqa: E402
+from lockstep.rollout.ray_backend import RayBackend, shard  # noqa: E402
 from lockstep.moe.checkpoint import save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.rollout.client import LocalBackend, RolloutError  # noqa: E402

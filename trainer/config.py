@@ -76,7 +76,7 @@ class RolloutConfig:
     """Engine LM-head dtype; None = same as dtype."""
     backend: Literal["embedded", "http", "ray"] = "embedded"
     """embedded: our engine in this process; http: an SGLang-compatible server at `url`;
-    ray: `num_engines` embedded engines as Ray actors (extra 'ray'; lockstep.launch.ray_workers)."""
+    ray: `num_engines` embedded engines as Ray actors (extra 'ray'; lockstep.rollout.ray_backend)."""
     num_engines: int = 1
     """ray backend: engine workers, one CPU bundle each in a placement group."""
     ray_address: str | None = None

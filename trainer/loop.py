@@ -128,7 +128,7 @@ class Trainer:
             max_running=ro.batch_size, max_len=self.task.prompt_len + self.max_new_tokens,
             seed=self.cfg.loop.seed)
         if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
-            from lockstep.launch.ray_workers import RayBackend
+            from lockstep.rollout.ray_backend import RayBackend
             return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,
                                          address=ro.ray_address)
         return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
