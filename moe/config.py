@@ -19,6 +19,27 @@ class ConfigError(ValueError):
     """A config.json (or ModelConfig) that is not a valid Qwen3-MoE configuration."""
 
 
+def need(cond: bool, msg: str, error: type[Exception] = ConfigError) -> None:
+    """Raise `error(msg)` unless `cond`: the one validator the typed configs share."""
+    if not cond:
+        raise error(msg)
+
+
+def strict_kwargs(cls: type, d: Any, what: str | None = None,
+                  error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """`d` checked as keyword arguments of dataclass `cls`: an unknown key raises `error`
+    naming it and listing the valid ones ("<what>: unknown keys [...]; valid keys are [...]",
+    `what` defaulting to the class name). Returns a copy to pass as `cls(**kw)`."""
+    what = what or cls.__name__
+    if not isinstance(d, dict):
+        raise error(f"{what} must be a mapping, got {type(d).__name__}")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(k) for k in d if k not in valid)
+    if unknown:
+        raise error(f"{what}: unknown keys {unknown}; valid keys are {valid}")
+    return dict(d)
+
+
 # Keys of a HF config.json that carry no information for us and are accepted silently.
 _IGNORED_HF_KEYS = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
@@ -98,10 +119,6 @@ class ModelConfig:
 
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "intermediate_size",
                      "moe_intermediate_size", "max_position_embeddings", "decoder_sparse_step"):

@@ -7,7 +7,6 @@ server is up, `lockstep.rollout.client.HTTPBackend` talks to it like to our own 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -18,6 +17,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..moe.config import need as _need, strict_kwargs
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -65,8 +66,7 @@ class SGLangConfig:
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(f"SGLangConfig: {msg}")
+            _need(cond, f"SGLangConfig: {msg}", ValueError)
 
         need(isinstance(self.model_path, str) and self.model_path != "",
              f"model_path must be a non-empty string, got {self.model_path!r}")
@@ -89,11 +89,7 @@ class SGLangConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SGLangConfig":
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(k for k in d if k not in valid)
-        if unknown:
-            raise ValueError(f"SGLangConfig: unknown keys {unknown}; valid keys are {valid}")
-        return cls(**d)
+        return cls(**strict_kwargs(cls, d, error=ValueError))
 
     @property
     def url(self) -> str:

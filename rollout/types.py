@@ -10,12 +10,14 @@ Shapes: P prompt tokens, R generated tokens, L MoE layers, K experts per token, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..moe.config import need as _need
 from ..replay.trace import RoutingTrace
 
 
@@ -91,10 +93,7 @@ class SamplingParams:
         return self.greedy or self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise RequestError(msg)
-
+        need = functools.partial(_need, error=RequestError)
         need(_is_num(self.temperature) and self.temperature >= 0,
              f"temperature must be a non-negative finite number, got {self.temperature!r}")
         need(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,

@@ -226,7 +226,7 @@ def test_nan_logprob_error_names_position_and_padding_is_ignored():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="unknown correction keys \\['rollout_iss'\\]; valid: rollout_is, "):
+    with pytest.raises(ValueError, match="correction: unknown keys \\['rollout_iss'\\]; valid keys are \\['rollout_is', "):
         CorrectionConfig.from_dict({"rollout_iss": "token"})
     with pytest.raises(ValueError, match="valid: None, token, sequence, geometric"):
         CorrectionConfig(rollout_is="tokens")

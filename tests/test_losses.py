@@ -128,5 +128,5 @@ def test_loss_config_validation():
         LossConfig(clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="valid: token-mean, seq-mean-token-mean, seq-mean-token-sum"):
         LossConfig(loss_agg_mode="sum")
-    with pytest.raises(ValueError, match="unknown loss keys \\['clip'\\]"):
+    with pytest.raises(ValueError, match="loss: unknown keys \\['clip'\\]; valid keys are"):
         LossConfig.from_dict({"clip": 0.2})

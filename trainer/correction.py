@@ -23,9 +23,11 @@ response positions; every tensor is `[B, T]`; `response_mask` is 1 on valid toke
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
+
+from lockstep.moe.config import strict_kwargs
 
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exp (verl's value)
 IS_LEVELS = ("token", "sequence", "geometric")
@@ -426,11 +428,7 @@ class CorrectionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CorrectionConfig":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown correction keys {unknown}; valid: {', '.join(valid)}")
-        return cls(**d)
+        return cls(**strict_kwargs(cls, d, "correction", ValueError))
 
 
 @dataclass

@@ -10,10 +10,11 @@ valid tokens). Log-probs are named by origin: `logprobs` (pi_theta, with grad), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from lockstep.moe.config import strict_kwargs
 from lockstep.trainer.correction import CorrectionConfig, correct
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -54,11 +55,7 @@ class LossConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LossConfig":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown loss keys {unknown}; valid: {', '.join(valid)}")
-        return cls(**d)
+        return cls(**strict_kwargs(cls, d, "loss", ValueError))
 
 
 def grpo_advantages(rewards_B: torch.Tensor, group_ids_B, response_mask: torch.Tensor, *, norm_by_std: bool = True,

@@ -17,14 +17,13 @@ Routing replay is always on (`moe_enable_routing_replay=True`). Options that byp
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.config import ConfigError, ModelConfig, strict_kwargs
 
 
 class ReplayBypassError(ValueError):
@@ -87,11 +86,7 @@ class MegatronOptions:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MegatronOptions":
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(k for k in d if k not in valid)
-        if unknown:
-            raise ConfigError(f"unknown megatron option(s) {unknown}; valid keys are {valid}")
-        return cls(**d)
+        return cls(**strict_kwargs(cls, d, "megatron options"))
 
     @property
     def etp(self) -> int:
