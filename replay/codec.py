@@ -288,7 +288,10 @@ def encode_routes(trace: RoutingTrace, encoding: str, num_hidden_layers: int,
                   moe_layer_ids: Sequence[int]) -> str:
     """Server side: encode in the encoding a request asked for (`int32` unless `compact`)."""
     if encoding == ENCODING_COMPACT:
-        _check_layer_map(num_hidden_layers, moe_layer_ids)
+        layers = _check_layer_map(num_hidden_layers, moe_layer_ids)
+        if len(layers) != trace.num_layers:
+            raise RouteError(f"trace has {trace.num_layers} MoE layers, moe_layer_ids lists "
+                             f"{len(layers)}")
         return encode_compact(trace)
     if encoding == ENCODING_INT32:
         return encode_sglang(trace, num_hidden_layers, moe_layer_ids)

@@ -223,6 +223,11 @@ def test_decode_routes_autodetects_both_encodings():
         decode_routes(encode_routes(trace, "compact", H, MOE), 6, H, MOE, K, 8, sample=4)
     with pytest.raises(RouteError, match=r"unknown routes encoding 'int8'; valid: \['int32', 'compact'\]"):
         encode_routes(trace, "int8", H, MOE)
+    # a trace with the wrong number of MoE layers is refused by both encodings, naming both counts
+    two_layers = RoutingTrace(make_ids(5, L=2), 8)
+    for enc in ("int32", "compact"):
+        with pytest.raises(RouteError, match=r"trace has 2 MoE layers, moe_layer_ids lists 3"):
+            encode_routes(two_layers, enc, H, MOE)
 
 
 def _wire_ratio(rows, num_hidden_layers, moe, top_k, E, seed=0):
