@@ -2,9 +2,10 @@
 
 Needs `verl==0.9.1` (installed with --no-deps) plus tensordict, omegaconf, codetiming, orjson.
 verl's `import verl` pulls `verl.protocol`, which imports `ray` only to name `ray.ObjectRef` in
-annotations; ray is not installed on CPU machines, so when it is missing we register an empty
-placeholder module for the duration of the import and remove it right after (nothing of ray runs
-in the functions compared here). Skipped when verl or its light dependencies are missing.
+annotations; ray is not installed on CPU machines, so when it is missing `_import_verl` sets an
+empty placeholder in `sys.modules` with pytest's MonkeyPatch for the duration of the import only,
+which puts back whatever was there before (nothing of ray runs in the functions compared here).
+Skipped when verl or its light dependencies are missing.
 """
 
 import itertools
@@ -17,26 +18,22 @@ import torch
 from lockstep.trainer import correction as ours
 
 
-def _import_verl_helper():
-    pytest.importorskip("tensordict")
-    pytest.importorskip("omegaconf")
-    pytest.importorskip("codetiming")
-    pytest.importorskip("orjson")
-    placeholder = None
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        placeholder = types.ModuleType("ray")
-        placeholder.ObjectRef = type("ObjectRef", (), {})
-        sys.modules["ray"] = placeholder
-    try:
-        return pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
-    finally:
-        if placeholder is not None and sys.modules.get("ray") is placeholder:
-            del sys.modules["ray"]
+def _import_verl(name: str):
+    """Import verl module `name` (skip when verl or its light dependencies are missing); when ray
+    is missing a placeholder stands in for it during this import only."""
+    for dep in ("tensordict", "omegaconf", "codetiming", "orjson"):
+        pytest.importorskip(dep)
+    with pytest.MonkeyPatch.context() as mp:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            placeholder = types.ModuleType("ray")
+            placeholder.ObjectRef = type("ObjectRef", (), {})
+            mp.setitem(sys.modules, "ray", placeholder)
+        return pytest.importorskip(name)
 
 
-verl = _import_verl_helper()
+verl = _import_verl("verl.trainer.ppo.rollout_corr_helper")
 
 
 def _batch(seed, B=6, T=9, scale=0.3, empty_row=True):
@@ -141,20 +138,16 @@ def test_parity_bad_rs_specs_both_raise(opts, spec):
 
 # ---------------------------------------------------------------- losses vs verl core_algos
 def _import_verl_core():
-    placeholder = None
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        placeholder = types.ModuleType("ray")
-        placeholder.ObjectRef = type("ObjectRef", (), {})
-        sys.modules["ray"] = placeholder
-    try:
-        from verl.trainer.ppo import core_algos
-        from verl.workers.config.actor import FSDPActorConfig
-        return core_algos, FSDPActorConfig
-    finally:
-        if placeholder is not None and sys.modules.get("ray") is placeholder:
-            del sys.modules["ray"]
+    core_algos = _import_verl("verl.trainer.ppo.core_algos")
+    return core_algos, _import_verl("verl.workers.config.actor").FSDPActorConfig
+
+
+def test_ray_placeholder_is_scoped_to_the_import(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees when ray is missing
+    monkeypatch.delitem(sys.modules, "verl.protocol")  # imported afresh: it imports ray
+    protocol = _import_verl("verl.protocol")
+    assert protocol.DataProto and sys.modules["verl.protocol"] is protocol
+    assert sys.modules["ray"] is None  # the earlier state is back, no placeholder left behind
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
