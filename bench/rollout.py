@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--per-client", type=int, default=4)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                    help="cpu: this thread's CPU time for (a) and (b) (drops waits on a shared host)")
+                    help="cpu: this thread's CPU time for (a) and (b) (drops waits for a core)")
     ap.add_argument("--parts", default="abcd", help="which of (a)-(d) to run, e.g. a or ab")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -144,7 +144,8 @@ def main() -> None:
     print(f"model {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}"
           f"), batch {args.batch}, prompt {args.prompt}, new {args.new}, torch threads "
-          f"{torch.get_num_threads()}, medians of {args.repeats} (order rotated), {args.clock} clock")
+          f"{torch.get_num_threads()}, medians of {args.repeats} (order rotated), "
+          f"{args.clock} clock")
     clock = CLOCKS[args.clock]
     for dtype in (["bf16", "fp32"] if args.dtype == "all" else [args.dtype]):
         if not set(args.parts) & set("ab"):

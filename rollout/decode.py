@@ -81,7 +81,7 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
     """Feed token ids_B[b] at position pos_B[b] of slot slots_B[b]; returns next-token logits
     [B, V] (in the LM head's dtype) and the experts each token ran, int64 [B, L, K]."""
     cfg = model.cfg
-    B = ids_B.shape[0]
+    B, dev = ids_B.shape[0], ids_B.device
     H, G, Dh, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
         cfg.num_experts_per_tok
     E, eps = cfg.num_experts, dw.eps
@@ -90,12 +90,13 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
     cos, sin_signed = cos.view(B, 1, Dh), sin_signed.view(B, 1, Dh)
     M = int(pos_B.max()) + 1
     # Keys beyond a row's own position belong to the slot's previous occupant or are unwritten.
-    allowed_B11M = (torch.arange(M) <= pos_B[:, None])[:, None, None]
+    allowed_B11M = (torch.arange(M, device=dev) <= pos_B[:, None])[:, None, None]
     # Flat row of (slot, kv head, position) in one layer's (S * G * M_max, Dh) cache view.
     M_max = cache.max_len
-    row_BG = ((slots_B[:, None] * G + torch.arange(G)) * M_max + pos_B[:, None]).reshape(-1)
+    row_BG = ((slots_B[:, None] * G + torch.arange(G, device=dev)) * M_max
+              + pos_B[:, None]).reshape(-1)
     s0 = int(slots_B[0])
-    consecutive = bool((slots_B == torch.arange(s0, s0 + B)).all())
+    consecutive = bool((slots_B == torch.arange(s0, s0 + B, device=dev)).all())
     routes = []
     for i, w in enumerate(dw.layers):
         h = rms_norm(x_BD, w["n1"], eps)
@@ -131,7 +132,7 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
     hidden = rms_norm(x_BD, dw.norm, eps)
     logits_BV = linear(hidden.to(model.lm_head_dtype), dw.lm_head)
     routes_BLK = torch.stack(routes, 1) if routes else \
-        torch.empty(B, 0, K, dtype=torch.long)
+        torch.empty(B, 0, K, dtype=torch.long, device=dev)
     return logits_BV, routes_BLK
 
 
