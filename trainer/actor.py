@@ -8,13 +8,17 @@ master before the optimiser step, and which is refreshed from the master after i
 Log-probs are of the token at each position given the tokens before it, under
 softmax(logits / temperature) over the whole vocabulary (the distribution the rollout engine
 samples from; `GenerationResult.output_logprobs`), computed with the chunked kernel from the
-final hidden states so no [tokens, V] log-softmax is ever built.
+final hidden states so no [tokens, V] log-softmax is ever built. With sampling-mask replay
+(`Batch.candidates_BTS`, from `collate(..., sampling_mask=True)`) the softmax is renormalised
+over each token's kept candidate set instead, the distribution a top-k / top-p sampler drew from
+(`GenerationResult.sampling_logprobs`), in the old-log-prob forward and the update forwards alike.
 
 Routes: the caller decides what to replay (`lockstep.replay.old_logprob_plan` / `update_plan`);
 the actor passes the ids and per-token mask to the model and reports the routes each forward
 ran and the natural top-k its router would have picked (compact dtype, all positions).
 
-Shapes: B batch rows, T padded time (prompt + response), L MoE layers, K top-k, R response.
+Shapes: B batch rows, T padded time (prompt + response), L MoE layers, K top-k, R response,
+S most kept candidates of any token in the batch, V vocabulary.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Batch:
     seq_lens_B: torch.Tensor            # long: P + R per row
     rollout_routes_BTLK: torch.Tensor | None = None  # compact: the engine's routes
     rollout_routes_valid_BT: torch.Tensor | None = None  # bool: rows that have an engine route
+    candidates_BTS: torch.Tensor | None = None  # int16/int32: kept ids of the token at t, -1 pad;
+    # a row of all -1 = whole vocabulary (prompt, padding, untruncated tokens)
 
     @property
     def size(self) -> int:
@@ -67,11 +73,20 @@ class Batch:
 
 
 def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
-            num_layers: int, top_k: int) -> Batch:
+            num_layers: int, top_k: int, *, sampling_mask: bool = False,
+            vocab_size: int | None = None) -> Batch:
     """Right-pad engine results into a Batch; routes are checked against each sample's length
-    and the model (an error names the sample)."""
+    and the model (an error names the sample).
+
+    `sampling_mask=True` (sampling-mask replay): every result must carry `sampling_mask` and
+    `sampling_logprobs` (request them with `return_sampling_mask`); the rollout log-probs are
+    then the truncated, renormalised `sampling_logprobs` and `candidates_BTS` holds each
+    response token's kept ids. `vocab_size` is required then (ids are checked against it, and a
+    support of the whole vocabulary is stored as "no restriction")."""
     if not results:
         raise ValueError("collate needs at least one GenerationResult")
+    if sampling_mask and vocab_size is None:
+        raise ValueError("collate(sampling_mask=True) needs vocab_size")
     seq_lens = [r.prompt_tokens + r.completion_tokens for r in results]
     B, T = len(results), max(seq_lens)
     ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
@@ -87,7 +102,14 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
                              f"{R} output tokens")
         ids_BT[b, :P + R] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
         resp_BT[b, P:P + R] = True
-        rollout_lp_BT[b, P:P + R] = r.output_logprobs.float()
+        if sampling_mask:
+            if r.sampling_logprobs is None or r.sampling_logprobs.shape != (R,):
+                got = None if r.sampling_logprobs is None else tuple(r.sampling_logprobs.shape)
+                raise ValueError(f"sample {b}: sampling-mask replay needs sampling_logprobs for "
+                                 f"its {R} output tokens, got {got}")
+            rollout_lp_BT[b, P:P + R] = r.sampling_logprobs.float()
+        else:
+            rollout_lp_BT[b, P:P + R] = r.output_logprobs.float()
         if r.routes_NLK is not None:
             trace = RoutingTrace(r.routes_NLK, num_experts, sample=b)
             trace.check(P, R, num_layers, top_k, num_experts, sample=b)
@@ -95,7 +117,40 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
     if traces and len(traces) != B:
         raise ValueError(f"{B - len(traces)} of {B} samples have no routes; all or none must")
     routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
-    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid)
+    cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
+    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS)
+
+
+def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Tensor:
+    """Per-token kept ids [B, T, S] (-1 padded, smallest int dtype that holds V), aligned with
+    the response positions; checked: each sampled id is in its own set (an error names the
+    sample and the output position)."""
+    rows: list[tuple[int, int, torch.Tensor]] = []  # (b, t, ids)
+    for b, r in enumerate(results):
+        P, R = r.prompt_tokens, r.completion_tokens
+        if r.sampling_mask is None or len(r.sampling_mask) != R:
+            got = None if r.sampling_mask is None else len(r.sampling_mask)
+            raise ValueError(f"sample {b}: sampling-mask replay needs a sampling mask for each "
+                             f"of its {R} output tokens, got {got} (request "
+                             "return_sampling_mask)")
+        for i, ids in enumerate(r.sampling_mask):
+            if ids is None:
+                continue
+            ids = torch.as_tensor(ids).long()
+            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V:
+                raise ValueError(f"sample {b}, output token {i}: kept ids {ids.tolist()[:8]} "
+                                 f"are empty or outside [0, {V})")
+            if not bool((ids == r.output_ids[i]).any()):
+                raise ValueError(f"sample {b}, output token {i}: sampled id {r.output_ids[i]} "
+                                 f"is not in its kept set {ids.tolist()[:8]}...")
+            if ids.numel() < V:  # a full support is stored as "no restriction"
+                rows.append((b, P + i, ids))
+    S = max((ids.numel() for _, _, ids in rows), default=1)
+    dtype = torch.int16 if V <= torch.iinfo(torch.int16).max else torch.int32
+    cand_BTS = torch.full((len(results), T, S), -1, dtype=dtype)
+    for b, t, ids in rows:
+        cand_BTS[b, t, :ids.numel()] = ids.to(dtype)
+    return cand_BTS
 
 
 @dataclass
@@ -162,9 +217,10 @@ class TorchActor:
                     replay_mask_BT=replay_mask_BT if routes_BTLK is not None else None,
                     compute_logits=False)
         # position t-1's hidden state predicts the token at t
+        cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:]
         lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
                                    batch.input_ids_BT[:, 1:], temperature=self.temperature,
-                                   chunk_size=self.cfg.logprob_chunk)
+                                   candidates_NS=cand, chunk_size=self.cfg.logprob_chunk)
         zero = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
 

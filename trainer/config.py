@@ -66,6 +66,11 @@ class RolloutConfig:
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = -1
     """Top-k sampling (-1 = whole vocabulary)."""
+    sampling_mask_replay: bool | None = None
+    """Record each token's kept candidate set and have the actor recompute log-probs over it
+    (rollout log-probs := the engine's truncated, renormalised `sampling_logprobs`). None = on
+    exactly when sampling is truncated (top_p < 1 or top_k set); truncated sampling with false
+    is refused (TIS/IcePop would see a ratio biased by the kept mass)."""
     max_new_tokens: int | None = None
     """Response length cap; None = the task's own cap."""
     dtype: Dtype = "bf16"
@@ -98,6 +103,15 @@ class RolloutConfig:
         _in("rollout", self, "temperature", 0.0, 100.0, lo_open=True)
         _in("rollout", self, "top_p", 0.0, 1.0, lo_open=True)
         _need(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k={self.top_k} must be -1 or >= 1")
+        if self.sampling_mask_replay is False and self.truncates:
+            fields = [f"rollout.{k}={getattr(self, k)!r}" for k in ("top_p", "top_k")
+                      if getattr(self, k) != getattr(RolloutConfig, k)]
+            raise ExperimentConfigError(
+                f"{', '.join(fields)}: truncated sampling needs sampling-mask replay, but "
+                "rollout.sampling_mask_replay=false; the trainer would compare full-vocabulary "
+                "log-probs with those of the truncated distribution (an IS ratio biased by the "
+                "kept mass). Leave rollout.sampling_mask_replay unset (or true), or sample the "
+                "full distribution (top_p=1, top_k=-1)")
         if self.max_new_tokens is not None:
             _in("rollout", self, "max_new_tokens", 1, 1 << 20)
 
@@ -105,6 +119,16 @@ class RolloutConfig:
     def batch_size(self) -> int:
         """Sequences per step."""
         return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def truncates(self) -> bool:
+        """True when top-p / top-k can drop candidates (the temperature is always > 0)."""
+        return self.top_p < 1.0 or self.top_k != -1
+
+    @property
+    def mask_replay(self) -> bool:
+        """Whether the loop records sampling masks and replays them in the actor."""
+        return self.truncates if self.sampling_mask_replay is None else self.sampling_mask_replay
 
 
 @dataclass
@@ -303,11 +327,14 @@ class ExperimentConfig:
 
     def hash(self, *sections: str) -> str:
         """Short stable hash of the named sections (all when none), e.g. for caches.
-        A default `actor.megatron` is left out, so configs hash as they did before it existed
-        (runs written then still resume); any non-default layout changes the hash."""
+        A default `actor.megatron` and an unset `rollout.sampling_mask_replay` are left out, so
+        configs hash as they did before they existed (runs written then still resume); any
+        other value changes the hash."""
         d = self.to_dict()
         if self.actor.megatron == MegatronOptions():
             d["actor"].pop("megatron")
+        if self.rollout.sampling_mask_replay is None:
+            d["rollout"].pop("sampling_mask_replay")
         d = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

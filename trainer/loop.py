@@ -138,7 +138,8 @@ class Trainer:
         cfg, t = self.cfg, _Timer()
         problems = self.task.problems(cfg.loop.seed, self.state.cursor, cfg.rollout.prompts_per_step)
         results = self.rollout.generate(self.requests(problems, step))                 # generate
-        batch = collate(results, self.task.pad_id, *self._route_shape())
+        batch = collate(results, self.task.pad_id, *self._route_shape(),
+                        sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
         rewards_B = torch.tensor([self.task.reward(problems[i // cfg.rollout.samples_per_prompt],
                                                    r.output_ids) for i, r in enumerate(results)])
         t.lap("generate")
@@ -168,12 +169,14 @@ class Trainer:
 
     # -- pieces of the step ----------------------------------------------------------------
     def requests(self, problems, step: int) -> list[GenerateRequest]:
-        """One request per prompt, n samples each; seeds are a function of (seed, step)."""
+        """One request per prompt, n samples each; seeds are a function of (seed, step).
+        With sampling-mask replay each request also asks for the kept candidate sets."""
         ro, n = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
         base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24)
         return [GenerateRequest(self.task.prompt_ids(p), SamplingParams(
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-            max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n), rid=f"s{step}p{i}")
+            max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n), rid=f"s{step}p{i}",
+            return_sampling_mask=ro.mask_replay)
             for i, p in enumerate(problems)]
 
     def loss_fn(self, batch: Batch, old: LogprobResult, adv_BT: torch.Tensor,

@@ -74,6 +74,23 @@ def options_for(cfg: ActorConfig, options: MegatronOptions | None) -> MegatronOp
                                aux_loss_coef=cfg.aux_loss_coef)
 
 
+def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.Tensor:
+    """fp32 logits with every id outside each token's kept set (cand, -1 padded; all -1 = no
+    restriction) pushed to -1e30: its probability is then exactly 0 and, unlike -inf, it keeps
+    `token_logprobs_entropy`'s sum of p * logit finite. Handles a TP vocabulary shard."""
+    from megatron.core import parallel_state as ps
+
+    v_local = logits_BTV.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local
+    local_BTS = cand_BTS.long() - start
+    here_BTS = (cand_BTS >= 0) & (local_BTS >= 0) & (local_BTS < v_local)
+    keep_BTV = torch.zeros(*logits_BTV.shape[:-1], v_local + 1, dtype=torch.bool,
+                           device=logits_BTV.device)  # the extra column takes misses
+    keep_BTV.scatter_(-1, torch.where(here_BTS, local_BTS, v_local), True)
+    keep_BTV = keep_BTV[..., :v_local] | (cand_BTS < 0).all(-1, keepdim=True)
+    return logits_BTV.float().masked_fill(~keep_BTV, -1e30)
+
+
 class MegatronActor:
     """Policy log-probs and updates on megatron-core; `master` mirrors the weights."""
 
@@ -141,8 +158,10 @@ class MegatronActor:
             used = self.replay.set_routes(routes_BTLK, mask_BT, seq_lens_B=mb.seq_lens_B,
                                           fill_BTLK=self._fill(mb, routes_BTLK, mask_BT))
         ids = mb.input_ids_BT.to(self.device)
-        logits = self.replay.backward_replays(forward_logits(self.ddp, ids))
-        lp, ent = token_logprobs_entropy(logits[:, :-1], ids[:, 1:], self.temperature)
+        logits = self.replay.backward_replays(forward_logits(self.ddp, ids))[:, :-1]
+        if mb.candidates_BTS is not None:  # sampling-mask replay: softmax over the kept ids
+            logits = _keep_candidates(logits, mb.candidates_BTS[:, 1:].to(self.device))
+        lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
         zero = lp.new_zeros(b, 1)
         natural = self.replay.natural(b, T).cpu()
         # results live on the CPU like the batch the loss function indexes (a differentiable
