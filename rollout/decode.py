@@ -34,7 +34,9 @@ def _fingerprint(model: MoEModel) -> tuple:
 class DecodeWeights:
     """A model's weights laid out for `decode_step`. Valid while the model's parameters are
     unchanged: `current(model)` checks every parameter's storage and in-place version counter
-    (load_state_dict, copy_ and optimiser steps bump it), so a stale copy is never used."""
+    (load_state_dict, copy_ and optimiser steps bump it), so a stale copy is never used.
+    NOTE: writes through `param.data` bypass the version counter; change an engine's weights
+    with `Engine.update_weights` (which rebuilds this object) or in-place ops on the parameters."""
 
     def __init__(self, model: MoEModel):
         self.key = _fingerprint(model)
