@@ -24,6 +24,7 @@ from ..moe.config import ModelConfig
 from ..moe.model import MoEModel
 from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
                             decode_routes, routes_encoding)
+from ..replay.trace import RouteError
 from .engine import Engine
 from .types import GenerateRequest, GenerationResult
 
@@ -83,10 +84,18 @@ class HTTPBackend(RolloutBackend):
     """Async client for an SGLang-compatible `/generate` server.
 
     Each request goes out as its own HTTP call (at most `max_concurrency` in flight) so the
-    server batches them continuously. Connection errors are retried with exponential backoff
-    (`retries` times); timeouts and HTTP errors are not (the server may still be working, or
-    the request is wrong). With `compact_routes` the client asks for lockstep's compact route
+    server batches them continuously. Only a connection that was never made (refused, host
+    unreachable: `aiohttp.ClientConnectorError`) is retried, with exponential backoff
+    (`retries` times): the server cannot have seen the request. A connection lost after the
+    request went out is not retried, since the server may have acted on it (a second
+    `/generate` with the same rid is refused as "already running"; a weight update is not
+    idempotent); neither are timeouts (the server may still be working) or HTTP errors (the
+    request is wrong). With `compact_routes` the client asks for lockstep's compact route
     encoding; a real SGLang server ignores the field and sends int32, which is decoded as well.
+
+    Every response must carry the `weight_version` that produced it. After `update_weights`
+    the client expects exactly the version it pushed: results of any other version are
+    refused naming both, as are weight updates the server reports under another version.
     """
 
     def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
@@ -101,7 +110,8 @@ class HTTPBackend(RolloutBackend):
         self.retries, self.backoff_s = retries, backoff_s
         self.compact_routes = compact_routes
         self.weights_dir = Path(weights_dir) if weights_dir else None
-        self.weight_version = "unknown"
+        self.weight_version = "unknown"  # until a response or update_weights names it
+        self._pushed_version: str | None = None  # what results must carry after update_weights
         self.encodings_seen: dict[str, int] = {ENCODING_INT32: 0, ENCODING_COMPACT: 0}
         self.route_bytes_received = 0
         self._written: list[Path] = []  # weight folders this client saved for the server
@@ -121,11 +131,15 @@ class HTTPBackend(RolloutBackend):
             except asyncio.TimeoutError:
                 raise RolloutError(f"POST {self.url}{path}: no answer within "
                                    f"{self.timeout.total}s (not retried)") from None
-            except aiohttp.ClientConnectionError as e:
+            except aiohttp.ClientConnectorError as e:  # never connected: safe to send again
                 if attempt == self.retries:
                     raise RolloutError(f"POST {self.url}{path}: connection failed after "
                                        f"{self.retries + 1} attempts: {e!r}") from e
                 await asyncio.sleep(self.backoff_s * 2 ** attempt * (0.5 + random.random()))
+            except aiohttp.ClientConnectionError as e:  # connected: the server may have acted
+                raise RolloutError(f"POST {self.url}{path}: connection lost after the request "
+                                   f"was sent: {e!r} (not retried: the server may have acted "
+                                   f"on it)") from e
 
     async def get(self, path: str) -> Any:
         async with aiohttp.ClientSession(timeout=self.timeout) as s:
@@ -190,13 +204,26 @@ class HTTPBackend(RolloutBackend):
                 raise RolloutError(f"{who}: no routed_experts (launch SGLang with "
                                    f"--enable-return-routed-experts)")
             c = self.cfg
-            trace = decode_routes(payload, P + R - 1, c.num_hidden_layers, c.moe_layer_ids,
-                                  c.num_experts_per_tok, c.num_experts, sample=i)
+            try:
+                trace = decode_routes(payload, P + R - 1, c.num_hidden_layers, c.moe_layer_ids,
+                                      c.num_experts_per_tok, c.num_experts)
+            except RouteError as e:
+                raise RolloutError(f"{who}: {e}") from None
             self.encodings_seen[routes_encoding(payload)] += 1
             self.route_bytes_received += len(payload)
             routes = trace.ids_NLK
-        version = str(meta.get("weight_version", "unknown"))
+        if meta.get("weight_version") is None:
+            raise RolloutError(f"{who}: meta_info has no weight_version (the server must report "
+                               f"the weights that generated each sample)")
+        version = str(meta["weight_version"])
+        if self._pushed_version is not None and version != self._pushed_version:
+            raise RolloutError(f"{who}: generated with weight version {version!r}, expected "
+                               f"{self._pushed_version!r} (pushed by update_weights)")
         self.weight_version = version
+        finish = meta.get("finish_reason")
+        if not isinstance(finish, dict) or "type" not in finish:
+            raise RolloutError(f"{who}: finish_reason is {finish!r}, expected an object with a "
+                               f"'type' (a finished sample)")
         sel = meta.get("output_token_sampling_logprobs")
         mask = meta.get("output_token_sampling_mask")
         support_lp = None
@@ -208,7 +235,7 @@ class HTTPBackend(RolloutBackend):
             output_ids=out_ids,
             output_logprobs=torch.tensor([float(e[0]) for e in lp_entries], dtype=torch.float32),
             sampling_logprobs=None if sel is None else torch.tensor(sel, dtype=torch.float32),
-            finish_reason=meta.get("finish_reason") or {}, weight_version=version,
+            finish_reason=finish, weight_version=version,
             routes_NLK=routes,
             input_logprobs=None if inp is None else torch.tensor(
                 [float("nan") if e[0] is None else float(e[0]) for e in inp]),
@@ -243,5 +270,12 @@ class HTTPBackend(RolloutBackend):
                     shutil.rmtree(old, ignore_errors=True)
             self._written = [written]
         info = await self.get("/model_info")
-        self.weight_version = str(info.get("weight_version", weight_version))
-        return self.weight_version
+        if not isinstance(info, dict) or info.get("weight_version") is None:
+            raise RolloutError(f"/model_info after update_weights_from_disk({source}) has no "
+                               f"weight_version: {info!r}")
+        now = str(info["weight_version"])
+        if weight_version is not None and now != str(weight_version):
+            raise RolloutError(f"update_weights_from_disk({source}): pushed weight version "
+                               f"{str(weight_version)!r}, the server reports {now!r}")
+        self.weight_version = self._pushed_version = now
+        return now

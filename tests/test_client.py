@@ -1,35 +1,25 @@
 """Client round trips through a real loopback server, compact/int32 routes, retries, weights."""
 
 import asyncio
+import json
+import re
 import socket
 import threading
 import time
 
+import aiohttp
 import pytest
 import torch
+from aiohttp import web
 
 from lockstep.moe.model import MoEModel
 from lockstep.replay.codec import ENCODING_REQUEST_FIELD
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
-from model_fixtures import tiny_config
-
-ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return MoEModel(tiny_config(max_position_embeddings=64, mlp_only_layers=[0]))
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    with ServerThread(Engine.from_model(model, ENGINE)) as srv:
-        yield srv
+from server_fixtures import ENGINE, model, server  # noqa: F401 (pytest fixtures)
 
 
 def _reqs():
@@ -85,10 +75,10 @@ def test_compact_is_smaller_and_int32_fallback_decodes(server, model):
     assert res.routes_NLK.shape == (16 + 16 - 1, 2, 2)
 
 
-async def _post_plain(url, body):
-    import aiohttp
+async def _post_plain(url, body, path="/generate"):
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + "/generate", json=body) as r:
+        async with s.post(url + path, json=body) as r:
+            assert r.status == 200, await r.text()
             return await r.json()
 
 
@@ -99,7 +89,8 @@ def test_row_count_and_contract_checks(server, model):
     item["meta_info"]["completion_tokens"] = 4
     item["output_ids"] = item["output_ids"][:4]
     item["meta_info"]["output_token_logprobs"] = item["meta_info"]["output_token_logprobs"][:4]
-    with pytest.raises(ValueError, match="sample 0: routes: compact header says rows=7, expected 6"):
+    with pytest.raises(RolloutError,
+                       match="^request 0 sample 0: routes: compact header says rows=7, expected 6"):
         http.parse(item, req, 0, 0)
     item = asyncio.run(_post_plain(server.url, http.request_body(req)))
     item["meta_info"]["prompt_tokens"] = 2
@@ -107,6 +98,118 @@ def test_row_count_and_contract_checks(server, model):
         http.parse(item, req, 0, 0)
     with pytest.raises(RolloutError, match="HTTP 400.*outside the vocabulary"):
         http.generate([GenerateRequest([1, 99])])
+
+
+def test_bad_routes_name_request_and_sample(server, model):
+    # with n > 1 the sample index differs from the request index: a bad payload in request 1
+    # sample 2 must say so, as a RolloutError like every other contract check
+    http = HTTPBackend(server.url, model.cfg)
+    req = GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True, n=3))
+    items = asyncio.run(_post_plain(server.url, http.request_body(req)))
+    assert len(items) == 3
+    http.parse(items[2], req, 1, 2)
+    items[2]["meta_info"]["routed_experts"] = "not base64!"
+    with pytest.raises(RolloutError, match="^request 1 sample 2: routes payload is not valid base64"):
+        http.parse(items[2], req, 1, 2)
+
+
+def test_missing_weight_version_and_finish_reason_are_refused(server, model):
+    http = HTTPBackend(server.url, model.cfg)
+    req = GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=3))
+    item = asyncio.run(_post_plain(server.url, http.request_body(req)))
+    assert http.parse(item, req, 0, 0).weight_version == "0"
+    for key, msg in (("weight_version", "request 3 sample 1: meta_info has no weight_version"),
+                     ("finish_reason", "request 3 sample 1: finish_reason is None")):
+        bad = {**item, "meta_info": {k: v for k, v in item["meta_info"].items() if k != key}}
+        with pytest.raises(RolloutError, match=msg):
+            http.parse(bad, req, 3, 1)
+
+
+def _version_hiding_server(model):
+    """The real server, behind a middleware that drops weight_version from /model_info (an
+    older or foreign server)."""
+    srv = ServerThread(Engine.from_model(model, ENGINE))
+
+    @web.middleware
+    async def hide(request, handler):
+        resp = await handler(request)
+        if request.path != "/model_info":
+            return resp
+        info = json.loads(resp.body)
+        del info["weight_version"]
+        return web.json_response(info)
+
+    srv.app.middlewares.append(hide)
+    return srv
+
+
+def test_update_weights_checks_the_version_the_server_reports(model, tmp_path):
+    with _version_hiding_server(model) as srv:
+        http = HTTPBackend(srv.url, model.cfg, weights_dir=tmp_path)
+        with pytest.raises(RolloutError, match="/model_info after update_weights_from_disk.*has no "
+                                               "weight_version"):
+            http.update_weights(model, weight_version="s0")
+
+
+def test_results_of_another_version_than_pushed_are_refused(model, tmp_path):
+    with ServerThread(Engine.from_model(model, ENGINE)) as srv:
+        http = HTTPBackend(srv.url, model.cfg, weights_dir=tmp_path)
+        assert http.update_weights(model, weight_version="s1") == "s1"
+        req = [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2))]
+        assert http.generate(req)[0].weight_version == "s1"
+        # someone else changes the server's version behind the trainer's back
+        asyncio.run(_post_plain(srv.url, {"new_version": "other"}, "/update_weight_version"))
+        with pytest.raises(RolloutError, match="request 0 sample 0: generated with weight version "
+                                               "'other', expected 's1'"):
+            http.generate(req)
+
+
+class _DroppingServer:
+    """A loopback TCP server that reads each HTTP request in full, counts it, and closes the
+    connection without answering (a server that died after accepting the request)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                self.requests += 1
+
+    def close(self):
+        self.sock.close()
+
+
+def test_connection_lost_after_sending_is_not_retried(model, tmp_path):
+    srv = _DroppingServer()
+    try:
+        http = HTTPBackend(srv.url, model.cfg, retries=3, backoff_s=0.01, weights_dir=tmp_path)
+        with pytest.raises(RolloutError, match="/generate: connection lost after the request was "
+                                               "sent.*not retried"):
+            http.generate([GenerateRequest([1, 2], SamplingParams(max_new_tokens=2), rid="r1")])
+        assert srv.requests == 1  # a resent rid would be "already running" on a live server
+        with pytest.raises(RolloutError, match="/update_weights_from_disk: connection lost"):
+            http.update_weights(str(tmp_path))
+        assert srv.requests == 2  # a weight update is not idempotent: sent once
+    finally:
+        srv.close()
 
 
 def test_retries_connection_errors_with_backoff(model):

@@ -13,25 +13,11 @@ import torch
 
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
-from model_fixtures import tiny_config
-
-ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return MoEModel(tiny_config(max_position_embeddings=64, mlp_only_layers=[0]))
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    with ServerThread(Engine.from_model(model, ENGINE), api_key=None) as srv:
-        yield srv
+from server_fixtures import ENGINE, model, server  # noqa: F401 (pytest fixtures)
 
 
 def call(url, path, body=None, raw=None, headers=None, method=None):
