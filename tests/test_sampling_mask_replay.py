@@ -85,6 +85,26 @@ def test_loop_step_ratios_are_one_in_old_logprob_and_update(tmp_path):
         assert abs(m[f"is_split/{part}_min"] - 1) < 1e-4, part
 
 
+def test_http_backend_step_replays_the_masks_the_server_returned(tmp_path):
+    """The same over a real SGLang-wire server on loopback: the masks and "selected" sampling
+    log-probs come back over HTTP, and the step's ratios are still 1."""
+    from lockstep.moe.model import MoEModel
+    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.server import ServerThread
+
+    cfg = load_config(CONFIGS / "toy_r3.yaml", SMALL + ["rollout.top_k=3"])
+    engine = Engine(MoEModel(cfg.model), EngineConfig(dtype="fp32", max_running=32, max_len=16,
+                                                      seed=cfg.loop.seed))
+    with ServerThread(engine) as srv:
+        cfg = load_config(CONFIGS / "toy_r3.yaml", SMALL + [
+            "rollout.top_k=3", "rollout.backend=http", f"rollout.url={srv.url}"])
+        tr = Trainer(cfg, tmp_path / "http", progress=False, log=lambda s: None)
+        m = tr.step(1)
+    for part in ("mismatch", "total"):
+        assert abs(m[f"is_split/{part}_max"] - 1) < 1e-4, part
+        assert abs(m[f"is_split/{part}_min"] - 1) < 1e-4, part
+
+
 def test_collate_needs_masks_and_logprobs_for_every_sample(tmp_path):
     tr = _trainer(tmp_path, "rollout.top_k=3")
     results = _results(tr)
@@ -102,7 +122,7 @@ def test_collate_needs_masks_and_logprobs_for_every_sample(tmp_path):
     mask[0] = torch.tensor([i for i in range(V) if i != tok][:3], dtype=torch.int32)
     bad[2] = results[2]
     bad[1] = dataclasses.replace(r, sampling_mask=mask)
-    with pytest.raises(ValueError, match=f"sample 1, output token 0: sampled id {tok} is not"):
+    with pytest.raises(ValueError, match=f"sample 1, output token 0: kept ids .* miss the sampled id {tok}"):
         collate(bad, tr.task.pad_id, *tr._route_shape(), sampling_mask=True, vocab_size=V)
 
 

@@ -124,8 +124,9 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
 def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Tensor:
     """Per-token kept ids [B, T, S] (-1 padded, smallest int dtype that holds V), aligned with
     the response positions; checked: each sampled id is in its own set (an error names the
-    sample and the output position)."""
-    rows: list[tuple[int, int, torch.Tensor]] = []  # (b, t, ids)
+    sample and the output position). Vectorised per sample: no per-token Python beyond
+    collecting the lists."""
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (b, positions, ids [n, s])
     for b, r in enumerate(results):
         P, R = r.prompt_tokens, r.completion_tokens
         if r.sampling_mask is None or len(r.sampling_mask) != R:
@@ -133,23 +134,34 @@ def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Te
             raise ValueError(f"sample {b}: sampling-mask replay needs a sampling mask for each "
                              f"of its {R} output tokens, got {got} (request "
                              "return_sampling_mask)")
-        for i, ids in enumerate(r.sampling_mask):
-            if ids is None:
-                continue
-            ids = torch.as_tensor(ids).long()
-            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V:
-                raise ValueError(f"sample {b}, output token {i}: kept ids {ids.tolist()[:8]} "
-                                 f"are empty or outside [0, {V})")
-            if not bool((ids == r.output_ids[i]).any()):
-                raise ValueError(f"sample {b}, output token {i}: sampled id {r.output_ids[i]} "
-                                 f"is not in its kept set {ids.tolist()[:8]}...")
-            if ids.numel() < V:  # a full support is stored as "no restriction"
-                rows.append((b, P + i, ids))
-    S = max((ids.numel() for _, _, ids in rows), default=1)
+        at = [i for i, m in enumerate(r.sampling_mask) if m is not None]
+        if not at:
+            continue
+        seqs = [torch.as_tensor(r.sampling_mask[i]).reshape(-1) for i in at]
+        n_n = torch.tensor([len(x) for x in seqs])
+        flat = torch.cat(seqs).long()
+        row = torch.repeat_interleave(torch.arange(len(at)), n_n)
+        col = torch.arange(len(flat)) - torch.repeat_interleave(n_n.cumsum(0) - n_n, n_n)
+        ids_nS = torch.full((len(at), max(int(n_n.max()), 1)), -1, dtype=torch.long)
+        ids_nS[row, col] = flat
+        real_nS = torch.arange(ids_nS.shape[1])[None] < n_n[:, None]
+        bad_n = (n_n == 0) | ((real_nS & ((ids_nS < 0) | (ids_nS >= V))).any(-1))
+        chosen_n = torch.tensor([r.output_ids[i] for i in at])
+        bad_n |= ~(ids_nS == chosen_n[:, None]).any(-1)
+        if bool(bad_n.any()):
+            j = int(bad_n.nonzero()[0])
+            raise ValueError(f"sample {b}, output token {at[j]}: kept ids "
+                             f"{seqs[j].tolist()[:8]}... are empty, outside [0, {V}) or miss "
+                             f"the sampled id {int(chosen_n[j])}")
+        part_n = n_n < V  # a full support is stored as "no restriction"
+        if bool(part_n.any()):
+            pos_n = torch.tensor(at)[part_n] + P
+            parts.append((b, pos_n, ids_nS[part_n][:, :int(n_n[part_n].max())]))
+    S = max((ids.shape[1] for _, _, ids in parts), default=1)
     dtype = torch.int16 if V <= torch.iinfo(torch.int16).max else torch.int32
     cand_BTS = torch.full((len(results), T, S), -1, dtype=dtype)
-    for b, t, ids in rows:
-        cand_BTS[b, t, :ids.numel()] = ids.to(dtype)
+    for b, pos_n, ids_nS in parts:
+        cand_BTS[b, pos_n, :ids_nS.shape[1]] = ids_nS.to(dtype)
     return cand_BTS
 
 
