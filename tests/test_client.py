@@ -62,7 +62,7 @@ def test_compact_is_smaller_and_int32_fallback_decodes(server, model):
         http = HTTPBackend(server.url, model.cfg, compact_routes=compact)
         http.generate(reqs)
         sizes[compact] = http.route_bytes_received
-    # 3 decoder layers of int32 vs 2 MoE layers of uint8 (+ a 24-byte header per sample).
+    # 3 decoder layers of int32 vs 2 MoE layers of bit-packed ids (+ a 5-byte header per sample).
     assert sizes[True] * 4 < sizes[False]
     # A server that ignores the compact field (real SGLang) answers int32: the client asked
     # for compact, gets int32, and still decodes and checks it.
