@@ -122,7 +122,8 @@ def test_collate_needs_masks_and_logprobs_for_every_sample(tmp_path):
     mask[0] = torch.tensor([i for i in range(V) if i != tok][:3], dtype=torch.int32)
     bad[2] = results[2]
     bad[1] = dataclasses.replace(r, sampling_mask=mask)
-    with pytest.raises(ValueError, match=f"sample 1, output token 0: kept ids .* miss the sampled id {tok}"):
+    with pytest.raises(ValueError,
+                       match=f"sample 1, output token 0: kept ids .* miss the sampled id {tok}"):
         collate(bad, tr.task.pad_id, *tr._route_shape(), sampling_mask=True, vocab_size=V)
 
 
