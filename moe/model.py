@@ -381,6 +381,13 @@ class MoEModel(nn.Module):
                 f"routed_experts[{b}, {t}, {l}, {k}] = {int(ids[b, t, l, k])} is outside "
                 f"[0, {cfg.num_experts}) (sample {b}, position {t}, MoE layer {l} = decoder "
                 f"layer {cfg.moe_layer_ids[l]})")
+        # A repeated id would run that expert twice with its gate counted twice.
+        repeated = (ids.sort(-1).values.diff(dim=-1) == 0).any(-1) & mask_BT[:, :, None]
+        if bool(repeated.any()):
+            b, t, l = (int(i) for i in repeated.nonzero()[0])
+            raise RouteError(
+                f"routed_experts[{b}, {t}, {l}] = {ids[b, t, l].tolist()} repeats an expert "
+                f"(sample {b}, position {t}, MoE layer {l} = decoder layer {cfg.moe_layer_ids[l]})")
         return ids
 
     def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None,

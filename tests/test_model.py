@@ -182,6 +182,10 @@ def test_bad_routes_name_the_problem():
     mask[1, 3] = False
     out = model(ids, routed_experts_BTLK=bad, replay_mask_BT=mask)
     assert torch.equal(out.routes_BTLK, good)
+    dup = good.clone()
+    dup[0, 2, 1] = torch.tensor([3, 3])
+    with pytest.raises(RouteError, match=r"routed_experts\[0, 2, 1\] = \[3, 3\] repeats an expert"):
+        model(ids, routed_experts_BTLK=dup)
     with pytest.raises(RouteError, match="replay_mask must be bool"):
         model(ids, routed_experts_BTLK=good, replay_mask_BT=mask.long())
 
