@@ -55,6 +55,7 @@ def test_types_bounds_and_choices():
         "replay.mode=R4": r"replay\.mode='R4' is not one of \['off', 'R2', 'R3'\]",
         "rollout.dtype=int8": r"rollout\.dtype='int8' is not one of",
         "rollout.temperature=0": r"rollout\.temperature",
+        "rollout.samples_per_prompt=1": r"rollout\.samples_per_prompt=1 is outside \[2, 4096\]",
         "loop.tensorboard=yes please": r"loop\.tensorboard must be true or false",
         "actor.micro_batch_size=3": r"micro_batch_size=3 must divide",
         "actor.mini_batch_size=192": r"mini_batch_size=192 must divide the rollout batch",

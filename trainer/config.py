@@ -99,7 +99,8 @@ class RolloutConfig:
               "rollout.backend=http needs rollout.url (the server's base URL)")
         _in("rollout", self, "num_engines", 1, 1 << 12)
         _in("rollout", self, "prompts_per_step", 1, 1 << 20)
-        _in("rollout", self, "samples_per_prompt", 1, 1 << 12)
+        # GRPO normalises rewards within a group: one sample gives zero advantage, no signal.
+        _in("rollout", self, "samples_per_prompt", 2, 1 << 12)
         _in("rollout", self, "temperature", 0.0, 100.0, lo_open=True)
         _in("rollout", self, "top_p", 0.0, 1.0, lo_open=True)
         _need(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k={self.top_k} must be -1 or >= 1")
