@@ -11,7 +11,7 @@ from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.replay import old_logprob_plan, update_plan
 from lockstep.rollout.types import GenerationResult
-from lockstep.trainer.actor import TorchActor, collate, lr_lambda
+from lockstep.trainer.actor import TorchActor, collate, lr_lambda, run_minibatches
 from lockstep.trainer.config import ActorConfig
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -161,3 +161,25 @@ def test_lr_schedules():
     g = lr_lambda(ActorConfig(lr_schedule="linear"), 10)
     assert g(0) == 1.0 and g(5) == pytest.approx(0.5) and g(10) == 0.0
     assert lr_lambda(ActorConfig(), 10)(7) == 1.0
+
+
+def test_run_minibatches_shuffles_by_seed_and_averages_step_metrics():
+    cfg = ActorConfig(epochs=2, mini_batch_size=3, micro_batch_size=1)
+    seen = []
+
+    def step(mini):
+        seen.append(mini.tolist())
+        return {"n": float(len(seen)), "first": float(mini[0])}
+
+    metrics = run_minibatches(6, cfg, 5, step)
+    # each epoch is one permutation of the rows, drawn from one generator seeded once
+    g = torch.Generator().manual_seed(5)
+    want = [p.tolist() for _ in range(2) for p in torch.randperm(6, generator=g).split(3)]
+    assert seen == want and sorted(seen[0] + seen[1]) == list(range(6))
+    assert seen[:2] != seen[2:]  # a fresh order per epoch, not the same one twice
+    assert metrics == {"n": 2.5, "first": sum(m[0] for m in want) / 4}
+    seen.clear()
+    run_minibatches(6, cfg, None, step)
+    assert seen == [[0, 1, 2], [3, 4, 5]] * 2
+    with pytest.raises(ValueError, match="batch of 7 rows .*mini_batch_size=3"):
+        run_minibatches(7, cfg, 0, step)

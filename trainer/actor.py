@@ -184,6 +184,28 @@ loss must be this micro-batch's share of the mini-batch loss (the shares are sum
 gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens."""
 
 
+def run_minibatches(batch_size: int, cfg: ActorConfig, shuffle_seed: int | None,
+                    step_fn: Callable[[torch.Tensor], dict[str, float]]) -> dict[str, float]:
+    """The update schedule both actors share: `cfg.epochs` passes over `batch_size` rows in
+    mini-batches of `cfg.mini_batch_size`, rows shuffled per epoch by a generator seeded with
+    `shuffle_seed` (None keeps their order). `step_fn(mini_rows)` makes one optimiser step on
+    those rows and returns its metrics; returns each metric averaged over the steps."""
+    if batch_size % cfg.mini_batch_size:
+        raise ValueError(f"batch of {batch_size} rows is not a multiple of "
+                         f"actor.mini_batch_size={cfg.mini_batch_size}")
+    gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+    sums: dict[str, float] = {}
+    n_steps = 0
+    for _ in range(cfg.epochs):
+        order = (torch.arange(batch_size) if gen is None
+                 else torch.randperm(batch_size, generator=gen))
+        for mini in order.split(cfg.mini_batch_size):
+            for k, v in step_fn(mini).items():
+                sums[k] = sums.get(k, 0.0) + v
+            n_steps += 1
+    return {k: v / n_steps for k, v in sums.items()}
+
+
 def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:
     """LR multiplier per optimiser step: linear warm-up, then constant / cosine / linear."""
     def f(step: int) -> float:
@@ -277,41 +299,39 @@ class TorchActor:
         step each), each accumulated over micro-batches. Rows are shuffled per epoch with
         `shuffle_seed` (None keeps their order). Returns (metrics averaged over optimiser
         steps, routes the last pass ran [B,T,L,K], natural top-k of the last pass [B,T,L,K])."""
-        cfg = self.cfg
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
-        if B % cfg.mini_batch_size:
-            raise ValueError(f"batch of {B} rows is not a multiple of actor.mini_batch_size="
-                             f"{cfg.mini_batch_size}")
         used_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
         nat_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
-        gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
-        sums: dict[str, float] = {}
-        n_steps = 0
         self.compute.train()
-        for _ in range(cfg.epochs):
-            order = torch.arange(B) if gen is None else torch.randperm(B, generator=gen)
-            for mini in order.split(cfg.mini_batch_size):
-                step_metrics: dict[str, float] = {}
-                for idx in self._micro_batches(mini):
-                    r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx)
-                    mb = batch.rows(idx)
-                    lp, ent, out = self._forward(mb, r, m)
-                    loss, metrics = loss_fn(lp, ent, idx, mini)
-                    if cfg.aux_loss_coef > 0:
-                        aux = self.compute.load_balancing_loss(out, mb.token_mask_BT)
-                        loss = loss + cfg.aux_loss_coef * aux * (len(idx) / len(mini))
-                        metrics["actor/aux_loss"] = float(aux)
-                    loss.backward()
-                    used_BTLK[idx] = out.routes_BTLK.detach().to(self.route_dtype)
-                    nat_BTLK[idx] = out.natural_BTLK.detach().to(self.route_dtype)
-                    for k, v in metrics.items():  # metrics are micro-batch means: weight them
-                        step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
-                step_metrics.update(self._optimizer_step())
-                for k, v in step_metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n_steps += 1
-        return {k: v / n_steps for k, v in sums.items()}, used_BTLK, nat_BTLK
+        metrics = run_minibatches(
+            B, self.cfg, shuffle_seed,
+            lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
+                                          used_BTLK, nat_BTLK))
+        return metrics, used_BTLK, nat_BTLK
+
+    def _train_step(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor, routes_BTLK,
+                    replay_mask_BT, used_BTLK, nat_BTLK) -> dict[str, float]:
+        """One optimiser step on rows `mini`, gradients accumulated over micro-batches; writes
+        the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`."""
+        cfg = self.cfg
+        step_metrics: dict[str, float] = {}
+        for idx in self._micro_batches(mini):
+            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx)
+            mb = batch.rows(idx)
+            lp, ent, out = self._forward(mb, r, m)
+            loss, metrics = loss_fn(lp, ent, idx, mini)
+            if cfg.aux_loss_coef > 0:
+                aux = self.compute.load_balancing_loss(out, mb.token_mask_BT)
+                loss = loss + cfg.aux_loss_coef * aux * (len(idx) / len(mini))
+                metrics["actor/aux_loss"] = float(aux)
+            loss.backward()
+            used_BTLK[idx] = out.routes_BTLK.detach().to(self.route_dtype)
+            nat_BTLK[idx] = out.natural_BTLK.detach().to(self.route_dtype)
+            for k, v in metrics.items():  # metrics are micro-batch means: weight them
+                step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
+        step_metrics.update(self._optimizer_step())
+        return step_metrics
 
     def _optimizer_step(self) -> dict[str, float]:
         if self.compute is not self.master:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
-from lockstep.trainer.actor import Batch, LogprobResult, LossFn, lr_lambda
+from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
+                                    run_minibatches)
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.megatron import convert
 from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model, forward_logits,
@@ -217,14 +218,11 @@ class MegatronActor:
                replay_mask_BT: torch.Tensor | None = None, shuffle_seed: int | None = None,
                ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         """As `TorchActor.update`: `epochs` passes in mini-batches (one optimiser step each)
-        of micro-batches, rows shuffled per epoch with `shuffle_seed` exactly as the torch actor
-        does. Returns (metrics averaged over steps, routes run, natural top-k) [B, T, L, K]."""
+        of micro-batches, rows shuffled per epoch with `shuffle_seed` by the schedule the torch
+        actor runs too (`run_minibatches`). Returns (metrics averaged over steps, routes run, natural top-k) [B, T, L, K]."""
         cfg = self.cfg
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
-        if B % cfg.mini_batch_size:
-            raise ValueError(f"batch of {B} rows is not a multiple of actor.mini_batch_size="
-                             f"{cfg.mini_batch_size}")
         if cfg.mini_batch_size % self.dp:
             raise ValueError(f"actor.mini_batch_size={cfg.mini_batch_size} is not divisible by "
                              f"the data-parallel size {self.dp}")
@@ -232,22 +230,17 @@ class MegatronActor:
             raise ValueError("replay_mask_BT given without routes_BTLK")
         used = torch.zeros(B, T, L, K, dtype=torch.int64)
         nat = torch.zeros(B, T, L, K, dtype=torch.int64)
-        gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
-        sums: dict[str, float] = {}
-        n_steps = 0
-        for _ in range(cfg.epochs):
-            order = torch.arange(B) if gen is None else torch.randperm(B, generator=gen)
-            for mini in order.split(cfg.mini_batch_size):
-                step_metrics = self._forward_backward(batch, loss_fn, mini, routes_BTLK,
-                                                      replay_mask_BT, used, nat)
-                step_metrics.update(self._optimizer_step())
-                for k, v in step_metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n_steps += 1
+
+        def step(mini: torch.Tensor) -> dict[str, float]:
+            metrics = self._forward_backward(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
+                                             used, nat)
+            metrics.update(self._optimizer_step())
+            return metrics
+
+        metrics = run_minibatches(B, cfg, shuffle_seed, step)
         self._dp_sum(used)
         self._dp_sum(nat)
-        return ({k: v / n_steps for k, v in sums.items()}, used.to(self.route_dtype),
-                nat.to(self.route_dtype))
+        return metrics, used.to(self.route_dtype), nat.to(self.route_dtype)
 
     def _forward_backward(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor,
                           routes_BTLK, replay_mask_BT, used, nat) -> dict[str, float]:
