@@ -1,5 +1,6 @@
 """The RL step with a real bf16 engine and an fp32 actor: replay contracts and mismatch metrics."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,14 @@ def test_bypass_mode_step(tmp_path):
     m = tr.step(1)
     assert m["replay/mismatch"] == 0.0 and "rollout_corr/rollout_rs_masked_fraction" in m
     assert m["actor/grad_norm"] == 0.0  # a random policy earns no reward: nothing to learn yet
+
+
+def test_layer_flip_matrix_orders_layers_and_marks_missing_steps():
+    from lockstep.trainer.metrics import layer_flip_matrix
+
+    rows = [{"step": 1, "routing/flip_rate/layer_3": 0.5, "routing/flip_rate/layer_1": 0.25},
+            {"step": 2, "routing/flip_rate/layer_3": None, "routing/flip_rate/layer_1": 0.0}]
+    layers, steps, matrix = layer_flip_matrix(rows)
+    assert layers == [1, 3] and steps == [1, 2]
+    assert matrix[0] == [0.25, 0.0]
+    assert matrix[1][0] == 0.5 and math.isnan(matrix[1][1])

@@ -42,7 +42,7 @@ def test_train_cli_end_to_end(tmp_path):
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary["warmstart/accuracy"] >= 0.02
-    for png in ("reward.png", "flip_rate.png", "k3_kl.png"):
+    for png in ("reward.png", "flip_rate.png", "k3_kl.png", "flip_rate_layers.png"):
         assert (out / png).stat().st_size > 1000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())

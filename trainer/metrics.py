@@ -144,4 +144,39 @@ def write_plots(out_dir: str | Path, runs: dict[str, list[dict[str, Any]]] | Non
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
         written.append(out_dir / name)
+    for label, rows in runs.items():
+        path = write_flip_heatmap(plt, rows, out_dir, label)
+        if path is not None:
+            written.append(path)
     return written
+
+
+def layer_flip_matrix(rows: list[dict[str, Any]]) -> tuple[list[int], list[int], list[list[float]]]:
+    """(decoder layer ids, steps, matrix[layer][step]) of `routing/flip_rate/layer_<i>`;
+    NaN where a step has no value."""
+    prefix = "routing/flip_rate/layer_"
+    layers = sorted({int(k[len(prefix):]) for r in rows for k in r if k.startswith(prefix)})
+    steps = [r["step"] for r in rows]
+    matrix = [[float("nan") if r.get(f"{prefix}{i}") is None else r[f"{prefix}{i}"]
+               for r in rows] for i in layers]
+    return layers, steps, matrix
+
+
+def write_flip_heatmap(plt, rows: list[dict[str, Any]], out_dir: Path, label: str = ""):
+    """Heatmap of the rollout-vs-trainer flip rate per MoE layer (rows) and step (columns):
+    which layers disagree, and whether it grows as training moves the router."""
+    layers, steps, matrix = layer_flip_matrix(rows)
+    if not layers or not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 1.2 + 0.35 * len(layers)))
+    im = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma",
+                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5))
+    ax.set_yticks(range(len(layers)), [f"layer {i}" for i in layers])
+    ax.set_xlabel("step")
+    ax.set_title(" ".join(x for x in (label, "routing flip rate per MoE layer") if x))
+    fig.colorbar(im, ax=ax, label="flip rate")
+    fig.tight_layout()
+    name = f"flip_rate_layers{'_' + label if label else ''}.png"
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return out_dir / name
