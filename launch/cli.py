@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lockstep.launch import serve, train
+from lockstep.launch import compare, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Sub-commands, each defined in its own module.
     train.add_parser(sub)
     serve.add_parser(sub)
+    compare.add_parser(sub)
     return parser
 
 

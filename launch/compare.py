@@ -1,0 +1,56 @@
+"""`lockstep compare RUN_DIR [RUN_DIR ...] --out DIR`: overlay runs' curves and summaries.
+
+    lockstep compare runs/off runs/r2 runs/r3 --out runs/compare
+
+Writes reward / flip-rate / k3-KL plots with one line per run and a per-layer flip-rate heatmap
+per run into DIR, and prints a table of each run's summary (first/last-window reward, mean k3 KL,
+mean flip rate), so replay modes can be compared on the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lockstep.trainer.metrics import read_metrics, summarize, write_plots
+
+COLUMNS = ("reward/first_mean", "reward/last_mean", "rollout_corr/k3_kl_mean",
+           "rollout_corr/kl_mean", "routing/flip_rate_mean", "routing/token_any_flip_mean")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("compare", help="overlay the metrics of several runs (plots + table)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
+    p.add_argument("--out", required=True, help="directory for the plots")
+    p.add_argument("--window", type=int, default=20, help="steps in the first/last window")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = {}
+    for d in args.runs:
+        path = Path(d) / "metrics.jsonl"
+        if not path.exists():
+            print(f"lockstep compare: no metrics.jsonl in {d}", file=sys.stderr)
+            return 2
+        rows = read_metrics(path)
+        if not rows:
+            print(f"lockstep compare: {path} has no steps yet", file=sys.stderr)
+            return 2
+        runs[Path(d).name] = rows
+    if len(set(runs)) != len(args.runs):
+        print("lockstep compare: run directories must have distinct names", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_plots(out, runs)
+    width = max(len(n) for n in runs)
+    print(f"{'run':<{width}}  " + "  ".join(f"{c:>28}" for c in COLUMNS))
+    for name, rows in runs.items():
+        s = summarize(rows, args.window)
+        print(f"{name:<{width}}  " + "  ".join(f"{s.get(c, float('nan')):>28.4g}" for c in COLUMNS))
+    print("plots: " + ", ".join(str(p) for p in written))
+    return 0
