@@ -6,8 +6,7 @@ not compute. Timed: the model's cached forward, and the engine's decode step
 run is transformers' Qwen3-MoE doing the same step (one token per row on a DynamicCache holding
 the same prefix), as inside `generate()`.
     OMP_NUM_THREADS=1 python bench/decode_step.py [--preset small|medium] [--dtype bf16|fp32|all]
-        [--clock wall|cpu] [--rounds 3]
-The engine's step is also timed on an fp32-storage copy of the bf16 cache (KVCache storage_dtype).
+        [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -68,13 +67,6 @@ def run(preset: str, dtype_name: str, args) -> None:
     def step_engine():
         return decode_step(ours, weights, new_B1[:, 0], pos_B1[:, 0], cache, slots_B)
 
-    # The same cache values held in fp32 storage (KVCache storage_dtype): same bits, no upcast
-    # of the cache in attention on CPU.
-    wide = KVCache(cache.k.float(), cache.v.float(), dtype=cache.dtype)
-
-    def step_engine_wide():
-        return decode_step(ours, weights, new_B1[:, 0], pos_B1[:, 0], wide, slots_B)
-
     # Theirs: a DynamicCache with the same prefix; cropped back after each step.
     hf_cache = DynamicCache(config=theirs.config)
     theirs(prompt_BP, cache=hf_cache, use_cache=True)
@@ -88,15 +80,14 @@ def run(preset: str, dtype_name: str, args) -> None:
     # Same next-token logits from both (sanity: the benchmark times equal work).
     want = step_ours().logits_BTV[:, 0]
     diff = (want.float() - step_theirs().logits[:, 0].float()).abs().max().item()
-    if not torch.equal(step_engine()[0], want) or not torch.equal(step_engine_wide()[0], want):
+    if not torch.equal(step_engine()[0], want):
         raise AssertionError("engine decode step and cached forward disagree")
-    t_ours, t_engine, t_wide, t_theirs = [], [], [], []
-    for _ in range(args.rounds):  # interleaved against drift on a shared host
+    t_ours, t_engine, t_theirs = [], [], []
+    for _ in range(3):  # interleaved against drift on a shared host
         t_ours.append(median_seconds(step_ours, args.repeats, clock=CLOCKS[args.clock]))
         t_engine.append(median_seconds(step_engine, args.repeats, clock=CLOCKS[args.clock]))
-        t_wide.append(median_seconds(step_engine_wide, args.repeats, clock=CLOCKS[args.clock]))
         t_theirs.append(median_seconds(step_theirs, args.repeats, clock=CLOCKS[args.clock]))
-    to, te, tw, tt = (statistics.median(t) for t in (t_ours, t_engine, t_wide, t_theirs))
+    to, te, tt = (statistics.median(t) for t in (t_ours, t_engine, t_theirs))
     print(f"model {preset}, decode step batch {B}, cache length {P}, {dtype_name}, "
           f"torch threads {torch.get_num_threads()}, {args.clock} clock "
           f"(max |logit diff| {diff:.1e})")
@@ -104,9 +95,6 @@ def run(preset: str, dtype_name: str, args) -> None:
           f"transformers/this {tt / to:.2f}x")
     print(f"engine decode_step:    {te * 1e3:7.2f} ms  ({B / te:8.0f} new tok/s)  "
           f"transformers/this {tt / te:.2f}x (same bits as the forward)")
-    print(f"  ... KV in fp32 storage: {tw * 1e3:7.2f} ms  ({B / tw:8.0f} new tok/s)  "
-          f"transformers/this {tt / tw:.2f}x; {te / tw:.3f}x the {cache.k.dtype} cache "
-          f"(same bits)")
     print(f"transformers step:     {tt * 1e3:7.2f} ms  ({B / tt:8.0f} new tok/s)\n")
 
 
@@ -117,7 +105,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cache-len", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of repeats")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="cpu: this thread's CPU time (drops waits on a shared host)")
     args = ap.parse_args()

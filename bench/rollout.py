@@ -8,7 +8,7 @@
 (d) `lockstep serve` (own process) under C concurrent clients: requests/s, failed requests.
 
     OMP_NUM_THREADS=1 python bench/rollout.py [--preset small] [--dtype all|bf16|fp32] [--repeats 7]
-        [--clock wall|cpu] [--parts abcd] [--compare-kv-storage]
+        [--clock wall|cpu] [--parts abcd]
 `--clock cpu` times this thread's CPU time (a and b only): on a shared host it drops the time
 spent waiting for a core.
 """
@@ -133,9 +133,6 @@ def main() -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="cpu: this thread's CPU time for (a) and (b) (drops waits for a core)")
     ap.add_argument("--parts", default="abcd", help="which of (a)-(d) to run, e.g. a or ab")
-    ap.add_argument("--compare-kv-storage", action="store_true",
-                    help="(a) also times an engine whose KV cache holds its (bf16) values in "
-                         "fp32 storage (kv_storage_dtype='fp32')")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = ModelConfig(**PRESETS[args.preset], eos_token_id=None,
@@ -162,9 +159,6 @@ def main() -> None:
             eng_on.cfg.capture_routes = capture
             return engine_tok_s(eng_on, prompts, args.new, clock)
         fns = {"on": lambda: run(True)}
-        if "a" in args.parts and args.compare_kv_storage:
-            eng_kv = Engine.from_model(model, EngineConfig(**ecfg, kv_storage_dtype="fp32"))
-            fns["kv_fp32"] = lambda: engine_tok_s(eng_kv, prompts, args.new, clock)
         if "b" in args.parts:
             fns["off"] = lambda: run(False)
         if "a" in args.parts and not args.skip_hf:
@@ -180,10 +174,6 @@ def main() -> None:
             print(f"(a) {dtype}: engine {m['on']:7.0f} new tok/s | transformers generate "
                   f"{m['hf']:7.0f} | ratio {m['on'] / m['hf']:.2f}x (best-of-{args.repeats} "
                   f"{best['on'] / best['hf']:.2f}x) (target >= 3x)")
-        if "kv_fp32" in m:
-            print(f"(a) {dtype}: KV cache in fp32 storage {m['kv_fp32']:7.0f} new tok/s = "
-                  f"{m['kv_fp32'] / m['on']:.2f}x the default ({eng_on.cache.k.dtype}) "
-                  f"(best-of {best['kv_fp32'] / best['on']:.2f}x)")
         if "off" not in m:
             continue
         step_s = args.batch / m["on"]

@@ -81,13 +81,9 @@ def grouped_linear_loop(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.T
 
 
 def attention(q, k, v, mask=None) -> torch.Tensor:
-    """Causal (mask None) or masked GQA attention in q's dtype; on CPU low precision runs in
-    fp32 as above. k and v may be held wider than q (a KVCache's fp32 storage of bf16 values):
-    they are then read as fp32 on CPU (no copy) and cast to q's dtype elsewhere (exact)."""
+    """Causal (mask None) or masked GQA attention; on CPU low precision runs in fp32 as above."""
     if _emulated_on_cpu(q):
         return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -147,35 +143,18 @@ class KVCache:
     Each slot holds one sequence; a token at position p writes its key/value at index p of its
     slot and attends to the slot's indices <= p. Slots are reused without clearing: indices
     beyond a new occupant's position are never attended before they are overwritten.
-
-    `dtype` is the compute dtype: every stored value is a `dtype` value (keys and values are
-    computed, and so rounded, in it before they are written). The storage (`k.dtype`) is
-    `dtype` by default; fp32 may hold bf16/fp16 values instead (exact, same bits everywhere):
-    attention on CPU then reads it without upcasting. Measured on a 2-core AVX2 host it is no
-    faster (docs/model_performance.md): the upcast is ~45 us per layer of a ~9 ms bf16 step,
-    while the cache doubles in size and every write gains a cast.
     """
 
-    def __init__(self, k_LSGMDh: torch.Tensor, v_LSGMDh: torch.Tensor,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, k_LSGMDh: torch.Tensor, v_LSGMDh: torch.Tensor):
         self.k = k_LSGMDh  # (layers, S, G, M, Dh): every decoder layer, dense ones too
         self.v = v_LSGMDh
-        self.dtype = k_LSGMDh.dtype if dtype is None else dtype
-        if k_LSGMDh.dtype != v_LSGMDh.dtype or not (
-                k_LSGMDh.dtype == self.dtype or k_LSGMDh.dtype == torch.float32):
-            raise TypeError(f"KV cache storage k {k_LSGMDh.dtype} / v {v_LSGMDh.dtype} cannot "
-                            f"hold compute dtype {self.dtype} exactly: use {self.dtype} or fp32")
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, max_len: int,
-                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                 storage_dtype: torch.dtype | None = None):
-        """A zeroed cache for compute dtype `dtype`, stored in storage_dtype (None = dtype;
-        else dtype or fp32)."""
-        storage = dtype if storage_dtype is None else storage_dtype
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
         shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls(torch.zeros(shape, dtype=storage, device=device),
-                   torch.zeros(shape, dtype=storage, device=device), dtype=dtype)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
 
     @property
     def num_slots(self) -> int:
@@ -218,13 +197,11 @@ class CacheRows:
     def write_and_read(self, layer: int, k_BGTDh: torch.Tensor, v_BGTDh: torch.Tensor):
         """Store this forward's keys/values, return all keys/values of the rows (B, G, M, Dh)."""
         ck, cv = self.cache.k[layer], self.cache.v[layer]  # (S, G, M, Dh)
-        if self.cache.dtype != k_BGTDh.dtype:
-            raise TypeError(f"KV cache dtype {self.cache.dtype} != activation dtype "
-                            f"{k_BGTDh.dtype}")
+        if ck.dtype != k_BGTDh.dtype:
+            raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k_BGTDh.dtype}")
         index = (self.slots_B[:, None], slice(None), self.positions_BT)
-        # Values are already rounded to the compute dtype; widening to the storage is exact.
-        ck[index] = k_BGTDh.transpose(1, 2).to(ck.dtype)
-        cv[index] = v_BGTDh.transpose(1, 2).to(cv.dtype)
+        ck[index] = k_BGTDh.transpose(1, 2)
+        cv[index] = v_BGTDh.transpose(1, 2)
         M = self.length
         if self.first_slot is not None:
             rows = slice(self.first_slot, self.first_slot + self.slots_B.shape[0])

@@ -111,12 +111,11 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
         qk = qk * cos + torch.cat([x2, x1], dim=-1) * sin_signed
         q, k = qk[:, :H], qk[:, H:]
         ck, cv = cache.k[i], cache.v[i]  # (S, G, M_max, Dh)
-        if cache.dtype != k.dtype:
-            raise TypeError(f"KV cache dtype {cache.dtype} != activation dtype {k.dtype}")
+        if ck.dtype != k.dtype:
+            raise TypeError(f"KV cache dtype {ck.dtype} != activation dtype {k.dtype}")
         # index_copy_ on the flat rows: cheaper than ck[slots_B, :, pos_B] = k (index_put).
-        # k, v are rounded to the compute dtype; widening to an fp32 storage is exact.
-        ck.view(-1, Dh).index_copy_(0, row_BG, k.reshape(B * G, Dh).to(ck.dtype))
-        cv.view(-1, Dh).index_copy_(0, row_BG, v.reshape(B * G, Dh).to(cv.dtype))
+        ck.view(-1, Dh).index_copy_(0, row_BG, k.reshape(B * G, Dh))
+        cv.view(-1, Dh).index_copy_(0, row_BG, v.reshape(B * G, Dh))
         if consecutive:
             keys, values = ck[s0:s0 + B, :, :M], cv[s0:s0 + B, :, :M]
         else:

@@ -46,9 +46,6 @@ class EngineConfig:
     """Keep router weights (and their matmul) in this dtype, e.g. fp32; None = dtype."""
     lm_head_dtype: str | None = None
     """Keep the LM head in this dtype, e.g. fp32 (MiniMax-M1's fix); None = dtype."""
-    kv_storage_dtype: str | None = None
-    """KV-cache storage: None = dtype, or fp32 (still holding `dtype` values: same bits; on
-    CPU attention reads it without an upcast, measured no faster; see KVCache)."""
     max_running: int = 64
     """KV-cache slots: most sequences decoding at once."""
     max_len: int | None = None
@@ -62,14 +59,10 @@ class EngineConfig:
     """Seeds the per-request seeds of requests that do not give one."""
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "router_dtype", "lm_head_dtype", "kv_storage_dtype"):
+        for name in ("dtype", "router_dtype", "lm_head_dtype"):
             v = getattr(self, name)
             if not (v in DTYPES or (v is None and name != "dtype")):
                 raise ValueError(f"EngineConfig.{name} must be one of {list(DTYPES)}, got {v!r}")
-        if self.kv_storage_dtype not in (None, self.dtype, "fp32"):
-            raise ValueError(f"EngineConfig.kv_storage_dtype {self.kv_storage_dtype!r} cannot "
-                             f"hold dtype {self.dtype!r} values exactly: use None, "
-                             f"{self.dtype!r} or 'fp32'")
         for name in ("max_running", "max_prefill_tokens"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
@@ -117,8 +110,7 @@ class Engine:
         self.vocab_size = mcfg.vocab_size
         self.max_len = cfg.max_len or mcfg.max_position_embeddings
         S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
-        self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype],
-                                      storage_dtype=DTYPES.get(cfg.kv_storage_dtype))
+        self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype])
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
         self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype)
