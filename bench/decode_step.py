@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -23,18 +22,10 @@ from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import KVCache, MoEModel
 from lockstep.rollout.decode import DecodeWeights, decode_step
 
-from model_forward import CLOCKS, DTYPES, PRESETS  # same models and clocks as fwd+bwd
+from model_forward import DTYPES, PRESETS  # same models as fwd+bwd
+from timing import CLOCKS, median_seconds
 
 
-def median_seconds(step, repeats: int, warmup: int = 3, clock=time.perf_counter) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        step()
-        times.append(clock() - t0)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -84,9 +75,9 @@ def run(preset: str, dtype_name: str, args) -> None:
         raise AssertionError("engine decode step and cached forward disagree")
     t_ours, t_engine, t_theirs = [], [], []
     for _ in range(3):  # interleaved against drift on a shared host
-        t_ours.append(median_seconds(step_ours, args.repeats, clock=CLOCKS[args.clock]))
-        t_engine.append(median_seconds(step_engine, args.repeats, clock=CLOCKS[args.clock]))
-        t_theirs.append(median_seconds(step_theirs, args.repeats, clock=CLOCKS[args.clock]))
+        t_ours.append(median_seconds(step_ours, args.repeats, 3, CLOCKS[args.clock]))
+        t_engine.append(median_seconds(step_engine, args.repeats, 3, CLOCKS[args.clock]))
+        t_theirs.append(median_seconds(step_theirs, args.repeats, 3, CLOCKS[args.clock]))
     to, te, tt = (statistics.median(t) for t in (t_ours, t_engine, t_theirs))
     print(f"model {preset}, decode step batch {B}, cache length {P}, {dtype_name}, "
           f"torch threads {torch.get_num_threads()}, {args.clock} clock "

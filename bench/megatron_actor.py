@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 
@@ -20,17 +18,9 @@ from lockstep.moe.model import MoEModel
 from lockstep.trainer.actor import Batch, TorchActor
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.megatron.actor import MegatronActor
+from timing import median_seconds
 
 
-def median_seconds(step, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -60,8 +50,8 @@ def main() -> None:
     rows = []
     for name, cls in (("torch", TorchActor), ("megatron", MegatronActor)):
         actor = cls(copy.deepcopy(model), acfg, total_updates=100)
-        lp = median_seconds(lambda: actor.logprobs(batch, routes, valid), args.repeats)
-        up = median_seconds(lambda: actor.update(batch, loss_fn, routes, valid), args.repeats)
+        lp = median_seconds(lambda: actor.logprobs(batch, routes, valid), args.repeats, 1)
+        up = median_seconds(lambda: actor.update(batch, loss_fn, routes, valid), args.repeats, 1)
         rows.append((name, lp, up))
     base = rows[0]
     tokens = B * T

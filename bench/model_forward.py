@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
+from timing import CLOCKS, median_seconds
 
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.config import ModelConfig
@@ -32,18 +32,6 @@ PRESETS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
-
-
-def time_fwd_bwd(step, repeats: int, warmup: int = 2, clock=time.perf_counter) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        step()
-        times.append(clock() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -87,8 +75,8 @@ def run(preset: str, args) -> None:
     # Interleave the two so drift on a shared host hits both alike.
     t_ours, t_theirs = [], []
     for _ in range(3):
-        t_ours.append(time_fwd_bwd(step_ours, args.repeats, clock=CLOCKS[args.clock]))
-        t_theirs.append(time_fwd_bwd(step_theirs, args.repeats, clock=CLOCKS[args.clock]))
+        t_ours.append(median_seconds(step_ours, args.repeats, 2, CLOCKS[args.clock]))
+        t_theirs.append(median_seconds(step_theirs, args.repeats, 2, CLOCKS[args.clock]))
     to, tt = statistics.median(t_ours), statistics.median(t_theirs)
     print(f"model {preset} ({n_params / 1e6:.1f}M params), batch [{args.batch}, {args.seq}], "
           f"{args.dtype}, torch threads {torch.get_num_threads()}, {args.clock} clock")

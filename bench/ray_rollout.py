@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -30,6 +29,7 @@ from lockstep.rollout.types import GenerateRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model_forward import PRESETS  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def batch(prompts: int, n: int, prompt_len: int, new: int, vocab: int) -> list[GenerateRequest]:
@@ -39,13 +39,6 @@ def batch(prompts: int, n: int, prompt_len: int, new: int, vocab: int) -> list[G
                             rid=f"p{i}") for i in range(prompts)]
 
 
-def median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -76,10 +69,10 @@ def main() -> None:
     try:
         same = [r.output_ids for r in remote.generate(reqs())] == \
             [r.output_ids for r in local.generate(reqs())]
-        gen_local = median_s(lambda: local.generate(reqs()), args.repeats)
-        gen_ray = median_s(lambda: remote.generate(reqs()), args.repeats)
-        push_local = median_s(lambda: local.update_weights(model), args.repeats)
-        push_ray = median_s(lambda: remote.update_weights(model), args.repeats)
+        gen_local = median_seconds(lambda: local.generate(reqs()), args.repeats)
+        gen_ray = median_seconds(lambda: remote.generate(reqs()), args.repeats)
+        push_local = median_seconds(lambda: local.update_weights(model), args.repeats)
+        push_ray = median_seconds(lambda: remote.update_weights(model), args.repeats)
     finally:
         remote.close()
         ray.shutdown()

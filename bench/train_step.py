@@ -153,7 +153,7 @@ def bench_mismatch(args) -> None:
 
 
 def bench_memory(args) -> None:
-    print(f"(b) log-prob peak memory, via bench/logprob_memory.py")
+    print("(b) log-prob peak memory, via bench/logprob_memory.py")
     cmd = [sys.executable, str(ROOT / "bench/logprob_memory.py"), "--tokens", str(args.tokens),
            "--vocab", str(args.vocab), "--dim", str(args.dim), "--repeats", str(args.mem_repeats)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
