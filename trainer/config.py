@@ -12,6 +12,7 @@ Sections: `model` (HF Qwen3-MoE fields), `task`, `rollout` (engine), `actor`, `r
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import re
@@ -413,7 +414,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is str:
         _need(isinstance(value, str), f"{where} must be a string, got {value!r}")
         return value
-    if isinstance(tp, type) and issubclass(tp, __import__("enum").Enum):
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
         except ValueError:
