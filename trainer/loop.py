@@ -95,7 +95,7 @@ class Trainer:
             state = LoopState(step=0, cursor=0, config_hash=run_hash(cfg), weight_version="0")
             if cfg.warmstart.enabled:
                 self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed,
-                                            cache_key(cfg), log)
+                                            cache_key(cfg), log, progress)
                 (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
         self.state = state
         ro = cfg.rollout

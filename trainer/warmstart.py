@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from lockstep.moe.checkpoint import load_hf_state_dict, read_hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
@@ -101,8 +102,9 @@ def cache_key(cfg: ExperimentConfig) -> str:
 
 
 def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key: str,
-               log: Callable[[str], None] = print) -> WarmstartResult:
-    """Train `model` in place (or load it from the cache under `key`) and report the level."""
+               log: Callable[[str], None] = print, progress: bool = False) -> WarmstartResult:
+    """Train `model` in place (or load it from the cache under `key`) and report the level.
+    With `progress`, a bar shows steps and the last greedy accuracy while it trains."""
     eval_set = task.problems(EVAL_SEED_OFFSET + seed, 0, cfg.eval_size)
     cache = Path(os.path.expanduser(cfg.cache_dir)) / key
     if (cache / RESULT_FILE).exists():
@@ -115,6 +117,8 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
     t0 = time.perf_counter()
     acc, step = 0.0, 0
     model.train()
+    bar = tqdm(total=cfg.max_steps, desc="warm start", unit="step", disable=not progress,
+               dynamic_ncols=True)
     for step in range(1, cfg.max_steps + 1):
         demos = task.problems(DEMO_SEED_OFFSET + seed, (step - 1) * cfg.batch_size,
                               cfg.batch_size)
@@ -123,10 +127,13 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        bar.update(1)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             acc = greedy_accuracy(model, task, eval_set)
+            bar.set_postfix(greedy_acc=f"{acc:.3f}", target=cfg.target_accuracy)
             if acc >= cfg.target_accuracy:
                 break
+    bar.close()
     seconds = time.perf_counter() - t0
     res = WarmstartResult(acc, expected_reward(model, task, eval_set), step, seconds)
     status = "reached" if acc >= cfg.target_accuracy else "did NOT reach"
