@@ -20,7 +20,6 @@ log-probs, routes as uint8/uint16); Python touches a sequence only when it start
 from __future__ import annotations
 
 import copy
-import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..moe.checkpoint import load_hf, load_hf_state_dict, read_hf_state_dict
+from ..moe.config import strict_kwargs
 from ..moe.model import KVCache, MoEModel
 from .decode import DecodeWeights, decode_step
 from .sampling import RowUniforms, SamplingTensors, sample
@@ -72,11 +72,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(k for k in d if k not in valid)
-        if unknown:
-            raise ValueError(f"EngineConfig: unknown keys {unknown}; valid keys are {valid}")
-        return cls(**d)
+        return cls(**strict_kwargs(cls, d, error=ValueError))
 
 
 @dataclass

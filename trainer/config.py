@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from lockstep.moe.config import ModelConfig
+from lockstep.moe.config import ModelConfig, need
 from lockstep.replay import ReplayMode
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.correction import CorrectionConfig
@@ -39,8 +39,7 @@ class ExperimentConfigError(ValueError):
 
 
 def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ExperimentConfigError(msg)
+    need(cond, msg, ExperimentConfigError)
 
 
 def _in(section: str, obj: Any, name: str, lo: float | None = None, hi: float | None = None,
