@@ -25,144 +25,19 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.model import MoEModel
-from lockstep.replay import RoutingTrace, batch_traces, compact_dtype
-from lockstep.rollout.types import GenerationResult
+from lockstep.replay import compact_dtype
+from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
+                                    minibatch_schedule)
 from lockstep.trainer.config import ActorConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Batch:
-    """One RL batch, right-padded, every per-token tensor aligned with `input_ids_BT`.
-
-    Position t of a per-token tensor refers to the token at position t (its log-prob is that
-    of predicting it from positions < t); routes row t is the routing of the token at t.
-    """
-
-    input_ids_BT: torch.Tensor          # long: prompt + response, right-padded with pad id
-    response_mask_BT: torch.Tensor      # bool: True at response tokens (the trained positions)
-    rollout_logprobs_BT: torch.Tensor   # fp32: the engine's log-prob at response tokens, else 0
-    seq_lens_B: torch.Tensor            # long: P + R per row
-    rollout_routes_BTLK: torch.Tensor | None = None  # compact: the engine's routes
-    rollout_routes_valid_BT: torch.Tensor | None = None  # bool: rows that have an engine route
-    candidates_BTS: torch.Tensor | None = None  # int16/int32: kept ids of the token at t, -1 pad;
-    # a row of all -1 = whole vocabulary (prompt, padding, untruncated tokens)
-
-    @property
-    def size(self) -> int:
-        return self.input_ids_BT.shape[0]
-
-    @property
-    def token_mask_BT(self) -> torch.Tensor:
-        """bool: real (non-padding) tokens."""
-        T = self.input_ids_BT.shape[1]
-        return torch.arange(T)[None, :] < self.seq_lens_B[:, None]
-
-    def rows(self, idx: torch.Tensor) -> "Batch":
-        """The sub-batch of rows `idx` (long [b])."""
-        parts = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: None if v is None else v[idx] for k, v in parts.items()})
-
-
-def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
-            num_layers: int, top_k: int, *, sampling_mask: bool = False,
-            vocab_size: int | None = None) -> Batch:
-    """Right-pad engine results into a Batch; routes are checked against each sample's length
-    and the model (an error names the sample).
-
-    `sampling_mask=True` (sampling-mask replay): every result must carry `sampling_mask` and
-    `sampling_logprobs` (request them with `return_sampling_mask`); the rollout log-probs are
-    then the truncated, renormalised `sampling_logprobs` and `candidates_BTS` holds each
-    response token's kept ids. `vocab_size` is required then (ids are checked against it, and a
-    support of the whole vocabulary is stored as "no restriction")."""
-    if not results:
-        raise ValueError("collate needs at least one GenerationResult")
-    if sampling_mask and vocab_size is None:
-        raise ValueError("collate(sampling_mask=True) needs vocab_size")
-    seq_lens = [r.prompt_tokens + r.completion_tokens for r in results]
-    B, T = len(results), max(seq_lens)
-    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    resp_BT = torch.zeros(B, T, dtype=torch.bool)
-    rollout_lp_BT = torch.zeros(B, T, dtype=torch.float32)
-    traces = []
-    for b, r in enumerate(results):
-        P, R = r.prompt_tokens, r.completion_tokens
-        if R < 1:
-            raise ValueError(f"sample {b}: empty response (nothing to train on)")
-        if r.output_logprobs.shape != (R,):
-            raise ValueError(f"sample {b}: {tuple(r.output_logprobs.shape)} output log-probs for "
-                             f"{R} output tokens")
-        ids_BT[b, :P + R] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
-        resp_BT[b, P:P + R] = True
-        if sampling_mask:
-            if r.sampling_logprobs is None or r.sampling_logprobs.shape != (R,):
-                got = None if r.sampling_logprobs is None else tuple(r.sampling_logprobs.shape)
-                raise ValueError(f"sample {b}: sampling-mask replay needs sampling_logprobs for "
-                                 f"its {R} output tokens, got {got}")
-            rollout_lp_BT[b, P:P + R] = r.sampling_logprobs.float()
-        else:
-            rollout_lp_BT[b, P:P + R] = r.output_logprobs.float()
-        if r.routes_NLK is not None:
-            trace = RoutingTrace(r.routes_NLK, num_experts, sample=b)
-            trace.check(P, R, num_layers, top_k, num_experts, sample=b)
-            traces.append(trace)
-    if traces and len(traces) != B:
-        raise ValueError(f"{B - len(traces)} of {B} samples have no routes; all or none must")
-    routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
-    cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
-    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS)
-
-
-def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Tensor:
-    """Per-token kept ids [B, T, S] (-1 padded, smallest int dtype that holds V), aligned with
-    the response positions; checked: each sampled id is in its own set (an error names the
-    sample and the output position). Vectorised per sample: no per-token Python beyond
-    collecting the lists."""
-    parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (b, positions, ids [n, s])
-    for b, r in enumerate(results):
-        P, R = r.prompt_tokens, r.completion_tokens
-        if r.sampling_mask is None or len(r.sampling_mask) != R:
-            got = None if r.sampling_mask is None else len(r.sampling_mask)
-            raise ValueError(f"sample {b}: sampling-mask replay needs a sampling mask for each "
-                             f"of its {R} output tokens, got {got} (request "
-                             "return_sampling_mask)")
-        at = [i for i, m in enumerate(r.sampling_mask) if m is not None]
-        if not at:
-            continue
-        seqs = [torch.as_tensor(r.sampling_mask[i]).reshape(-1) for i in at]
-        n_n = torch.tensor([len(x) for x in seqs])
-        flat = torch.cat(seqs).long()
-        row = torch.repeat_interleave(torch.arange(len(at)), n_n)
-        col = torch.arange(len(flat)) - torch.repeat_interleave(n_n.cumsum(0) - n_n, n_n)
-        ids_nS = torch.full((len(at), max(int(n_n.max()), 1)), -1, dtype=torch.long)
-        ids_nS[row, col] = flat
-        real_nS = torch.arange(ids_nS.shape[1])[None] < n_n[:, None]
-        bad_n = (n_n == 0) | ((real_nS & ((ids_nS < 0) | (ids_nS >= V))).any(-1))
-        chosen_n = torch.tensor([r.output_ids[i] for i in at])
-        bad_n |= ~(ids_nS == chosen_n[:, None]).any(-1)
-        if bool(bad_n.any()):
-            j = int(bad_n.nonzero()[0])
-            raise ValueError(f"sample {b}, output token {at[j]}: kept ids "
-                             f"{seqs[j].tolist()[:8]}... are empty, outside [0, {V}) or miss "
-                             f"the sampled id {int(chosen_n[j])}")
-        part_n = n_n < V  # a full support is stored as "no restriction"
-        if bool(part_n.any()):
-            pos_n = torch.tensor(at)[part_n] + P
-            parts.append((b, pos_n, ids_nS[part_n][:, :int(n_n[part_n].max())]))
-    S = max((ids.shape[1] for _, _, ids in parts), default=1)
-    dtype = torch.int16 if V <= torch.iinfo(torch.int16).max else torch.int32
-    cand_BTS = torch.full((len(results), T, S), -1, dtype=dtype)
-    for b, pos_n, ids_nS in parts:
-        cand_BTS[b, pos_n, :ids_nS.shape[1]] = ids_nS.to(dtype)
-    return cand_BTS
 
 
 @dataclass
@@ -186,24 +61,17 @@ gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens.""
 
 def run_minibatches(batch_size: int, cfg: ActorConfig, shuffle_seed: int | None,
                     step_fn: Callable[[torch.Tensor], dict[str, float]]) -> dict[str, float]:
-    """The update schedule both actors share: `cfg.epochs` passes over `batch_size` rows in
-    mini-batches of `cfg.mini_batch_size`, rows shuffled per epoch by a generator seeded with
-    `shuffle_seed` (None keeps their order). `step_fn(mini_rows)` makes one optimiser step on
-    those rows and returns its metrics; returns each metric averaged over the steps."""
-    if batch_size % cfg.mini_batch_size:
-        raise ValueError(f"batch of {batch_size} rows is not a multiple of "
-                         f"actor.mini_batch_size={cfg.mini_batch_size}")
-    gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+    """The update schedule both actors share (`minibatch_schedule`): `cfg.epochs` passes over
+    `batch_size` rows in mini-batches of `cfg.mini_batch_size`, rows shuffled per epoch by a
+    generator seeded with `shuffle_seed` (None keeps their order). `step_fn(mini_rows)` makes one
+    optimiser step on those rows and returns its metrics; returns each metric averaged over the
+    steps."""
+    steps = minibatch_schedule(batch_size, cfg.mini_batch_size, cfg.epochs, shuffle_seed)
     sums: dict[str, float] = {}
-    n_steps = 0
-    for _ in range(cfg.epochs):
-        order = (torch.arange(batch_size) if gen is None
-                 else torch.randperm(batch_size, generator=gen))
-        for mini in order.split(cfg.mini_batch_size):
-            for k, v in step_fn(mini).items():
-                sums[k] = sums.get(k, 0.0) + v
-            n_steps += 1
-    return {k: v / n_steps for k, v in sums.items()}
+    for mini in steps:
+        for k, v in step_fn(mini).items():
+            sums[k] = sums.get(k, 0.0) + v
+    return {k: v / len(steps) for k, v in sums.items()}
 
 
 def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:

@@ -1,0 +1,266 @@
+"""The RL batch on the trainer side: collating engine results, and splitting a batch into
+data-parallel shards (the driver collates once and sends each DP rank only its rows).
+
+Shapes: B batch rows, T padded time (prompt + response), L MoE layers, K top-k, S most kept
+candidates of any token in the batch, b rows of one shard, t a shard's own padded time.
+
+DP sharding rule (`plan_shards`): every optimiser step of the update schedule
+(`minibatch_schedule`: the rows of each mini-batch, shuffled per epoch by the step's seed) is
+split across the DP ranks, so that rank r's part of mini-batch m is a fixed subset of m's rows
+and the union over ranks is exactly m. Summing the ranks' gradients of their parts (each part's
+loss already being its share of the whole mini-batch's loss) is then the one-process gradient.
+Within each mini-batch of the first epoch the rows are dealt by token count, longest first, each
+to the rank with the fewest tokens so far among those that still need rows (every rank takes
+len(m) // dp rows, the first len(m) % dp ranks one more): ranks hold equal row counts and
+near-equal token counts, step by step. Ties go to the lower row id / lower rank, so the plan is
+a pure function of (seq_lens, dp, schedule). Later epochs reshuffle rows the ranks already hold:
+their parts are whatever rows of each mini-batch a rank has (balanced in rows only on average).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from lockstep.replay import RoutingTrace, batch_traces
+from lockstep.rollout.types import GenerationResult
+
+
+@dataclass
+class Batch:
+    """One RL batch, right-padded, every per-token tensor aligned with `input_ids_BT`.
+
+    Position t of a per-token tensor refers to the token at position t (its log-prob is that
+    of predicting it from positions < t); routes row t is the routing of the token at t.
+    """
+
+    input_ids_BT: torch.Tensor          # long: prompt + response, right-padded with pad id
+    response_mask_BT: torch.Tensor      # bool: True at response tokens (the trained positions)
+    rollout_logprobs_BT: torch.Tensor   # fp32: the engine's log-prob at response tokens, else 0
+    seq_lens_B: torch.Tensor            # long: P + R per row
+    rollout_routes_BTLK: torch.Tensor | None = None  # compact: the engine's routes
+    rollout_routes_valid_BT: torch.Tensor | None = None  # bool: rows that have an engine route
+    candidates_BTS: torch.Tensor | None = None  # int16/int32: kept ids of the token at t, -1 pad;
+    # a row of all -1 = whole vocabulary (prompt, padding, untruncated tokens)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids_BT.shape[0]
+
+    @property
+    def token_mask_BT(self) -> torch.Tensor:
+        """bool: real (non-padding) tokens."""
+        T = self.input_ids_BT.shape[1]
+        return torch.arange(T)[None, :] < self.seq_lens_B[:, None]
+
+    def rows(self, idx: torch.Tensor) -> "Batch":
+        """The sub-batch of rows `idx` (long [b])."""
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{k: None if v is None else v[idx] for k, v in parts.items()})
+
+
+def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
+            num_layers: int, top_k: int, *, sampling_mask: bool = False,
+            vocab_size: int | None = None) -> Batch:
+    """Right-pad engine results into a Batch; routes are checked against each sample's length
+    and the model (an error names the sample).
+
+    `sampling_mask=True` (sampling-mask replay): every result must carry `sampling_mask` and
+    `sampling_logprobs` (request them with `return_sampling_mask`); the rollout log-probs are
+    then the truncated, renormalised `sampling_logprobs` and `candidates_BTS` holds each
+    response token's kept ids. `vocab_size` is required then (ids are checked against it, and a
+    support of the whole vocabulary is stored as "no restriction")."""
+    if not results:
+        raise ValueError("collate needs at least one GenerationResult")
+    if sampling_mask and vocab_size is None:
+        raise ValueError("collate(sampling_mask=True) needs vocab_size")
+    seq_lens = [r.prompt_tokens + r.completion_tokens for r in results]
+    B, T = len(results), max(seq_lens)
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    resp_BT = torch.zeros(B, T, dtype=torch.bool)
+    rollout_lp_BT = torch.zeros(B, T, dtype=torch.float32)
+    traces = []
+    for b, r in enumerate(results):
+        P, R = r.prompt_tokens, r.completion_tokens
+        if R < 1:
+            raise ValueError(f"sample {b}: empty response (nothing to train on)")
+        if r.output_logprobs.shape != (R,):
+            raise ValueError(f"sample {b}: {tuple(r.output_logprobs.shape)} output log-probs for "
+                             f"{R} output tokens")
+        ids_BT[b, :P + R] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
+        resp_BT[b, P:P + R] = True
+        if sampling_mask:
+            if r.sampling_logprobs is None or r.sampling_logprobs.shape != (R,):
+                got = None if r.sampling_logprobs is None else tuple(r.sampling_logprobs.shape)
+                raise ValueError(f"sample {b}: sampling-mask replay needs sampling_logprobs for "
+                                 f"its {R} output tokens, got {got}")
+            rollout_lp_BT[b, P:P + R] = r.sampling_logprobs.float()
+        else:
+            rollout_lp_BT[b, P:P + R] = r.output_logprobs.float()
+        if r.routes_NLK is not None:
+            trace = RoutingTrace(r.routes_NLK, num_experts, sample=b)
+            trace.check(P, R, num_layers, top_k, num_experts, sample=b)
+            traces.append(trace)
+    if traces and len(traces) != B:
+        raise ValueError(f"{B - len(traces)} of {B} samples have no routes; all or none must")
+    routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
+    cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
+    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS)
+
+
+def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Tensor:
+    """Per-token kept ids [B, T, S] (-1 padded, smallest int dtype that holds V), aligned with
+    the response positions; checked: each sampled id is in its own set (an error names the
+    sample and the output position). Vectorised per sample: no per-token Python beyond
+    collecting the lists."""
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (b, positions, ids [n, s])
+    for b, r in enumerate(results):
+        P, R = r.prompt_tokens, r.completion_tokens
+        if r.sampling_mask is None or len(r.sampling_mask) != R:
+            got = None if r.sampling_mask is None else len(r.sampling_mask)
+            raise ValueError(f"sample {b}: sampling-mask replay needs a sampling mask for each "
+                             f"of its {R} output tokens, got {got} (request "
+                             "return_sampling_mask)")
+        at = [i for i, m in enumerate(r.sampling_mask) if m is not None]
+        if not at:
+            continue
+        seqs = [torch.as_tensor(r.sampling_mask[i]).reshape(-1) for i in at]
+        n_n = torch.tensor([len(x) for x in seqs])
+        flat = torch.cat(seqs).long()
+        row = torch.repeat_interleave(torch.arange(len(at)), n_n)
+        col = torch.arange(len(flat)) - torch.repeat_interleave(n_n.cumsum(0) - n_n, n_n)
+        ids_nS = torch.full((len(at), max(int(n_n.max()), 1)), -1, dtype=torch.long)
+        ids_nS[row, col] = flat
+        real_nS = torch.arange(ids_nS.shape[1])[None] < n_n[:, None]
+        bad_n = (n_n == 0) | ((real_nS & ((ids_nS < 0) | (ids_nS >= V))).any(-1))
+        chosen_n = torch.tensor([r.output_ids[i] for i in at])
+        bad_n |= ~(ids_nS == chosen_n[:, None]).any(-1)
+        if bool(bad_n.any()):
+            j = int(bad_n.nonzero()[0])
+            raise ValueError(f"sample {b}, output token {at[j]}: kept ids "
+                             f"{seqs[j].tolist()[:8]}... are empty, outside [0, {V}) or miss "
+                             f"the sampled id {int(chosen_n[j])}")
+        part_n = n_n < V  # a full support is stored as "no restriction"
+        if bool(part_n.any()):
+            pos_n = torch.tensor(at)[part_n] + P
+            parts.append((b, pos_n, ids_nS[part_n][:, :int(n_n[part_n].max())]))
+    S = max((ids.shape[1] for _, _, ids in parts), default=1)
+    dtype = torch.int16 if V <= torch.iinfo(torch.int16).max else torch.int32
+    cand_BTS = torch.full((len(results), T, S), -1, dtype=dtype)
+    for b, pos_n, ids_nS in parts:
+        cand_BTS[b, pos_n, :ids_nS.shape[1]] = ids_nS.to(dtype)
+    return cand_BTS
+
+
+def minibatch_schedule(batch_size: int, mini_batch_size: int, epochs: int,
+                       shuffle_seed: int | None) -> list[torch.Tensor]:
+    """The rows of every optimiser step of an update, in order: `epochs` passes over
+    `batch_size` rows in mini-batches of `mini_batch_size`, rows shuffled per epoch by a
+    generator seeded with `shuffle_seed` (None keeps their order). Long [mini_batch_size] each."""
+    if batch_size % mini_batch_size:
+        raise ValueError(f"batch of {batch_size} rows is not a multiple of "
+                         f"actor.mini_batch_size={mini_batch_size}")
+    gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+    steps: list[torch.Tensor] = []
+    for _ in range(epochs):
+        order = (torch.arange(batch_size) if gen is None
+                 else torch.randperm(batch_size, generator=gen))
+        steps.extend(order.split(mini_batch_size))
+    return steps
+
+
+def trim(x: torch.Tensor, rows_b: torch.Tensor, t: int) -> torch.Tensor:
+    """Rows `rows_b` of a right-padded per-row [B, ...] or per-token [B, T, ...] tensor, the
+    time axis cut to `t` (slice first, then gather: the [b, T, ...] copy is never built)."""
+    if x.dim() >= 2:
+        x = x[:, :t]
+    if x.dtype == torch.uint16:  # indexing kernels are missing for uint16: move the same bits
+        return x.view(torch.int16)[rows_b].view(torch.uint16)
+    return x[rows_b]
+
+
+def trim_batch(batch: Batch, rows_b: torch.Tensor) -> Batch:
+    """The sub-batch of rows `rows_b`, its time axis cut to its own longest row."""
+    t = int(batch.seq_lens_B[rows_b].max())
+    parts = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return Batch(**{k: None if v is None else trim(v, rows_b, t) for k, v in parts.items()})
+
+
+def wire_bytes(*items) -> int:
+    """Bytes of the tensors in `items` (tensors, Batches, mappings or sequences of them,
+    None): what sending them costs, before serialisation framing (a few hundred bytes)."""
+    n = 0
+    for x in items:
+        if x is None:
+            continue
+        if isinstance(x, torch.Tensor):
+            n += x.numel() * x.element_size()
+        elif isinstance(x, Batch):
+            n += wire_bytes(*(getattr(x, f.name) for f in fields(x)))
+        elif isinstance(x, Mapping):
+            n += wire_bytes(*x.values())
+        elif isinstance(x, (list, tuple)):
+            n += wire_bytes(*x)
+        else:
+            raise TypeError(f"wire_bytes: cannot size a {type(x).__name__}")
+    return n
+
+
+@dataclass
+class ShardPlan:
+    """Which batch rows each DP rank holds, and its part of every optimiser step."""
+
+    rows: list[torch.Tensor]         # per rank: global row ids (long, ascending)
+    steps: list[list[torch.Tensor]]  # per rank, per optimiser step: local indices into rows[r]
+    # (in the mini-batch's own order; may be empty when a mini-batch has fewer rows than ranks)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.rows)
+
+    def batch(self, rank: int, batch: Batch) -> Batch:
+        """Rank `rank`'s rows of `batch`, trimmed to their own longest row."""
+        return trim_batch(batch, self.rows[rank])
+
+    def take(self, rank: int, x: torch.Tensor, seq_lens_B: torch.Tensor) -> torch.Tensor:
+        """Rank `rank`'s rows of a per-row [B, ...] or per-token [B, T, ...] tensor (advantages,
+        IS weights, old log-probs), cut to the same time as `batch(rank, ...)`."""
+        rows_b = self.rows[rank]
+        return trim(x, rows_b, int(seq_lens_B[rows_b].max()))
+
+
+def plan_shards(seq_lens_B: torch.Tensor, dp_size: int,
+                schedule: Sequence[torch.Tensor]) -> ShardPlan:
+    """Split the rows of a batch over `dp_size` ranks by the rule in this module's docstring.
+    `schedule` is the update's `minibatch_schedule`; its first epoch must partition the rows."""
+    B = len(seq_lens_B)
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if B < dp_size:
+        raise ValueError(f"a batch of {B} rows cannot feed {dp_size} DP ranks (each needs a row)")
+    first, seen = [], 0
+    for mini in schedule:  # the first epoch: mini-batches until every row was seen once
+        if seen >= B:
+            break
+        first.append(mini)
+        seen += len(mini)
+    if seen != B or not torch.equal(torch.cat(first).sort().values, torch.arange(B)):
+        raise ValueError(f"the schedule's first epoch does not cover the {B} rows exactly once")
+    lens = seq_lens_B.tolist()
+    owner = [0] * B
+    load = [0] * dp_size
+    for mini in first:
+        ids = mini.tolist()
+        quota = [len(ids) // dp_size + (r < len(ids) % dp_size) for r in range(dp_size)]
+        for i in sorted(ids, key=lambda i: (-lens[i], i)):
+            r = min((r for r in range(dp_size) if quota[r]), key=lambda r: (load[r], r))
+            owner[i], quota[r], load[r] = r, quota[r] - 1, load[r] + lens[i]
+    owner_B = torch.tensor(owner)
+    rows = [(owner_B == r).nonzero().flatten() for r in range(dp_size)]
+    local_B = torch.empty(B, dtype=torch.long)  # position of each row within its rank's rows
+    for r_rows in rows:
+        local_B[r_rows] = torch.arange(len(r_rows))
+    steps = [[local_B[m[owner_B[m] == r]] for m in schedule] for r in range(dp_size)]
+    return ShardPlan(rows, steps)
