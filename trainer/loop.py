@@ -27,8 +27,7 @@ from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor import Batch, LogprobResult, TorchActor, collate
-from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_checkpoint,
-                                         save_checkpoint, set_rng_state)
+from lockstep.trainer.checkpoint import LoopState, load_latest, save_checkpoint, set_rng_state
 from lockstep.trainer.config import ExperimentConfig, save_config
 from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
 from lockstep.trainer.losses import grpo_advantages, policy_loss
@@ -78,10 +77,13 @@ class Trainer:
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None
         if resume:
-            ckpt = latest_checkpoint(self.out)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.out}/checkpoints")
-            model, trainer_state, state = load_checkpoint(ckpt)
+            found = load_latest(self.out, warn=log)  # falls back past corrupt ones
+            if found is None:
+                raise FileNotFoundError(
+                    f"--resume: {self.out} has no checkpoint yet (the run stopped before its "
+                    f"first one); restart it from scratch with `lockstep train "
+                    f"{self.out / 'config.yaml'} --out {self.out}`")
+            ckpt, model, trainer_state, state = found
             if state.config_hash != run_hash(cfg):
                 raise ValueError(f"--resume: {ckpt} was written by a run with another config "
                                  f"(hash {state.config_hash} != {run_hash(cfg)}); only "
@@ -98,6 +100,7 @@ class Trainer:
                                             cache_key(cfg), log, progress)
                 (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
         self.state = state
+        model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
         ro = cfg.rollout
         self.rollout = self.make_backend(model, state.weight_version)
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size

@@ -6,6 +6,10 @@ generated demonstrations until greedy exact-match accuracy on held-out prompts r
 `target_accuracy` (REFERENCE.md: >= 0.30 in ~30 s on the toy). The result is cached as an HF
 folder under `cache_dir/<key>/`, the key hashing model, task, warm-start settings and seed, so
 runs that differ only in RL settings (replay off / R2 / R3) start from the same weights.
+Entries are written to a private temporary folder with a sha256 manifest and renamed into
+place (concurrent runs never see or make a half entry); an entry that fails its manifest is
+set aside with a warning and trained again. The model leaves `warm_start` with no gradients,
+so the first RL update sees only its own (a cold and a cached start give the same run).
 
 Shapes: B demonstrations, T prompt + answer tokens, V vocabulary.
 """
@@ -17,6 +21,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lockstep.moe.checkpoint import load_hf_state_dict, read_hf_state_dict, save_hf
+from lockstep.moe.checkpoint import (CheckpointError, load_hf_state_dict, read_hf_state_dict,
+                                     save_hf)
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Problem, Task
+from lockstep.trainer.checkpoint import verify_manifest, write_manifest
 from lockstep.trainer.config import ExperimentConfig, WarmstartConfig
 
 RESULT_FILE = "warmstart.json"
@@ -108,11 +115,20 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
     eval_set = task.problems(EVAL_SEED_OFFSET + seed, 0, cfg.eval_size)
     cache = Path(os.path.expanduser(cfg.cache_dir)) / key
     if (cache / RESULT_FILE).exists():
-        load_hf_state_dict(model, read_hf_state_dict(cache))
-        res = WarmstartResult(**json.loads((cache / RESULT_FILE).read_text()))
-        res.cached = True
-        log(f"warm start: loaded from cache {cache} (greedy accuracy {res.accuracy:.3f})")
-        return res
+        try:
+            res = _load(model, cache)
+        except (CheckpointError, OSError, ValueError, TypeError) as e:
+            log(f"warning: warm-start cache entry {cache} is not usable ({e}); training again")
+            bad = cache.with_name(f"{cache.name}.bad-{uuid.uuid4().hex}")
+            try:  # set aside (atomically) so that _store can put a good entry in its place
+                cache.rename(bad)
+            except OSError:
+                pass  # another run got there first
+            shutil.rmtree(bad, ignore_errors=True)
+        else:
+            model.zero_grad(set_to_none=True)
+            log(f"warm start: loaded from cache {cache} (greedy accuracy {res.accuracy:.3f})")
+            return res
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     t0 = time.perf_counter()
     acc, step = 0.0, 0
@@ -134,6 +150,7 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
             if acc >= cfg.target_accuracy:
                 break
     bar.close()
+    opt.zero_grad(set_to_none=True)  # the last warm-start gradient must not reach RL's update
     seconds = time.perf_counter() - t0
     res = WarmstartResult(acc, expected_reward(model, task, eval_set), step, seconds)
     status = "reached" if acc >= cfg.target_accuracy else "did NOT reach"
@@ -143,12 +160,26 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
     return res
 
 
+def _load(model: MoEModel, cache: Path) -> WarmstartResult:
+    """Load a cache entry into `model` after checking it against its manifest."""
+    verify_manifest(cache)
+    raw = json.loads((cache / RESULT_FILE).read_text())
+    res = WarmstartResult(**{k: raw[k] for k in raw if k != "cached"})
+    load_hf_state_dict(model, read_hf_state_dict(cache))
+    res.cached = True
+    return res
+
+
 def _store(model: MoEModel, task: Task, res: WarmstartResult, cache: Path) -> None:
-    """Write the cache entry atomically; a concurrent run that got there first wins."""
-    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
-    save_hf(model, tmp, tokenizer=task.tokenizer)
-    (tmp / RESULT_FILE).write_text(json.dumps(asdict(res), indent=2) + "\n")
+    """Write the cache entry atomically: a private temporary folder (unique per process and
+    host) with a manifest, renamed into place; a concurrent run that got there first wins.
+    A cache that cannot be written (read-only, disk full) only costs the next run a retrain."""
+    tmp = cache.with_name(f"{cache.name}.tmp-{uuid.uuid4().hex}")
     try:
+        save_hf(model, tmp, tokenizer=task.tokenizer)
+        (tmp / RESULT_FILE).write_text(json.dumps(asdict(res), indent=2) + "\n")
+        write_manifest(tmp)
         tmp.rename(cache)
-    except OSError:  # already cached by another process
+    except OSError:  # already cached by another process, or not writable
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.with_name(tmp.name + ".tmp"), ignore_errors=True)
