@@ -106,21 +106,30 @@ def _loss_fn(batch, adv_B):
     return fn
 
 
+AUX = 0.1  # load-balancing loss weight (its TP / DP reductions are under test too)
+
+
 def _actor_cfg():
     from lockstep.trainer.config import ActorConfig
-    return ActorConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, grad_clip=1.0)
+    return ActorConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, grad_clip=1.0,
+                       aux_loss_coef=AUX)
 
 
 def _torch_grads(model, batch, adv_B):
-    """HF-named gradients of the loss over the whole batch on our torch model (R3 replay)."""
+    """HF-named gradients of the loss over the whole batch as one mini-batch of micro-batches
+    of 2 rows on our torch model (R3 replay), load-balancing loss as TorchActor adds it."""
     m = copy.deepcopy(model)
-    out = m(batch.input_ids_BT, routed_experts_BTLK=batch.rollout_routes_BTLK,
-            replay_mask_BT=batch.rollout_routes_valid_BT)
-    lp = torch.log_softmax(out.logits_BTV, -1)[:, :-1].gather(
-        -1, batch.input_ids_BT[:, 1:, None])[..., 0]
-    lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], 1)
-    rows = torch.arange(batch.size)
-    _loss_fn(batch, adv_B)(lp, lp, rows, rows)[0].backward()
+    mini = torch.arange(batch.size)
+    for rows in mini.split(2):
+        mb = batch.rows(rows)
+        out = m(mb.input_ids_BT, routed_experts_BTLK=mb.rollout_routes_BTLK,
+                replay_mask_BT=mb.rollout_routes_valid_BT)
+        lp = torch.log_softmax(out.logits_BTV, -1)[:, :-1].gather(
+            -1, mb.input_ids_BT[:, 1:, None])[..., 0]
+        lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], 1)
+        loss = _loss_fn(batch, adv_B)(lp, lp, rows, mini)[0]
+        aux = m.load_balancing_loss(out, mb.token_mask_BT)
+        (loss + AUX * aux * len(rows) / len(mini)).backward()
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
@@ -232,7 +241,7 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
             diff, key = max(((got["grads"][k] - ref["grads"][k]).abs().max(), k)
                             for k in ref["grads"])
             assert diff <= 1e-5 * scale, f"actor {layout} rank {rank}: grads: {diff} ({key})"
-            for k in ("loss/pg", "actor/grad_norm"):
+            for k in ("loss/pg", "actor/grad_norm", "actor/aux_loss"):
                 a, b = ref["metrics"][k], got["metrics"][k]
                 assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (layout, k, a, b)
             err = (got["lp_after"] - ref["lp_after"])[scored_all].abs().max()

@@ -209,19 +209,24 @@ def test_failing_forward_does_not_leak_replay_state(world1):
         replay.set_routes(routes)
 
 
-def test_recompute_replays_the_same_routes_in_backward(world1):
+@pytest.mark.parametrize("gap", [False, True])
+def test_recompute_replays_the_same_routes_in_backward(world1, gap):
+    """Recomputation replays what the forward ran, also the natural routes it chose at
+    positions without a given route."""
     cfg = tiny_cfg()
     _, sd = random_hf(cfg, seed=10)
     B, T, L, K = 2, 6, cfg.num_moe_layers, cfg.num_experts_per_tok
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     routes = torch.rand(B, T, L, cfg.num_experts, generator=g).argsort(-1)[..., :K]
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[:, 2:4] = not gap
     grads = []
     for recompute in (False, True):
         model = megatron_from_hf(cfg, sd, recompute_activations=recompute).train()
         replay = RouteReplay(model, cfg.num_experts)
         with replay.session(Mode.REPLAY):
-            replay.set_routes(routes)
+            replay.set_routes(routes, valid)
             logits = replay.backward_replays(forward_logits(model, ids))
             token_logprobs(logits[:, :-1], ids[:, 1:]).sum().backward()
             if recompute:  # every MoE layer's recomputation consumed its queued routes
@@ -241,3 +246,46 @@ def test_router_dtype_fp32_runs_on_cpu(world1):
         a = token_logprobs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
         b = token_logprobs(forward_logits(ref, ids)[:, :-1], ids[:, 1:])
     assert (a - b).abs().max() <= TOL
+
+
+def test_bf16_micro_batch_gradients_accumulate_in_fp32(world1):
+    """The actor's DDP grad buffers are fp32: two bf16 micro-batches' gradients add up in fp32
+    (a bf16 sum would drop the small second one)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from lockstep.trainer.megatron.actor import ddp_config
+
+    cfg = tiny_cfg()
+    _, sd = random_hf(cfg, seed=14)
+    opts = MegatronOptions(params_dtype="bfloat16")
+    initialize_parallel(opts)
+    gpt = build_gpt_model(cfg, opts)
+    convert.load_hf_into_megatron(gpt, sd, cfg)
+    ddp = DistributedDataParallel(config=gpt.config, module=gpt, ddp_config=ddp_config())
+    g = torch.Generator().manual_seed(15)
+    inputs = [(torch.randint(0, cfg.vocab_size, (2, 6), generator=g), scale)
+              for scale in (1.0, 1e-3)]
+
+    def backward(ids, scale):
+        (forward_logits(ddp, ids).float().logsumexp(-1).sum() * scale).backward()
+
+    def grads():
+        out = {n: p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
+        ddp.zero_grad_buffer()
+        return out
+
+    parts = []
+    for ids, scale in inputs:
+        backward(ids, scale)
+        parts.append(grads())
+    for ids, scale in inputs:
+        backward(ids, scale)
+    both = grads()
+    lost = False
+    for n, p in gpt.named_parameters():
+        assert both[n].dtype == torch.float32, n
+        assert torch.equal(both[n], parts[0][n] + parts[1][n]), n
+        bf16_sum = (parts[0][n].bfloat16() + parts[1][n].bfloat16()).float()
+        lost |= not torch.equal(bf16_sum, both[n])
+    assert lost  # the test can tell fp32 from bf16 accumulation
+    assert sum(p.dtype == torch.bfloat16 for p in gpt.parameters()) > 10

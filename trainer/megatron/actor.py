@@ -13,9 +13,8 @@ megatron-core divides each micro-batch loss by the number of micro-batches and D
 over DP ranks, which `update` undoes (`loss * micro-batches * dp`).
 
 Differences from the torch actor (documented in docs/megatron.md): weight decay skips norms
-and biases (megatron-core's rule); the load-balancing loss is megatron-core's `aux_loss`;
-positions without a route inside a sequence take natural routes from a RECORD pass (see
-replay.py); `lm_head_dtype` is not supported.
+and biases (megatron-core's rule); `lm_head_dtype` is not supported. The load-balancing loss
+and the natural routing of positions without a route are the torch model's (replay.py).
 
 Shapes: B batch rows, T padded time, L MoE layers, K top-k.
 """
@@ -58,6 +57,15 @@ def init_single_process_group() -> None:
                             world_size=1)
 
 
+def ddp_config():
+    """megatron-core DDP settings of the actor: gradients are accumulated over micro-batches
+    (and reduced over DP) in fp32 grad buffers (`main_grad`) whatever the parameter dtype."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         use_distributed_optimizer=False)
+
+
 def options_for(cfg: ActorConfig, options: MegatronOptions | None) -> MegatronOptions:
     """MegatronOptions with the precision / aux-loss knobs taken from the ActorConfig."""
     opts = options or MegatronOptions()
@@ -98,9 +106,7 @@ class MegatronActor:
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
                  temperature: float = 1.0, options: MegatronOptions | None = None):
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, self.temperature, self.master = cfg, temperature, model
@@ -113,11 +119,7 @@ class MegatronActor:
         self.gpt = build_gpt_model(mcfg, self.opts, tc=tc)
         convert.load_hf_into_megatron(self.gpt, {k: v.detach() for k, v in
                                                  hf_state_dict(model).items()}, mcfg)
-        self.ddp = DistributedDataParallel(
-            config=tc, module=self.gpt,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                     overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False))
+        self.ddp = DistributedDataParallel(config=tc, module=self.gpt, ddp_config=ddp_config())
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
@@ -126,7 +128,9 @@ class MegatronActor:
         ), [self.ddp])
         self.lr_at = lr_lambda(cfg, total_updates)
         self.num_steps = 0
-        self.replay = RouteReplay(self.gpt, mcfg.num_experts)
+        self.aux_coef, self.num_moe_layers = self.opts.aux_loss_coef, mcfg.num_moe_layers
+        self.replay = RouteReplay(self.gpt, mcfg.num_experts, aux_loss_coef=self.aux_coef,
+                                  num_moe_layers=mcfg.num_moe_layers)
         self.device = next(self.gpt.parameters()).device
         self.route_dtype = compact_dtype(mcfg.num_experts)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -152,36 +156,22 @@ class MegatronActor:
         """One forward of micro-batch `mb` inside an open session -> (lp, ent, used, natural).
 
         lp/ent are [b, T] with 0 at position 0 (nothing predicts it), like the torch actor.
+        Positions where `mask_BT` is False are routed naturally in this same forward.
         """
         b, T = mb.input_ids_BT.shape
-        used = None
         if routes_BTLK is not None:
-            used = self.replay.set_routes(routes_BTLK, mask_BT, seq_lens_B=mb.seq_lens_B,
-                                          fill_BTLK=self._fill(mb, routes_BTLK, mask_BT))
+            self.replay.set_routes(routes_BTLK, mask_BT)
         ids = mb.input_ids_BT.to(self.device)
         logits = self.replay.backward_replays(forward_logits(self.ddp, ids))[:, :-1]
         if mb.candidates_BTS is not None:  # sampling-mask replay: softmax over the kept ids
             logits = _keep_candidates(logits, mb.candidates_BTS[:, 1:].to(self.device))
         lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
         zero = lp.new_zeros(b, 1)
-        natural = self.replay.natural(b, T).cpu()
+        natural, used = self.replay.natural(b, T), self.replay.used(b, T)
         # results live on the CPU like the batch the loss function indexes (a differentiable
         # copy: the backward pass still reaches the model on its device)
         lp, ent = torch.cat([zero, lp], 1).cpu(), torch.cat([zero, ent], 1).cpu()
-        return lp, ent, natural if used is None else used, natural
-
-    def _fill(self, mb: Batch, routes_BTLK, mask_BT):
-        """Natural routes for positions without a route that later tokens depend on (replay.py
-        explains why megatron-core needs them); None when there are no such positions."""
-        if mask_BT is None:
-            return None
-        T = mb.input_ids_BT.shape[1]
-        needed_BT = torch.arange(T)[None] < (mb.seq_lens_B[:, None] - 1)
-        if not (needed_BT & ~mask_BT).any():
-            return None
-        return self.replay.natural_routes_of(
-            lambda: forward_logits(self.ddp, mb.input_ids_BT.to(self.device)),
-            *mb.input_ids_BT.shape).cpu()
+        return lp, ent, used, natural
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.micro_batch_size))
@@ -205,7 +195,7 @@ class MegatronActor:
         for idx in self._micro_batches(self._my_rows(torch.arange(B))):
             r = None if routes_BTLK is None else routes_BTLK[idx]
             m = None if replay_mask_BT is None else replay_mask_BT[idx]
-            with self.replay.session(mode, observe_natural=True):
+            with self.replay.session(mode):
                 lp, ent, u, n = self._forward(batch.rows(idx), r, m)
             lp_BT[idx], ent_BT[idx], used[idx], nat[idx] = lp, ent, u, n
         for x in (lp_BT, ent_BT, used, nat):
@@ -255,11 +245,20 @@ class MegatronActor:
             idx = next(data_iterator)
             r = None if routes_BTLK is None else routes_BTLK[idx]
             m = None if replay_mask_BT is None else replay_mask_BT[idx]
-            lp, ent, u, n = self._forward(batch.rows(idx), r, m)
+            mb = batch.rows(idx)
+            # the torch actor adds aux_loss_coef * (layer mean) * len(idx) / len(mini); the
+            # schedule and DDP divide what is attached by micro-batches * dp (undone here)
+            self.replay.begin_micro_batch(
+                mb.token_mask_BT, self.aux_coef / self.num_moe_layers * len(idx) / len(mini)
+                * len(micro) * self.dp)
+            lp, ent, u, n = self._forward(mb, r, m)
             used[idx], nat[idx] = u, n
+            aux = self.replay.aux_loss_sum()
 
             def loss_func(_output):
                 loss, metrics = loss_fn(lp, ent, idx, mini)
+                if self.aux_coef > 0 and aux is not None:
+                    metrics = {**metrics, "actor/aux_loss": float(aux) / self.num_moe_layers}
                 for k, v in metrics.items():  # micro-batch means: weight them by rows
                     step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
                 # megatron-core divides by the micro-batch count and DDP averages over DP
@@ -269,7 +268,7 @@ class MegatronActor:
 
         self.ddp.train()
         mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
-        with self.replay.session(mode, observe_natural=True):
+        with self.replay.session(mode):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
                 num_microbatches=len(micro), seq_length=batch.input_ids_BT.shape[1],

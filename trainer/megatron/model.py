@@ -53,7 +53,7 @@ class MegatronOptions:
     recompute_activations: bool = False
     """Full activation recomputation per layer (replayed with REPLAY_BACKWARD)."""
     aux_loss_coef: float = 0.0
-    """megatron-core `moe_aux_loss_coeff` for the `aux_loss` balancing loss; 0 = none."""
+    """Weight of the load-balancing loss (the torch model's, see replay.py); 0 = none."""
     seed: int = 1234
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
 
@@ -166,8 +166,10 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         # norm_topk_prob: softmax over the K chosen logits == renormalised top-k of the full
         # softmax; without it, the plain top-k of the full softmax.
         moe_router_pre_softmax=not cfg.norm_topk_prob,
-        moe_router_load_balancing_type="aux_loss" if opts.aux_loss_coef > 0 else "none",
-        moe_aux_loss_coeff=opts.aux_loss_coef,
+        # the load-balancing loss is the torch model's, added by replay.RouteReplay (its own
+        # counts natural routes under replay and sums layers): megatron-core's is off
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
         moe_router_dtype=opts.router_dtype,
         moe_token_dispatcher_type=opts.token_dispatcher,
         moe_grouped_gemm=grouped,

@@ -15,16 +15,20 @@ parallelism TP rank r holds positions r*S/TP .. (r+1)*S/TP - 1 of every row, and
 flattens them as n = s_local * B + b. Each data-parallel / expert-parallel rank routes only
 its own micro-batch, so nothing else changes with EP.
 
-Positions without a route (`valid_BT` False). megatron-core replays all tokens of a layer or
-none, so "natural routing where no route was given" cannot happen inside one replayed
-forward. lockstep therefore distinguishes:
-- don't-care positions: padding and each row's last token. Causal attention means their
-  routes reach no log-prob we compute (the last token predicts nothing). They get the
-  natural routes from `fill_BTLK` when given, else expert ids (t*K + k) % E (a deterministic
-  spread, so padding does not pile onto expert 0's EP rank).
-- gaps: a position without route that an output depends on. They need `fill_BTLK`, which the
-  actor takes from a RECORD pass of the same batch (natural routes with nothing replayed);
-  without it, `build_replay_ids` raises naming sample and position.
+Positions without a route (`valid_BT` False) are routed naturally *in the same forward*,
+given the replayed history, exactly as lockstep's torch model does (`where(valid, given,
+natural)` per layer): the adapter wraps each router's `get_replay_topk`, computes the router's
+own top-k from the scores it was handed, and merges it with the given ids before gathering the
+gate weights. The merged ids are what REPLAY_BACKWARD replays on recomputation and what
+`used()` reports. The same wrapper notes the natural top-k for `natural()` (no extra GEMM).
+
+Load-balancing loss (`aux_loss_coef > 0`): megatron-core's own `aux_loss` counts the natural
+top-k even under replay, sums the MoE layers and (0.16.1) is only masked when the caller
+threads a padding mask through GPTModel. The adapter computes the torch model's loss instead
+(`MoEModel.load_balancing_loss`: E * sum_e f_e * P_e with f from the routes the forward ran and
+P the mean router softmax, both over real tokens, averaged over MoE layers) and attaches it to
+each router's output with megatron-core's `MoEAuxLossAutoScaler`, so it is backpropagated
+inside the layer (also under activation recomputation).
 """
 
 from __future__ import annotations
@@ -56,14 +60,9 @@ def _router_modules(model) -> list:
     return found
 
 
-def build_replay_ids(ids_BTLK: Tensor, valid_BT: Tensor, *, num_experts: int,
-                     fill_BTLK: Tensor | None = None,
-                     seq_lens_B: Tensor | None = None) -> Tensor:
-    """Full int64 routes [B, T, L, K]: given ids where valid, fills elsewhere (module doc).
-
-    `seq_lens_B`: tokens per row; without it a row's tokens are taken to end one position
-    after its last valid route (the routes contract: P+R tokens have P+R-1 routes).
-    """
+def build_replay_ids(ids_BTLK: Tensor, valid_BT: Tensor, *, num_experts: int) -> Tensor:
+    """Checked int64 routes [B, T, L, K]: the given ids where valid, a placeholder elsewhere
+    (expert ids (t*K + k) % E; the forward replaces them with the router's natural choice)."""
     if ids_BTLK.dim() != 4:
         raise ValueError(f"routes must be [B, T, L, K], got shape {tuple(ids_BTLK.shape)}")
     B, T, L, K = ids_BTLK.shape
@@ -78,29 +77,19 @@ def build_replay_ids(ids_BTLK: Tensor, valid_BT: Tensor, *, num_experts: int,
         b, t, l, k = bad.nonzero()[0].tolist()
         raise ValueError(f"sample {b} position {t} MoE layer {l}: expert id {ids[b, t, l, k]} "
                          f"is outside [0, {num_experts})")
-    if fill_BTLK is not None:
-        if fill_BTLK.shape != ids.shape:
-            raise ValueError(f"fill routes have shape {tuple(fill_BTLK.shape)}, expected "
-                             f"{tuple(ids.shape)}")
-        fill = fill_BTLK.to(torch.int64)
-    else:
-        t_T = torch.arange(T)
-        spread_TK = (t_T[:, None] * K + torch.arange(K)) % num_experts
-        fill = spread_TK[None, :, None, :].expand(B, T, L, K)
-        t_BT = t_T.expand(B, T)
-        if seq_lens_B is None:
-            last_valid_B = torch.where(valid_BT, t_BT, torch.full_like(t_BT, -1)).amax(dim=1)
-            needed_BT = t_BT <= last_valid_B[:, None]
-        else:
-            needed_BT = t_BT < (seq_lens_B.to(torch.int64)[:, None] - 1)
-        gap_BT = needed_BT & ~valid_BT
-        if gap_BT.any():
-            b, t = gap_BT.nonzero()[0].tolist()
-            raise ValueError(
-                f"sample {b} position {t} has no route but later tokens depend on it; "
-                "megatron-core replays a whole layer or nothing, so pass fill_BTLK (natural "
-                "routes from a RECORD pass of this batch)")
+    spread_TK = (torch.arange(T)[:, None] * K + torch.arange(K)) % num_experts
+    fill = spread_TK[None, :, None, :].expand(B, T, L, K)
     return torch.where(valid_BT[..., None, None], ids, fill)
+
+
+def mask_to_router_order(mask_BT: Tensor, tp: int, tp_rank: int) -> Tensor:
+    """bool [N] of this TP rank's router tokens (n = s_local * B + b); sequence padding False."""
+    B, T = mask_BT.shape
+    S = -(-T // tp) * tp
+    m_SB = torch.zeros(S, B, dtype=torch.bool, device=mask_BT.device)
+    m_SB[:T] = mask_BT.transpose(0, 1)
+    s_loc = S // tp
+    return m_SB[tp_rank * s_loc:(tp_rank + 1) * s_loc].reshape(-1)
 
 
 def to_router_order(ids_BTLK: Tensor, tp: int, tp_rank: int) -> list[Tensor]:
@@ -135,16 +124,31 @@ def from_router_order(per_layer_NK: list[Tensor], B: int, T: int, tp: int,
 
 
 class RouteReplay:
-    """Record or replay routes on one megatron-core GPTModel (its own routers only)."""
+    """Record or replay routes on one megatron-core GPTModel (its own routers only).
 
-    def __init__(self, model, num_experts: int):
+    `aux_loss_coef` > 0 adds the torch model's load-balancing loss (module doc) to every
+    training forward; `num_moe_layers` is the model's MoE layer count it is averaged over
+    (default: the routers found here)."""
+
+    def __init__(self, model, num_experts: int, aux_loss_coef: float = 0.0,
+                 num_moe_layers: int | None = None):
         self.model = model
         self.num_experts = num_experts
         self.router_modules = _router_modules(model)
         self.routers = [m.router_replay for m in self.router_modules]
         self.tp = model.config.tensor_model_parallel_size
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_layers = num_moe_layers or len(self.routers)
         self._mode: Mode | None = None
+        self._keep_N: Tensor | None = None      # replay: True = use the given id
+        self._tokens_N: Tensor | None = None    # aux loss: real tokens
+        self._aux_weight = 0.0
         self._natural: list[Tensor | None] = [None] * len(self.routers)
+        self._used: list[Tensor | None] = [None] * len(self.routers)
+        self._aux: list[Tensor | None] = [None] * len(self.routers)
+        for layer, (m, r) in enumerate(zip(self.router_modules, self.routers)):
+            r.get_replay_topk = self._replay_topk(layer, r, r.get_replay_topk)
+            m.routing = self._routing(layer, m, m.routing)
 
     @property
     def num_layers(self) -> int:
@@ -157,13 +161,8 @@ class RouteReplay:
         return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
     @contextlib.contextmanager
-    def session(self, mode: Mode, observe_natural: bool = False) -> Iterator["RouteReplay"]:
-        """Routers in `mode` for the body; action and all route tensors cleared on exit.
-
-        `observe_natural` (REPLAY): also note each router's own top-k for `natural()`, by
-        re-running its gating on the same input after it ran (one small extra GEMM per
-        layer; RECORD needs no such thing: what it records is the natural top-k).
-        """
+    def session(self, mode: Mode) -> Iterator["RouteReplay"]:
+        """Routers in `mode` for the body; action and all route tensors cleared on exit."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if self._mode is not None:
@@ -177,9 +176,6 @@ class RouteReplay:
                 r.set_router_replay_action(action)
                 if mode is Mode.REPLAY:
                     hooks.append(m.register_forward_pre_hook(_check_token_count(layer, r)))
-                    if observe_natural:
-                        hooks.append(m.register_forward_hook(self._observer(layer)))
-            self._natural = [None] * self.num_layers
             self._mode = mode
             yield self
         finally:
@@ -192,33 +188,107 @@ class RouteReplay:
         for r in self.routers:
             r.clear_router_replay_action()
             r.clear_indices()
-        self._natural = [None] * self.num_layers
+        n = self.num_layers
+        self._natural, self._used, self._aux = [None] * n, [None] * n, [None] * n
+        self._keep_N = self._tokens_N = None
+        self._aux_weight = 0.0
         self._mode = None
 
-    def _observer(self, layer: int):
-        def hook(module, args, output):
+    def _replay_topk(self, layer: int, r, original):
+        """`RouterReplay.get_replay_topk` that, in REPLAY_FORWARD, also computes the router's
+        own top-k from the same scores, merges it in where no route was given, and notes both."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            action = r.router_replay_action
+            if action is RouterReplayAction.RECORD:
+                out = original(scores, topk, num_groups, group_topk, default_compute_topk)
+                self._natural[layer] = self._used[layer] = out[1]
+                return out
+            if action is not RouterReplayAction.REPLAY_FORWARD:
+                return original(scores, topk, num_groups, group_topk, default_compute_topk)
             with torch.no_grad():
-                logits = module.gating(args[0]).view(-1, module.config.num_moe_experts)
-                if module.config.moe_router_pre_softmax:  # what megatron-core's top-k sees
-                    logits = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-                self._natural[layer] = logits.topk(module.topk, dim=-1).indices
-        return hook
+                natural = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
+                                               group_topk=group_topk)[1]
+            ids = r.target_topk_idx.to(scores.device)
+            if self._keep_N is not None:
+                ids = torch.where(self._keep_N.to(scores.device)[:, None], ids, natural)
+                r.target_topk_idx = ids
+                if r.replay_backward_list:  # what recomputation replays: the merged ids
+                    r.replay_backward_list[-1] = ids
+            self._natural[layer], self._used[layer] = natural, ids
+            return scores.gather(1, ids), ids
+        return get_replay_topk
+
+    def _routing(self, layer: int, module, original):
+        """`TopKRouter.routing` plus the torch model's load-balancing loss (module doc)."""
+        def routing(logits, padding_mask=None):
+            probs, routing_map = original(logits, padding_mask=padding_mask)
+            if self.aux_loss_coef > 0 and self._tokens_N is not None and module.training:
+                # without grad (the first pass of a recomputed layer) only the value is noted
+                probs = self._attach_aux(layer, logits, routing_map, probs)
+            return probs, routing_map
+        return routing
+
+    def _attach_aux(self, layer: int, logits, routing_map_NE, probs_NE):
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        E = self.num_experts
+        logits_NE = logits.reshape(-1, E)
+        tok_N = self._tokens_N.to(logits_NE.device)
+        counts_E = (routing_map_NE & tok_N[:, None]).sum(0).float()
+        n = tok_N.sum().float().reshape(1)
+        P_E = (torch.softmax(logits_NE.float(), -1) * tok_N[:, None]).sum(0)
+        if self.tp > 1:  # SP: this rank routes its slice of the positions; sum over TP
+            import torch.distributed as dist
+            _, group = self._tp_rank_and_group()
+            stats = torch.cat([counts_E, n])
+            dist.all_reduce(stats, group=group)
+            counts_E, n = stats[:E], stats[E:]
+            P_E = reduce_from_tensor_model_parallel_region(P_E)
+        n = n.clamp(min=1)
+        k = self.router_modules[layer].topk
+        aux = E * ((counts_E / (n * k)) * (P_E / n)).sum()
+        self._aux[layer] = aux.detach()
+        if not torch.is_grad_enabled():
+            return probs_NE
+        return MoEAuxLossAutoScaler.apply(probs_NE, aux * self._aux_weight)
+
+    def begin_micro_batch(self, token_mask_BT: Tensor | None, aux_weight: float = 0.0) -> None:
+        """Before a training forward: its real tokens [B, T] and the weight of its load-
+        balancing loss in the gradient (applied as aux * aux_weight per MoE layer)."""
+        tp_rank, _ = self._tp_rank_and_group()
+        self._tokens_N = None if token_mask_BT is None \
+            else mask_to_router_order(token_mask_BT, self.tp, tp_rank)
+        self._aux_weight = aux_weight
+        self._aux = [None] * self.num_layers
+
+    def aux_loss_sum(self) -> Tensor | None:
+        """Sum over this model's MoE layers of the last forward's load-balancing losses."""
+        vals = [x for x in self._aux if x is not None]
+        return torch.stack(vals).sum() if vals else None
 
     def natural(self, B: int, T: int) -> Tensor:
         """The routers' own top-k in the last forward, int64 [B, T, L, K]."""
-        if self._mode is Mode.RECORD:
-            return self.recorded(B, T)
-        missing = [l for l, x in enumerate(self._natural) if x is None]
-        if self._mode is None or missing:
-            raise RuntimeError("natural() needs a RECORD session, or a REPLAY session opened "
-                               "with observe_natural=True after a forward")
-        _, group = self._tp_rank_and_group()
-        return from_router_order(self._natural, B, T, self.tp, group)
+        return self._gather(self._natural, B, T, "natural")
 
-    def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None, *,
-                   fill_BTLK: Tensor | None = None, seq_lens_B: Tensor | None = None) -> Tensor:
-        """Routes for the next forward (one micro-batch) in a REPLAY session; returns the
-        int64 [B, T, L, K] routes it will run (given ids, fills elsewhere).
+    def used(self, B: int, T: int) -> Tensor:
+        """The routes the last forward ran (given ids merged with natural ones), int64."""
+        return self._gather(self._used, B, T, "used")
+
+    def _gather(self, per_layer, B: int, T: int, what: str) -> Tensor:
+        missing = [l for l, x in enumerate(per_layer) if x is None]
+        if self._mode is None or missing:
+            raise RuntimeError(f"{what}() needs an open session after a forward (MoE layers "
+                               f"{missing} saw none)")
+        _, group = self._tp_rank_and_group()
+        return from_router_order(per_layer, B, T, self.tp, group)
+
+    def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None) -> None:
+        """Routes for the next forward (one micro-batch) in a REPLAY session: the given ids
+        where `valid_BT`, the router's natural choice elsewhere (decided in the forward).
 
         Also queues them for REPLAY_BACKWARD, so a recomputed forward in the backward pass
         replays the same experts; call `backward_replays(output)` on the forward's output.
@@ -232,35 +302,15 @@ class RouteReplay:
                              f"L={self.num_layers}, K] (MoE layers of this model)")
         if valid_BT is None:
             valid_BT = torch.ones(ids_BTLK.shape[:2], dtype=torch.bool)
-        full = build_replay_ids(ids_BTLK, valid_BT.cpu(), num_experts=self.num_experts,
-                                fill_BTLK=fill_BTLK, seq_lens_B=seq_lens_B)
+        valid_BT = valid_BT.cpu()
+        full = build_replay_ids(ids_BTLK, valid_BT, num_experts=self.num_experts)
         tp_rank, _ = self._tp_rank_and_group()
+        self._keep_N = None if bool(valid_BT.all()) and full.shape[1] % self.tp == 0 \
+            else mask_to_router_order(valid_BT, self.tp, tp_rank)
         for r, x in zip(self.routers, to_router_order(full, self.tp, tp_rank)):
             r.set_target_indices(x)
             # a previous micro-batch's backward may have left REPLAY_BACKWARD on
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        return full
-
-    def natural_routes_of(self, forward, B: int, T: int) -> Tensor:
-        """Inside a REPLAY session: run `forward()` (no grad) with natural routing and return
-        the routes it picked, int64 [B, T, L, K]; the session is left as it was (routes for
-        the next forward still to be set). Used to fill gaps (module doc)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        if self._mode is not Mode.REPLAY:
-            raise RuntimeError("natural_routes_of needs an open Mode.REPLAY session")
-        for r in self.routers:
-            r.set_router_replay_action(RouterReplayAction.RECORD)
-        try:
-            with torch.no_grad():
-                forward()
-            data = [r.get_recorded_indices() for r in self.routers]
-            _, group = self._tp_rank_and_group()
-            return from_router_order(data, B, T, self.tp, group)
-        finally:
-            for r in self.routers:
-                r.recorded_topk_idx = None
-                r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def backward_replays(self, output: Tensor) -> Tensor:
         """Identity on `output` that switches the routers to REPLAY_BACKWARD when the backward
