@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint folders for the Qwen3-MoE layout.
+"""Hugging Face checkpoint folders for the supported MoE families (Qwen3-MoE, Qwen2-MoE,
+Mixtral, GLM-4.5, DeepSeek-V3).
 
 A folder holds `config.json`, `model.safetensors` (or shards `model-0000i-of-0000n.safetensors`
 plus `model.safetensors.index.json` above `max_shard_bytes`), `generation_config.json`, and,
@@ -29,26 +30,40 @@ class CheckpointError(ValueError):
 
 
 def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
-    """The model's weights under HF Qwen3-MoE names (experts unstacked; views, no copies)."""
+    """The model's weights under its family's HF names (experts unstacked; views, no copies).
+
+    Mixtral's experts are `block_sparse_moe.experts.{e}.w1|w3|w2` (gate|up|down) and its router
+    `block_sparse_moe.gate`; the others use `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`,
+    with `mlp.gate.e_score_correction_bias` (sigmoid routers), `mlp.shared_experts.*`
+    (DeepSeek-V3, GLM-4.5) or `mlp.shared_expert.*` + `mlp.shared_expert_gate` (Qwen2-MoE).
+    """
     cfg = model.cfg
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        att = layer.self_attn
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[p + f"self_attn.{n}.weight"] = getattr(att, n).weight
-        sd[p + "self_attn.q_norm.weight"] = att.q_norm.weight
-        sd[p + "self_attn.k_norm.weight"] = att.k_norm.weight
+        for name, t in layer.self_attn.named_parameters():
+            sd[p + "self_attn." + name] = t
         if layer.is_moe:
-            sd[p + "mlp.gate.weight"] = layer.mlp.gate.weight
+            mlp = layer.mlp
+            if cfg.model_type == "mixtral":
+                m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+            else:
+                m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+            sd[m + "gate.weight"] = mlp.gate.weight
+            if mlp.e_score_correction_bias is not None:
+                sd[m + "gate.e_score_correction_bias"] = mlp.e_score_correction_bias
             I = cfg.moe_intermediate_size
-            gu, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+            gu, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
             for e in range(cfg.num_experts):
-                sd[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :I]
-                sd[p + f"mlp.experts.{e}.up_proj.weight"] = gu[e, I:]
-                sd[p + f"mlp.experts.{e}.down_proj.weight"] = down[e]
+                sd[m + f"experts.{e}.{names[0]}.weight"] = gu[e, :I]
+                sd[m + f"experts.{e}.{names[1]}.weight"] = gu[e, I:]
+                sd[m + f"experts.{e}.{names[2]}.weight"] = down[e]
+            for shared in ("shared_experts", "shared_expert", "shared_expert_gate"):
+                if hasattr(mlp, shared):
+                    for name, t in getattr(mlp, shared).named_parameters():
+                        sd[m + f"{shared}.{name}"] = t
         else:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 sd[p + f"mlp.{n}.weight"] = getattr(layer.mlp, n).weight
@@ -194,7 +209,8 @@ def _unfuse_transformers_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def load_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
-    """Build a model from an HF Qwen3-MoE folder (ours or one written by transformers)."""
+    """Build a model from an HF folder of a supported family (ours or one written by
+    transformers); the family comes from config.json's model_type."""
     cfg = ModelConfig.from_json(folder)
     model = MoEModel(cfg)
     try:

@@ -1,9 +1,17 @@
-"""Typed model configuration that reads and writes Hugging Face Qwen3-MoE `config.json`.
+"""Typed model configuration that reads and writes Hugging Face `config.json` of the MoE
+architectures we run: Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 (`glm4_moe`) and DeepSeek-V3
+(also Kimi-K2 and Moonlight, which are DeepSeek-V3 folders).
 
-Both spellings found in the wild are read: released Qwen3-MoE folders say `num_experts` and
-`rope_theta`; transformers 5's `save_pretrained` writes `num_local_experts` and
-`rope_parameters: {rope_theta, rope_type}`. We always write the released spelling plus the
-transformers-5 aliases, so either reader loads our folders.
+One dataclass covers them all: the architecture is `model_type`, and every difference between
+the families is a typed field (router family, expert bias, groups, scaling factor, shared
+experts, dense first layers, attention biases, q/k norm, partial or interleaved RoPE, MLA ranks),
+so a converter (Megatron, SGLang) reads the same fields whatever the family.
+
+Both spellings found in the wild are read: released folders say `num_experts` (Qwen) or
+`n_routed_experts` (DeepSeek, GLM) and `rope_theta`; transformers 5's `save_pretrained` writes
+`num_local_experts` and `rope_parameters: {rope_theta, rope_type, partial_rotary_factor}`. We
+write each family's released spelling plus the transformers-5 aliases, so either reader loads
+our folders.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config.json (or ModelConfig) that is not a valid Qwen3-MoE configuration."""
+    """A config.json (or ModelConfig) that is not a valid configuration of a supported MoE."""
 
 
 def need(cond: bool, msg: str, error: type[Exception] = ConfigError) -> None:
@@ -49,11 +57,32 @@ _IGNORED_HF_KEYS = frozenset({
     "rope_parameters",
 })
 
+# Per architecture: the HF class name, and the keys its config.json may carry that hold no
+# information for us (MTP heads we do not run, jitter noise that is 0 at inference, ...).
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+_IGNORED_PER_ARCH = {
+    "mixtral": {"router_jitter_noise"},
+    "glm4_moe": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts"},
+    "deepseek_v3": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts",
+                    "qk_head_dim", "pretraining_tp", "topk_method", "scoring_func",
+                    "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux"},
+}
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
+
 
 @dataclass
 class ModelConfig:
-    """Qwen3-MoE architecture hyper-parameters (field names follow HF `config.json`)."""
+    """MoE architecture hyper-parameters (field names follow HF `config.json`); the defaults
+    are Qwen3-MoE's, and `for_architecture(model_type, ...)` fills in another family's."""
 
+    model_type: str = "qwen3_moe"
+    """Architecture: one of ARCHITECTURES (qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3)."""
     vocab_size: int = 32
     """Number of token ids, including special tokens."""
     hidden_size: int = 96
@@ -96,6 +125,44 @@ class ModelConfig:
     """End-of-sequence id; generation stops on it."""
     pad_token_id: int | None = None
     """Padding id used in batches."""
+    # -- router family (docs/model.md "Router families") ---------------------------------
+    router: str = "softmax_topk"
+    """softmax_topk: softmax over all experts, then top-k (Qwen); topk_softmax: top-k of the
+    logits, then softmax over the k (Mixtral); sigmoid: sigmoid scores, selection by scores +
+    expert bias within the best groups (DeepSeek-V3, Kimi-K2, GLM-4.5)."""
+    n_group: int = 1
+    """Expert groups for group-limited top-k (sigmoid router); 1 = no group limit."""
+    topk_group: int = 1
+    """Groups a token may pick its experts from (by the sum of each group's top-2 scores)."""
+    routed_scaling_factor: float = 1.0
+    """Gate weights are multiplied by this after (optional) normalisation."""
+    expert_bias: bool = False
+    """Router carries `e_score_correction_bias`: added to the scores for selection only."""
+    n_shared_experts: int = 0
+    """Always-on shared experts of width moe_intermediate_size * n_shared_experts (DeepSeek, GLM)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x)); 0 = none."""
+    first_k_dense_replace: int = 0
+    """The first k decoder layers have a dense MLP (DeepSeek-V3, GLM-4.5)."""
+    # -- attention -----------------------------------------------------------------------
+    attention_bias: bool = False
+    """q/k/v projections carry biases (Qwen2-MoE `qkv_bias`, GLM-4.5 `attention_bias`)."""
+    qk_norm: bool = True
+    """Per-head RMSNorm of q and k before RoPE (Qwen3; GLM-4.5 `use_qk_norm`)."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first head_dim * factor dims of each head (GLM-4.5: 0.5)."""
+    rope_interleave: bool = False
+    """DeepSeek's interleaved RoPE pairs (x0, x1), (x2, x3), ... instead of rotate-half."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query compression (None: a plain q_proj)."""
+    kv_lora_rank: int | None = None
+    """MLA: rank of the compressed key/value latent; None = not MLA (standard GQA attention)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key dims with RoPE (the key part is shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,9 +180,55 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (
             self.num_experts > 0
+            and i >= self.first_k_dense_replace
             and i not in self.mlp_only_layers
             and (i + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of GQA."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each query/key head that RoPE rotates."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def score_function(self) -> str:
+        """Megatron's moe_router_score_function: 'softmax' or 'sigmoid'."""
+        return "sigmoid" if self.router == "sigmoid" else "softmax"
+
+    @property
+    def softmax_before_topk(self) -> bool:
+        """Megatron's moe_router_pre_softmax: softmax over all experts, then top-k."""
+        return self.router == "softmax_topk"
+
+    @property
+    def shared_expert_width(self) -> int:
+        """Width of the shared expert MLP (0: none)."""
+        return self.shared_expert_intermediate_size or \
+            self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of one layer's KV cache entry. MLA caches the
+        expanded per-head keys and values (docs/model.md "Incremental decoding")."""
+        if self.is_mla:
+            return (self.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
+                    self.v_head_dim)
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
+    @classmethod
+    def for_architecture(cls, model_type: str, **fields) -> "ModelConfig":
+        """A config of `model_type` with that family's defaults (router, norms, biases), any
+        field overridden by `fields`."""
+        need(model_type in ARCHITECTURES,
+             f"model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)}")
+        return cls(**{**_FAMILY_DEFAULTS[model_type], "model_type": model_type, **fields})
 
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
@@ -136,6 +249,77 @@ class ModelConfig:
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads={self.num_attention_heads} must be a multiple of "
              f"num_key_value_heads={self.num_key_value_heads}")
+        need(self.model_type in ARCHITECTURES,
+             f"model_type {self.model_type!r} is not supported; expected one of "
+             f"{list(ARCHITECTURES)}")
+        need(self.router in ROUTERS, f"router {self.router!r} is not one of {list(ROUTERS)}")
+        family = _FAMILY_DEFAULTS[self.model_type]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)
+                    if f.default is not dataclasses.MISSING}
+        defaults["mlp_only_layers"] = []
+        for name in _ARCH_FIELDS:
+            if name in _FAMILY_HF_FIELDS[self.model_type]:
+                continue
+            want = family.get(name, defaults[name])
+            need(getattr(self, name) == want,
+                 f"{name}={getattr(self, name)!r} is not expressible in a {self.model_type} "
+                 f"config.json (that family has {name}={want!r}); choose another model_type")
+        if self.model_type == "deepseek_v3":
+            need(self.is_mla, "model_type deepseek_v3 needs kv_lora_rank (MLA)")
+        if self.model_type == "mixtral":
+            need(self.intermediate_size == self.moe_intermediate_size,
+                 f"mixtral has no dense layers and one expert width (intermediate_size): "
+                 f"intermediate_size={self.intermediate_size} must equal "
+                 f"moe_intermediate_size={self.moe_intermediate_size}")
+        if self.model_type == "qwen2_moe":
+            need(self.shared_expert_intermediate_size > 0,
+                 "model_type qwen2_moe needs shared_expert_intermediate_size > 0")
+        need(0 < self.partial_rotary_factor <= 1,
+             f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        need(self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+             f"the rotary dims (head_dim * partial_rotary_factor, or qk_rope_head_dim) must be "
+             f"even and positive, got {self.rotary_dim}")
+        for name in ("n_group", "topk_group"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 1, f"{name} must be >= 1, got {v!r}")
+        need(self.topk_group <= self.n_group,
+             f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        need(self.num_experts % self.n_group == 0,
+             f"num_experts={self.num_experts} is not a multiple of n_group={self.n_group}")
+        if self.n_group > 1:
+            need(self.router == "sigmoid",
+                 f"n_group={self.n_group} (group-limited top-k) needs router='sigmoid'")
+            need(self.num_experts // self.n_group >= 2,
+                 f"group-limited top-k ranks groups by their top-2 scores: num_experts / n_group "
+                 f"must be >= 2, got {self.num_experts}/{self.n_group}")
+            need(self.num_experts_per_tok <= self.topk_group * self.num_experts // self.n_group,
+                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
+                 f"topk_group={self.topk_group} groups")
+        need(not self.expert_bias or self.router == "sigmoid",
+             "expert_bias (e_score_correction_bias) needs router='sigmoid'")
+        need(self.routed_scaling_factor > 0,
+             f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        for name in ("n_shared_experts", "shared_expert_intermediate_size",
+                     "first_k_dense_replace", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                 f"{name} must be a non-negative integer, got {v!r}")
+        need(not (self.n_shared_experts and self.shared_expert_intermediate_size),
+             "set n_shared_experts (plain shared experts) or shared_expert_intermediate_size "
+             "(Qwen2-MoE's gated one), not both")
+        if self.is_mla:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                v = getattr(self, name)
+                need(isinstance(v, int) and v > 0, f"MLA needs {name} > 0, got {v!r}")
+            need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int)
+                                              and self.q_lora_rank > 0),
+                 f"q_lora_rank must be None or > 0, got {self.q_lora_rank!r}")
+            need(not self.attention_bias, "attention_bias with MLA is not supported")
+        else:
+            need(self.q_lora_rank is None, "q_lora_rank is set but kv_lora_rank is None (MLA "
+                                           "needs both)")
+            need(not self.rope_interleave, "rope_interleave is only supported with MLA")
         need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
         bad = [i for i in self.mlp_only_layers
                if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
@@ -154,59 +338,103 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF config dict; unknown keys are an error listing the valid ones."""
+        """Build from a HF config dict of any supported family; unknown keys are an error
+        listing the valid ones, and a setting we do not run (rope scaling, sliding window,
+        another activation) is an error naming it."""
         d = dict(d)
-        model_type = d.get("model_type")
-        if model_type not in (None, "qwen3_moe"):
-            raise ConfigError(f"model_type {model_type!r} is not supported; expected 'qwen3_moe'")
-        if "num_experts" not in d and "num_local_experts" in d:
-            d["num_experts"] = d["num_local_experts"]
-        elif "num_experts" in d and "num_local_experts" in d \
-                and d["num_experts"] != d["num_local_experts"]:
-            raise ConfigError(f"inconsistent config: num_experts={d['num_experts']} but "
-                              f"num_local_experts={d['num_local_experts']}")
+        model_type = d.pop("model_type", None) or "qwen3_moe"
+        if model_type not in ARCHITECTURES:
+            raise ConfigError(f"model_type {model_type!r} is not supported; expected one of "
+                              f"{list(ARCHITECTURES)}")
+        _merge_aliases(d, "num_experts", ("num_local_experts", "n_routed_experts"))
         rope = d.get("rope_parameters")
-        if isinstance(rope, dict) and "rope_theta" in rope:
-            if "rope_theta" in d and d["rope_theta"] != rope["rope_theta"]:
-                raise ConfigError(f"inconsistent config: rope_theta={d['rope_theta']} but "
-                                  f"rope_parameters.rope_theta={rope['rope_theta']}")
-            d["rope_theta"] = rope["rope_theta"]
-        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported")
+        if isinstance(rope, dict):
+            if rope.get("rope_type", "default") != "default":
+                raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported")
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key in rope:
+                    if key in d and d[key] != rope[key]:
+                        raise ConfigError(f"inconsistent config: {key}={d[key]} but "
+                                          f"rope_parameters.{key}={rope[key]}")
+                    d[key] = rope[key]
         if d.get("rope_scaling"):
             raise ConfigError(f"rope_scaling {d['rope_scaling']!r} is not supported")
-        if d.get("attention_bias"):
-            raise ConfigError("attention_bias=true is not part of Qwen3-MoE; not supported")
-        if d.get("use_sliding_window"):
-            raise ConfigError("use_sliding_window=true is not supported")
+        if d.get("use_sliding_window") or (model_type == "mixtral" and d.get("sliding_window")):
+            raise ConfigError("sliding-window attention is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
+        if d.get("scoring_func", "sigmoid") != "sigmoid" or \
+                d.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConfigError(f"scoring_func={d.get('scoring_func')!r} / topk_method="
+                              f"{d.get('topk_method')!r}: only DeepSeek-V3's sigmoid + noaux_tc "
+                              f"router is supported")
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             d["eos_token_id"] = eos[0] if eos else None
+        # Family spellings of our fields.
+        if model_type == "qwen2_moe":
+            _merge_aliases(d, "attention_bias", ("qkv_bias",))
+            d.setdefault("attention_bias", True)  # transformers' Qwen2MoeConfig default
+        elif model_type == "qwen3_moe" and d.get("attention_bias"):
+            raise ConfigError("attention_bias=true is not part of Qwen3-MoE; not supported")
+        if model_type == "glm4_moe":
+            _merge_aliases(d, "qk_norm", ("use_qk_norm",))
+            d.setdefault("partial_rotary_factor", 0.5)  # transformers' Glm4MoeConfig default
+        if model_type == "mixtral":
+            # Mixtral's intermediate_size is the expert width; it has no dense layers.
+            d["moe_intermediate_size"] = d.get("intermediate_size", 14336)
+        if model_type == "deepseek_v3":
+            d["head_dim"] = d.get("qk_rope_head_dim", 64)  # as transformers' DeepseekV3Config
+            if d.get("attention_bias"):
+                raise ConfigError("attention_bias=true with MLA is not supported")
+            d.pop("attention_bias", None)
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        valid = set(cls.field_names())
-        unknown = sorted(k for k in d if k not in valid and k not in _IGNORED_HF_KEYS)
+        expressible = set(_COMMON_HF_FIELDS) | set(_FAMILY_HF_FIELDS[model_type])
+        ignored = _IGNORED_HF_KEYS | _IGNORED_PER_ARCH.get(model_type, set()) | {
+            "use_qk_norm", "qkv_bias", "partial_rotary_factor", "n_routed_experts",
+            "num_experts", "attention_bias", "sliding_window"} - expressible
+        unknown = sorted(k for k in d if k not in expressible and k not in ignored)
         if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; valid keys are {sorted(valid)}")
-        return cls(**{k: v for k, v in d.items() if k in valid})
+            raise ConfigError(f"unknown config keys {unknown} for model_type {model_type!r}; "
+                              f"valid keys are {sorted(expressible)}")
+        kw = {k: v for k, v in d.items() if k in expressible}
+        try:
+            return cls.for_architecture(model_type, **kw)
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
 
     def to_hf_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """This config in its family's config.json spelling (plus transformers-5 aliases)."""
+        mt = self.model_type
+        d = {k: getattr(self, k) for k in (*_COMMON_HF_FIELDS, *_FAMILY_HF_FIELDS[mt])}
         d.update({
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
+            "architectures": [ARCHITECTURES[mt]],
+            "model_type": mt,
             "hidden_act": "silu",
-            "attention_bias": False,
             "attention_dropout": 0.0,
-            "use_sliding_window": False,
             "initializer_range": 0.02,
             "use_cache": True,
             "torch_dtype": "float32",
             "num_local_experts": self.num_experts,
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
         })
+        if mt == "qwen3_moe":
+            d.update(attention_bias=False, use_sliding_window=False)
+        elif mt == "qwen2_moe":
+            d.update(qkv_bias=d.pop("attention_bias"), use_sliding_window=False)
+        elif mt == "mixtral":
+            d.update(sliding_window=None)
+            d.pop("num_experts")
+            d.pop("moe_intermediate_size")
+        else:  # glm4_moe, deepseek_v3: DeepSeek spelling of the expert count
+            d["n_routed_experts"] = d.pop("num_experts")
+            d["num_nextn_predict_layers"] = 0
+        if mt == "glm4_moe":
+            d["use_qk_norm"] = d.pop("qk_norm")
+            d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+        if mt == "deepseek_v3":
+            d.update(attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc")
         return d
 
     @classmethod
@@ -227,3 +455,52 @@ class ModelConfig:
 
     def save_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _merge_aliases(d: dict[str, Any], name: str, aliases: tuple[str, ...]) -> None:
+    """Read `name` from whichever spelling is present; two spellings must agree."""
+    for alias in aliases:
+        if alias not in d:
+            continue
+        if name in d and d[name] != d[alias]:
+            raise ConfigError(f"inconsistent config: {name}={d[name]} but {alias}={d[alias]}")
+        d[name] = d[alias]
+
+
+# config.json keys every family carries (under these names or the aliases read above).
+_COMMON_HF_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+    "num_experts", "num_experts_per_tok", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+    "tie_word_embeddings", "router_aux_loss_coef", "bos_token_id", "eos_token_id",
+    "pad_token_id")
+# The family-specific fields each config.json can express; every other field of ModelConfig
+# must keep the family's default (validate() checks), so a saved folder means what we ran.
+_FAMILY_HF_FIELDS = {
+    "qwen3_moe": ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
+    "qwen2_moe": ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                  "shared_expert_intermediate_size", "attention_bias"),
+    "mixtral": (),
+    "glm4_moe": ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+                 "n_shared_experts", "first_k_dense_replace", "attention_bias", "qk_norm",
+                 "partial_rotary_factor"),
+    "deepseek_v3": ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+                    "n_shared_experts", "first_k_dense_replace", "rope_interleave",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim"),
+}
+# Each family's values of the fields that tell the families apart.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {},
+    "qwen2_moe": dict(qk_norm=False, attention_bias=True, norm_topk_prob=False),
+    "mixtral": dict(qk_norm=False, router="topk_softmax"),
+    "glm4_moe": dict(qk_norm=False, router="sigmoid", expert_bias=True, n_shared_experts=1,
+                     first_k_dense_replace=1, partial_rotary_factor=0.5),
+    "deepseek_v3": dict(qk_norm=False, router="sigmoid", expert_bias=True, n_shared_experts=1,
+                        first_k_dense_replace=3, rope_interleave=True),
+}
+_ARCH_FIELDS = ("router", "n_group", "topk_group", "routed_scaling_factor", "expert_bias",
+                "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace",
+                "attention_bias", "qk_norm", "partial_rotary_factor", "rope_interleave",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")

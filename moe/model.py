@@ -1,4 +1,5 @@
-"""Qwen3-MoE policy model in plain torch, with a router that replays given routes.
+"""MoE policy models in plain torch (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3), with
+routers that replay given routes (moe/router.py).
 
 Shape legend (suffixes): B batch, T time (tokens per row), N = B*T flattened tokens, D model
 width, H query heads, G key/value heads, Dh head width, V vocab, E experts, K top-k, L MoE
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .router import bias_update, expert_load, route, router_probs
 
 
 class RouteError(ValueError):
@@ -41,8 +43,8 @@ def _emulated_on_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in the operands' dtype.
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ b) in the operands' dtype.
 
     NOTE: CPUs without native bf16/fp16 matmul (AVX2) run them 5-12x slower than fp32 at our
     sizes. Both round the fp32-accumulated result once: the products of bf16/fp16 numbers are
@@ -50,8 +52,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ulp). GPUs keep the native kernel.
     """
     if _emulated_on_cpu(x):
-        return F.linear(x.float(), w.float()).to(x.dtype)
-    return F.linear(x, w)
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return F.linear(x, w, b)
 
 
 def grouped_linear(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor):
@@ -137,6 +139,24 @@ def apply_rope(x_BHTDh: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tenso
     return x_BHTDh * cos + swap_halves(x_BHTDh) * sin_signed
 
 
+def apply_partial_rope(x_BHTDh: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    """RoPE on the first cos.shape[-1] dims of each head, the rest passed through (GLM-4.5)."""
+    rot = cos.shape[-1]
+    if rot == x_BHTDh.shape[-1]:
+        return apply_rope(x_BHTDh, cos, sin_signed)
+    return torch.cat((apply_rope(x_BHTDh[..., :rot], cos, sin_signed), x_BHTDh[..., rot:]), -1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    """DeepSeek's interleaved RoPE: pairs (x0, x1), (x2, x3), ... each rotated by one frequency;
+    the rotated evens are laid out first, then the odds (the same permutation for q and k, so
+    their dot products are those of the interleaved rotation)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin_signed[..., half:]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
 class KVCache:
     """Per-slot key/value cache for incremental decoding.
 
@@ -146,15 +166,16 @@ class KVCache:
     """
 
     def __init__(self, k_LSGMDh: torch.Tensor, v_LSGMDh: torch.Tensor):
-        self.k = k_LSGMDh  # (layers, S, G, M, Dh): every decoder layer, dense ones too
-        self.v = v_LSGMDh
+        self.k = k_LSGMDh  # (layers, S, G, M, Dk): every decoder layer, dense ones too
+        self.v = v_LSGMDh  # (layers, S, G, M, Dv); MLA: G = H expanded heads, Dk != Dv
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, max_len: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
-        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device))
+        G, Dk, Dv = cfg.kv_cache_dims
+        shape = (cfg.num_hidden_layers, num_slots, G, max_len)
+        return cls(torch.zeros(*shape, Dk, dtype=dtype, device=device),
+                   torch.zeros(*shape, Dv, dtype=dtype, device=device))
 
     @property
     def num_slots(self) -> int:
@@ -216,24 +237,82 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
+        bias = cfg.attention_bias  # q/k/v biases (Qwen2-MoE, GLM-4.5); o_proj never has one
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
         B, T, _ = x_BTD.shape
         Dh = self.head_dim
-        q = self.q_norm(linear(x_BTD, self.q_proj.weight).view(B, T, -1, Dh)).transpose(1, 2)
-        k = self.k_norm(linear(x_BTD, self.k_proj.weight).view(B, T, -1, Dh)).transpose(1, 2)
-        v = linear(x_BTD, self.v_proj.weight).view(B, T, -1, Dh).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)  # (B, H|G, T, Dh)
+        q = linear(x_BTD, self.q_proj.weight, self.q_proj.bias).view(B, T, -1, Dh)
+        k = linear(x_BTD, self.k_proj.weight, self.k_proj.bias).view(B, T, -1, Dh)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = linear(x_BTD, self.v_proj.weight, self.v_proj.bias).view(B, T, -1, Dh).transpose(1, 2)
+        # (B, H|G, T, Dh); cos covers the rotary dims only (all of Dh but for GLM-4.5)
+        q, k = apply_partial_rope(q, cos, sin_signed), apply_partial_rope(k, cos, sin_signed)
         if cache_rows is None:
             o = attention(q, k, v)
         else:
             keys, values = cache_rows.write_and_read(self.layer_idx, k, v)  # (B, G, M, Dh)
+            o = attention(q, keys, values, cache_rows.mask_B1TM)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention. Queries go through a low-rank bottleneck
+    (q_lora_rank; a plain q_proj when None); keys/values through a kv_lora_rank latent shared by
+    all heads plus one shared RoPE key part of qk_rope_head_dim. The KV cache holds the expanded
+    per-head keys (nope | rope) and values, so cached decoding is ordinary attention.
+    NOTE: q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as
+    DeepSeek's and transformers' code)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank, self.interleave = cfg.kv_lora_rank, cfg.rope_interleave
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * (self.dn + self.dr), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+
+    def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
+        B, T, _ = x_BTD.shape
+        if hasattr(self, "q_proj"):
+            q = linear(x_BTD, self.q_proj.weight)
+        else:
+            q = linear(self.q_a_layernorm(linear(x_BTD, self.q_a_proj.weight)),
+                       self.q_b_proj.weight)
+        q_BHTq = q.view(B, T, -1, self.dn + self.dr).transpose(1, 2)
+        q_nope, q_rot = q_BHTq.split([self.dn, self.dr], dim=-1)
+        latent, k_rot = linear(x_BTD, self.kv_a_proj_with_mqa.weight).split(
+            [self.kv_rank, self.dr], dim=-1)
+        k_rot_B1TR = k_rot.view(B, 1, T, self.dr)
+        rope = apply_rope_interleaved if self.interleave else apply_rope
+        q_rot, k_rot_B1TR = rope(q_rot, cos, sin_signed), rope(k_rot_B1TR, cos, sin_signed)
+        kv = linear(self.kv_a_layernorm(latent), self.kv_b_proj.weight)
+        k_nope, v = kv.view(B, T, -1, self.dn + self.dv).transpose(1, 2).split(
+            [self.dn, self.dv], dim=-1)
+        H = k_nope.shape[1]
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot_B1TR.expand(B, H, T, self.dr)), dim=-1)
+        if cache_rows is None:
+            o = attention(q, k, v)  # scale 1/sqrt(dn + dr), the default
+        else:
+            keys, values = cache_rows.write_and_read(self.layer_idx, k, v)
             o = attention(q, keys, values, cache_rows.mask_B1TM)
         return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
 
@@ -276,31 +355,40 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Softmax top-k router + grouped experts. Replay fixes the ids, never the gate weights."""
+    """Router (moe/router.py: the family picks or replays ids and computes gate weights) +
+    grouped experts + optional shared experts. Replay fixes the ids, never the gate weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.cfg = cfg
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router (E, D)
+        if cfg.expert_bias:
+            # Selection-only bias (aux-loss-free balancing); a buffer: no gradient, kept fp32.
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.n_shared_experts:  # DeepSeek-V3 / GLM-4.5: always on, weight 1
+            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_expert_width)
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: scaled by a sigmoid gate
+            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_width)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x_BTD, replay_ids_NK, replay_mask_N):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
         router_logits_NE = linear(x_ND.to(w.dtype), w).float()
-        probs_NE = router_logits_NE.softmax(dim=-1)
-        natural_NK = probs_NE.topk(self.top_k, dim=-1).indices
-        if replay_ids_NK is None:
-            ids_NK = natural_NK
-        else:
-            ids_NK = torch.where(replay_mask_N[:, None], replay_ids_NK, natural_NK)
-        # NOTE: gather from the full softmax, not from top-k-zeroed probs: replayed experts
-        # outside the current top-k must keep a non-zero weight and a gradient.
-        gates_NK = probs_NE.gather(1, ids_NK)
-        if self.norm_topk_prob:
-            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+        ids_NK, gates_NK, natural_NK = route(router_logits_NE, self.cfg,
+                                             self.e_score_correction_bias, replay_ids_NK,
+                                             replay_mask_N)
         y_ND = self.experts(x_ND, ids_NK, gates_NK.to(x_ND.dtype))
+        if self.cfg.n_shared_experts:
+            y_ND = y_ND + self.shared_experts(x_ND)
+        if self.cfg.shared_expert_intermediate_size:
+            g_N1 = torch.sigmoid(linear(x_ND, self.shared_expert_gate.weight))
+            y_ND = y_ND + g_N1 * self.shared_expert(x_ND)
         return y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE
 
 
@@ -309,13 +397,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoEBlock(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class MoEModel(nn.Module):
-    """Qwen3-MoE causal LM. See MODEL docs for the replay contract."""
+    """MoE causal LM of any supported family. See docs/model.md for the replay contract."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -347,6 +435,10 @@ class MoEModel(nn.Module):
         kept in a wider dtype (they then compute in it). With tied embeddings a wider LM head
         keeps the shared matrix wide; lookups are cast to dtype."""
         self.to(dtype)
+        for layer in self.layers:  # the selection bias stays fp32 (as HF keeps it)
+            if layer.is_moe and layer.mlp.e_score_correction_bias is not None:
+                layer.mlp.e_score_correction_bias.data = \
+                    layer.mlp.e_score_correction_bias.data.float()
         if router_dtype is not None:
             for layer in self.layers:
                 if layer.is_moe:
@@ -413,7 +505,7 @@ class MoEModel(nn.Module):
             raise RouteError("replay_mask given without routed_experts")
 
         x = self.embed_tokens(input_ids_BT).to(self.compute_dtype)
-        cos, sin_signed = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin_signed = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
         routes, natural, router_logits = [], [], []
@@ -459,6 +551,32 @@ class MoEModel(nn.Module):
         for l, logits_NE in enumerate(out.router_logits_LNE):
             ids_NK = out.routes_BTLK[:, :, l].reshape(B * T, -1)[valid_N]
             f_E = torch.bincount(ids_NK.reshape(-1), minlength=E).float() / ids_NK.numel()
-            P_E = (logits_NE.softmax(-1) * valid_N[:, None]).sum(0) / n_valid
+            P_E = (router_probs(logits_NE, self.cfg) * valid_N[:, None]).sum(0) / n_valid
             total = total + E * (f_E * P_E).sum()
         return total / len(out.router_logits_LNE)
+
+    @property
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    @torch.no_grad()
+    def update_expert_bias(self, routes_BTLK: torch.Tensor, valid_BT: torch.Tensor | None,
+                           rate: float) -> torch.Tensor:
+        """Aux-loss-free balancing (DeepSeek-V3): e_score_correction_bias += rate *
+        sign(mean load - load) per MoE layer, the load counted over the valid tokens' routes
+        in `routes_BTLK`. Pass the routes the forward ran (`ModelOutput.routes_BTLK`: the
+        replayed ones under R2/R3), as the load the experts saw. Returns the loads [L, E]."""
+        blocks = self.moe_blocks
+        if not blocks or blocks[0].e_score_correction_bias is None:
+            raise ValueError(f"model_type {self.cfg.model_type} with expert_bias=False has no "
+                             f"e_score_correction_bias to update")
+        B, T, L, K = routes_BTLK.shape
+        valid = torch.ones(B, T, dtype=torch.bool, device=routes_BTLK.device) \
+            if valid_BT is None else valid_BT.bool()
+        loads = []
+        for l, block in enumerate(blocks):
+            load_E = expert_load(routes_BTLK[:, :, l][valid], self.cfg.num_experts)
+            block.e_score_correction_bias += bias_update(load_E, rate).to(
+                block.e_score_correction_bias.device)
+            loads.append(load_E)
+        return torch.stack(loads)

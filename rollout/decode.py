@@ -15,6 +15,10 @@ scale a decode step is per-op overhead, not arithmetic. What differs from the fo
 Every result is rounded where the forward rounds it, so the step gives the same bits as the
 cached forward in fp32 and bf16 (tests/test_decode.py), and the engine's routes and log-probs
 match one full forward (tests/test_engine.py).
+
+The fused step covers Qwen3-MoE only (`fused_decode_supported`). The other families (Qwen2-MoE,
+Mixtral, GLM-4.5, DeepSeek-V3 with MLA) decode through `cached_forward_step`: the model's own
+forward with the KV cache and T = 1, slower per token but the same math by construction.
 """
 
 from __future__ import annotations
@@ -24,6 +28,25 @@ import torch.nn.functional as F
 
 from ..moe.model import (KVCache, MoEModel, _emulated_on_cpu, attention, grouped_linear, linear,
                          rms_norm, rope_cos_sin)
+
+
+def fused_decode_supported(model: MoEModel) -> bool:
+    """The fused step implements Qwen3-MoE's layer (q/k norm, no biases, softmax router)."""
+    return model.cfg.model_type == "qwen3_moe"
+
+
+def make_decode_weights(model: MoEModel) -> "DecodeWeights | None":
+    """DecodeWeights for the fused step, or None where the cached forward is used instead."""
+    return DecodeWeights(model) if fused_decode_supported(model) else None
+
+
+@torch.no_grad()
+def cached_forward_step(model: MoEModel, ids_B: torch.Tensor, pos_B: torch.Tensor,
+                        cache: KVCache, slots_B: torch.Tensor):
+    """decode_step for any family: one cached forward of T = 1. Same returns as decode_step."""
+    out = model(ids_B[:, None], positions_BT=pos_B[:, None], kv_cache=cache,
+                cache_slots_B=slots_B, compute_logits=False)
+    return model.logits(out.hidden_BTD[:, 0]), out.routes_BTLK[:, 0]
 
 
 def _fingerprint(model: MoEModel) -> tuple:

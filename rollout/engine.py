@@ -29,7 +29,7 @@ import torch
 from ..moe.checkpoint import load_hf, load_hf_state_dict, read_hf_state_dict
 from ..moe.config import strict_kwargs
 from ..moe.model import KVCache, MoEModel
-from .decode import DecodeWeights, decode_step
+from .decode import cached_forward_step, decode_step, make_decode_weights
 from .sampling import RowUniforms, SamplingTensors, sample
 from .types import GenerateRequest, GenerationResult, RequestError
 
@@ -102,7 +102,7 @@ class Engine:
                                  router_dtype=DTYPES.get(cfg.router_dtype),
                                  lm_head_dtype=DTYPES.get(cfg.lm_head_dtype))
         self.weight_version = weight_version
-        self._decode_weights = DecodeWeights(self.model)
+        self._decode_weights = make_decode_weights(self.model)
         self.vocab_size = mcfg.vocab_size
         self.max_len = cfg.max_len or mcfg.max_position_embeddings
         S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
@@ -215,7 +215,7 @@ class Engine:
             load_hf_state_dict(self.model, source)
         else:
             self.model.load_state_dict(source, strict=True)
-        self._decode_weights = DecodeWeights(self.model)
+        self._decode_weights = make_decode_weights(self.model)
         if weight_version is None:
             weight_version = str(int(self.weight_version) + 1) \
                 if self.weight_version.isdigit() else self.weight_version + "+1"
@@ -292,10 +292,14 @@ class Engine:
         gen_B = self.gen_S[active_B]
         pos_B = self.prompt_len_S[active_B] + gen_B - 1
         last_B = self.tokens_SM[active_B, gen_B - 1]
-        if not self._decode_weights.current(self.model):  # weights written outside update_weights
-            self._decode_weights = DecodeWeights(self.model)
-        logits_BV, routes_BLK = decode_step(self.model, self._decode_weights, last_B, pos_B,
-                                            self.cache, active_B)
+        if self._decode_weights is None:  # a family without the fused step (rollout/decode.py)
+            logits_BV, routes_BLK = cached_forward_step(self.model, last_B, pos_B, self.cache,
+                                                        active_B)
+        else:
+            if not self._decode_weights.current(self.model):  # written outside update_weights
+                self._decode_weights = make_decode_weights(self.model)
+            logits_BV, routes_BLK = decode_step(self.model, self._decode_weights, last_B, pos_B,
+                                                self.cache, active_B)
         if self.cfg.capture_routes:
             self.capture_step(active_B, pos_B, routes_BLK)
         return self._sample_and_record(logits_BV, active_B, None)

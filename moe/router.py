@@ -1,0 +1,93 @@
+"""Router families and their replay semantics (docs/model.md "Router families").
+
+Shape legend: N tokens, E experts, K top-k, G expert groups.
+
+Every family takes fp32 router logits and, optionally, replayed expert ids with a per-token
+mask, and returns (ids_NK, gates_NK, natural_NK):
+- `natural_NK`: the family's own choice from the current logits (with the selection bias and
+  the group limit where the family has them): what the divergence metrics compare against.
+- `ids_NK`: the experts that run: the replayed ids where the mask is set, else natural.
+- `gates_NK`: fp32 gate weights recomputed from the CURRENT unbiased scores at ids_NK, as the
+  family normalises them, times routed_scaling_factor. The selection bias never enters them, and
+  group limits do not apply to replayed ids (a replayed id outside the token's current best
+  groups still runs, with its current score as weight). Gates stay differentiable in the logits
+  at replayed ids too, so the router keeps its gradient under replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+def route(logits_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None = None,
+          replay_ids_NK: torch.Tensor | None = None, replay_mask_N: torch.Tensor | None = None):
+    """Pick (or replay) experts and compute their gate weights; see the module docstring."""
+    K = cfg.num_experts_per_tok
+
+    def chosen(natural_NK):
+        if replay_ids_NK is None:
+            return natural_NK
+        return torch.where(replay_mask_N[:, None], replay_ids_NK, natural_NK)
+
+    if cfg.router == "softmax_topk":  # Qwen2/3-MoE
+        probs_NE = logits_NE.softmax(dim=-1)
+        natural_NK = probs_NE.topk(K, dim=-1).indices
+        ids_NK = chosen(natural_NK)
+        # NOTE: gather from the full softmax, not from top-k-zeroed probs: replayed experts
+        # outside the current top-k must keep a non-zero weight and a gradient.
+        gates_NK = probs_NE.gather(1, ids_NK)
+        if cfg.norm_topk_prob:
+            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+    elif cfg.router == "topk_softmax":  # Mixtral: softmax over the k chosen logits
+        natural_NK = logits_NE.topk(K, dim=-1).indices
+        ids_NK = chosen(natural_NK)
+        gates_NK = logits_NE.gather(1, ids_NK).softmax(dim=-1)
+    else:  # sigmoid: DeepSeek-V3, Kimi-K2, GLM-4.5
+        scores_NE = logits_NE.sigmoid()
+        natural_NK = sigmoid_topk(scores_NE.detach(), cfg, bias_E)
+        ids_NK = chosen(natural_NK)
+        gates_NK = scores_NE.gather(1, ids_NK)
+        if cfg.norm_topk_prob:
+            gates_NK = gates_NK / (gates_NK.sum(dim=-1, keepdim=True) + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        gates_NK = gates_NK * cfg.routed_scaling_factor
+    return ids_NK, gates_NK, natural_NK
+
+
+def sigmoid_topk(scores_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None):
+    """DeepSeek-V3's selection: top-k of scores + bias among the experts of the topk_group
+    groups whose two best biased scores sum highest (no group limit when n_group == 1)."""
+    N, E = scores_NE.shape
+    choice_NE = scores_NE if bias_E is None else scores_NE + bias_E
+    if cfg.n_group > 1:
+        G = cfg.n_group
+        group_NG = choice_NE.view(N, G, E // G).topk(2, dim=-1).values.sum(dim=-1)
+        best_NG = group_NG.topk(cfg.topk_group, dim=-1).indices
+        keep_NG = torch.zeros(N, G, dtype=torch.bool, device=scores_NE.device)
+        keep_NG.scatter_(1, best_NG, True)
+        choice_NE = choice_NE.masked_fill(~keep_NG.repeat_interleave(E // G, dim=1),
+                                          float("-inf"))
+    return choice_NE.topk(cfg.num_experts_per_tok, dim=-1).indices
+
+
+def router_probs(logits_NE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Per-token distribution over experts for the load-balancing loss: the softmax for the
+    softmax families, the sigmoid scores normalised to sum to one for the sigmoid family (as
+    DeepSeek-V3's sequence-wise auxiliary loss)."""
+    if cfg.router == "sigmoid":
+        s = logits_NE.sigmoid()
+        return s / s.sum(dim=-1, keepdim=True)
+    return logits_NE.softmax(dim=-1)
+
+
+def expert_load(ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert, fp32 [E], counting the (token, k) slots given."""
+    return torch.bincount(ids_NK.reshape(-1).long(), minlength=num_experts).float()
+
+
+def bias_update(load_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing step for e_score_correction_bias:
+    rate * sign(mean load - load): under-loaded experts become more likely to be picked."""
+    return rate * torch.sign(load_E.mean() - load_E)

@@ -1,0 +1,66 @@
+"""Tiny random HF folders of every supported MoE family, written by transformers itself."""
+
+from pathlib import Path
+
+import torch
+
+# transformers config kwargs per family: hidden 32, 3 layers, vocab 64; routers sharpened and
+# expert biases randomised after init (transformers initialises the bias to zero).
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2,
+              bos_token_id=1, pad_token_id=0)
+HF_FAMILIES = {
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, head_dim=8)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, head_dim=16)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, rope_interleave=True)),
+}
+
+
+def write_hf_folder(family: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """save_pretrained a random tiny model of `family` to `out` (offline)."""
+    import transformers
+
+    cfg_cls, model_cls, kw = HF_FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **kw, **overrides})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                t.normal_(0.0, 0.5)  # decisive routing: ties would make top-k ambiguous
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def hf_forward_with_routes(model, ids_BT):
+    """transformers logits [B, T, V] and the router's top-k ids per MoE layer, sorted,
+    [B, T, L, K], captured from the router modules' outputs."""
+    B, T = ids_BT.shape
+    captured = []
+
+    def hook(_module, _inputs, out):
+        captured.append(out[2].reshape(B, T, -1).sort(-1).values)
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith("mlp.gate") and type(m).__name__.endswith(("Router", "TopkRouter"))]
+    try:
+        with torch.no_grad():
+            logits = model(ids_BT).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, torch.stack(captured, 2)

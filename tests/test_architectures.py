@@ -1,0 +1,124 @@
+"""Every MoE family against transformers: folders written by transformers load into ours with
+the same logits and router top-k, and ours load into transformers likewise."""
+
+import pytest
+import torch
+
+from lockstep.moe.checkpoint import hf_state_dict, load_hf, save_hf
+from lockstep.moe.config import ModelConfig
+from lockstep.moe.model import MoEModel
+
+from arch_fixtures import HF_FAMILIES, hf_forward_with_routes, write_hf_folder
+
+transformers = pytest.importorskip("transformers")
+
+
+def _compare(ours: MoEModel, hf, ids_BT):
+    logits, hf_routes = hf_forward_with_routes(hf, ids_BT)
+    with torch.no_grad():
+        out = ours(ids_BT)
+    assert (out.logits_BTV - logits).abs().max().item() <= 1e-5
+    assert hf_routes.shape == out.natural_BTLK.shape
+    assert torch.equal(out.natural_BTLK.sort(-1).values, hf_routes)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_transformers_folder_loads_with_parity(family, tmp_path):
+    folder = write_hf_folder(family, tmp_path / family)
+    ours = load_hf(folder).eval()
+    assert ours.cfg.model_type == family
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(1))
+    out = _compare(ours, hf, ids)
+    # Routing is not degenerate: several experts in use, and (sigmoid routers) the bias and
+    # the group limit matter for the natural choice.
+    assert out.natural_BTLK.unique().numel() >= 4
+    # Our folder of the same weights loads back in transformers with the same numbers.
+    save_hf(ours, tmp_path / "ours")
+    assert ModelConfig.from_json(tmp_path / "ours") == ours.cfg
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours",
+                                                            dtype=torch.float32).eval()
+    _compare(ours, hf2, ids)
+    reloaded = load_hf(tmp_path / "ours")
+    for k, v in hf_state_dict(ours).items():
+        assert torch.equal(v, hf_state_dict(reloaded)[k]), k
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_our_random_model_matches_transformers(family, tmp_path):
+    """The other direction from our own random init (every tensor random, norms included)."""
+    cfg = ModelConfig.from_json(write_hf_folder(family, tmp_path / "ref"))
+    torch.manual_seed(3)
+    model = MoEModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for b in model.buffers():
+            b.uniform_(-0.3, 0.3)
+    save_hf(model, tmp_path / "ours")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours",
+                                                           dtype=torch.float32).eval()
+    _compare(model, hf, torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2)))
+
+
+def _check_served(http, hf, prompts=((5, 9, 1, 7), (5, 9), (3, 4, 8))):
+    from lockstep.rollout.types import GenerateRequest, SamplingParams
+
+    reqs = [GenerateRequest(list(p), SamplingParams(max_new_tokens=8, seed=i))
+            for i, p in enumerate(prompts)]
+    for r in http.generate(reqs):
+        ids = torch.tensor(r.prompt_ids + r.output_ids)[None]
+        logits, hf_routes = hf_forward_with_routes(hf, ids)
+        P, R = r.prompt_tokens, r.completion_tokens
+        lp = torch.log_softmax(logits[0].float(), -1)[P - 1:P + R - 1]
+        want = lp.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        assert (r.output_logprobs - want).abs().max().item() <= 1e-4
+        assert torch.equal(r.routes_NLK.long().sort(-1).values, hf_routes[0, :P + R - 1])
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_served_folder_matches_transformers(family, tmp_path):
+    """The embedded engine behind the SGLang-wire server (what `lockstep serve` runs): the
+    routes decoded from the wire and the sampled tokens' log-probs equal transformers' forward
+    over prompt + completion (prefill and cached decoding, MLA's cache included)."""
+    from lockstep.rollout.client import HTTPBackend
+    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.server import ServerThread
+
+    folder = write_hf_folder(family, tmp_path / family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = Engine.from_hf(folder, EngineConfig(dtype="fp32", max_len=64, max_running=4))
+    with ServerThread(engine, model_path=str(folder)) as srv:
+        _check_served(HTTPBackend(srv.url, ModelConfig.from_json(folder)), hf)
+
+
+@pytest.mark.slow
+def test_serve_cli_process_deepseek_v3(tmp_path):
+    """`lockstep serve` as a process on a DeepSeek-V3 folder (MLA, sigmoid router, dense
+    first layer: the wire's layer axis has a zero row for it)."""
+    import socket
+    import subprocess
+    import sys
+
+    from lockstep.rollout.client import HTTPBackend
+
+    folder = write_hf_folder("deepseek_v3", tmp_path / "ds")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.launch.serve", "--model",
+                             str(folder), "--dtype", "fp32", "--port", str(port),
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        http = HTTPBackend(f"http://127.0.0.1:{port}", ModelConfig.from_json(folder),
+                           retries=60, backoff_s=0.25)
+        _check_served(http, hf)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)

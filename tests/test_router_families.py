@@ -1,0 +1,137 @@
+"""Replay under every router family (moe/router.py): replayed routes reproduce a forward
+exactly, the selection bias and the group limit change natural routing but never replayed gate
+weights, the router keeps its gradient, and the bias update counts the routes that ran."""
+
+import pytest
+import torch
+
+from lockstep.moe.config import ModelConfig
+from lockstep.moe.model import MoEModel
+from lockstep.moe.router import route
+
+DIMS = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+            num_experts=8, num_experts_per_tok=2)
+MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=8, v_head_dim=8)
+FAMILIES = {
+    "qwen3_softmax_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
+    "qwen2_gated_shared": ("qwen2_moe", dict(shared_expert_intermediate_size=24)),
+    "mixtral_topk_softmax": ("mixtral", dict(intermediate_size=16)),
+    "glm_sigmoid_groups": ("glm4_moe", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                            first_k_dense_replace=1, attention_bias=True)),
+    "deepseek_mla": ("deepseek_v3", dict(n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                         first_k_dense_replace=1, **MLA)),
+}
+
+
+def make(name, seed=0, **over) -> MoEModel:
+    model_type, kw = FAMILIES[name]
+    cfg = ModelConfig.for_architecture(model_type, **{**DIMS, **kw, **over})
+    torch.manual_seed(seed)
+    model = MoEModel(cfg).eval()
+    with torch.no_grad():
+        for block in model.moe_blocks:
+            block.gate.weight.normal_(0.0, 0.5)
+            if block.e_score_correction_bias is not None:
+                block.e_score_correction_bias.uniform_(-0.2, 0.2)
+    return model
+
+
+def shifted(routes_BTLK, E):
+    """Different valid routes: every id moved by one (mod E)."""
+    return (routes_BTLK + 1) % E
+
+
+IDS = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_replaying_a_forwards_routes_reproduces_it_exactly(name):
+    model = make(name)
+    with torch.no_grad():
+        out = model(IDS)
+        replayed = model(IDS, routed_experts_BTLK=out.routes_BTLK.to(torch.uint8))
+        other = model(IDS, routed_experts_BTLK=shifted(out.routes_BTLK, 8))
+    assert torch.equal(out.logits_BTV, replayed.logits_BTV)
+    assert torch.equal(replayed.routes_BTLK, out.routes_BTLK)
+    # Other routes do run: logits change, the natural choice reported is unchanged at the
+    # first MoE layer (same input there).
+    assert not torch.allclose(other.logits_BTV, out.logits_BTV)
+    assert torch.equal(other.routes_BTLK, shifted(out.routes_BTLK, 8))
+    assert torch.equal(other.natural_BTLK[:, :, 0], out.natural_BTLK[:, :, 0])
+
+
+@pytest.mark.parametrize("name", ["glm_sigmoid_groups", "deepseek_mla"])
+def test_bias_and_group_limit_change_natural_routing_never_replayed_weights(name):
+    model = make(name)
+    # The group limit: the same weights with every group allowed route differently, and
+    # replay ignores the limit (same logits bit for bit).
+    wide = make(name, topk_group=model.cfg.n_group)
+    wide.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        out = model(IDS)
+        routes = out.routes_BTLK.clone()
+        assert not torch.equal(wide(IDS).natural_BTLK, out.natural_BTLK)
+        assert torch.equal(wide(IDS, routed_experts_BTLK=routes).logits_BTV, out.logits_BTV)
+        # The bias steers selection ...
+        for block in model.moe_blocks:
+            block.e_score_correction_bias.copy_(torch.linspace(-1, 1, 8))
+        assert not torch.equal(model(IDS).natural_BTLK, out.natural_BTLK)
+        # ... but replayed routes give the same logits whatever the bias.
+        replayed = model(IDS, routed_experts_BTLK=routes)
+        assert torch.equal(replayed.logits_BTV, out.logits_BTV)
+
+
+def test_sigmoid_gate_weights_under_replay_by_hand():
+    cfg = ModelConfig.for_architecture("deepseek_v3", **{**DIMS, **MLA}, n_group=4, topk_group=1,
+                                       routed_scaling_factor=2.5)
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
+    bias = torch.linspace(-3, 3, 8)  # strong: the natural choice is the last group's experts
+    ids, gates, natural = route(logits, cfg, bias)
+    assert (natural // 2 == 3).all()  # the group limit (top-1 group of 4) holds
+    replay = torch.tensor([[0, 5]] * 5)  # two groups, neither the natural one
+    ids, gates, natural2 = route(logits, cfg, bias, replay, torch.ones(5, dtype=torch.bool))
+    assert torch.equal(ids, replay) and torch.equal(natural2, natural)
+    s = logits.sigmoid().gather(1, replay)
+    torch.testing.assert_close(gates, s / (s.sum(-1, keepdim=True) + 1e-20) * 2.5,
+                               rtol=0, atol=0)
+
+
+def test_topk_softmax_gates_are_a_softmax_over_the_k_logits():
+    cfg = ModelConfig.for_architecture("mixtral", **{**DIMS, "intermediate_size": 16})
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(5))
+    replay = torch.tensor([[1, 6]] * 5)
+    ids, gates, _ = route(logits, cfg, None, replay, torch.ones(5, dtype=torch.bool))
+    torch.testing.assert_close(gates, logits.gather(1, replay).softmax(-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_router_gets_gradient_under_replay(name):
+    model = make(name).train()
+    out = model(IDS)
+    routes = shifted(out.routes_BTLK.detach(), 8)  # experts outside the natural top-k
+    out = model(IDS, routed_experts_BTLK=routes)
+    out.logits_BTV.logsumexp(-1).sum().backward()
+    for block in model.moe_blocks:
+        assert block.gate.weight.grad is not None and block.gate.weight.grad.abs().sum() > 0
+        if block.e_score_correction_bias is not None:
+            assert not block.e_score_correction_bias.requires_grad
+
+
+def test_bias_update_counts_the_replayed_routes():
+    model = make("deepseek_mla")
+    with torch.no_grad():
+        natural = model(IDS)
+        replay = torch.zeros_like(natural.routes_BTLK)
+        replay[..., 1] = 1  # every token to experts 0 and 1: 0 and 1 overloaded
+        out = model(IDS, routed_experts_BTLK=replay)
+    before = [b.e_score_correction_bias.clone() for b in model.moe_blocks]
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    loads = model.update_expert_bias(out.routes_BTLK, valid, rate=0.01)
+    assert loads[:, :2].tolist() == [[12.0, 12.0]] * model.cfg.num_moe_layers
+    assert loads[:, 2:].sum() == 0
+    for b, old in zip(model.moe_blocks, before):
+        delta = b.e_score_correction_bias - old
+        torch.testing.assert_close(delta, torch.tensor([-0.01] * 2 + [0.01] * 6))
