@@ -63,16 +63,26 @@ def _as_int64_NLK(ids, sample: int | None) -> torch.Tensor:
 def validate_ids(ids_NLK: torch.Tensor, num_experts: int, sample: int | None = None,
                  row_offset: int = 0) -> None:
     """Raise RouteError naming sample, row, layer and value for the first out-of-range or
-    repeated id. `ids_NLK` is int64; `row_offset` turns row indices into absolute positions."""
-    bad_NLK = (ids_NLK < 0) | (ids_NLK >= num_experts)
-    if bool(bad_NLK.any()):
+    repeated id. `ids_NLK` is int64 or already compact (checked without an int64 copy: uint8
+    as is, uint16 through an int32 copy); `row_offset` turns row indices into absolute positions."""
+    if ids_NLK.numel() == 0:
+        return
+    if ids_NLK.dtype == torch.uint16:  # few kernels exist for uint16
+        ids_NLK = ids_NLK.to(torch.int32)
+    lo = 0 if ids_NLK.dtype == torch.uint8 else int(ids_NLK.min())
+    if lo < 0 or int(ids_NLK.max()) >= num_experts:  # a min/max pass; locate only when bad
+        bad_NLK = (ids_NLK < 0) | (ids_NLK >= num_experts)
         n, l, k = (int(v) for v in bad_NLK.nonzero()[0])
         raise RouteError(
             f"{_who(sample)} row {n + row_offset} (position), layer {l}, slot {k}: expert id "
             f"{int(ids_NLK[n, l, k])} outside [0, {num_experts})")
-    if ids_NLK.shape[2] > 1:
-        sorted_NLK = ids_NLK.sort(dim=-1).values
-        dup_NL = (sorted_NLK[..., 1:] == sorted_NLK[..., :-1]).any(-1)
+    K = ids_NLK.shape[2]
+    if K > 1:  # pairwise compares of contiguous [N, L] slices: much cheaper than a sort per row
+        ids_KNL = ids_NLK.permute(2, 0, 1).contiguous()
+        dup_NL = torch.zeros(ids_KNL.shape[1:], dtype=torch.bool)
+        for j in range(1, K):
+            for i in range(j):
+                dup_NL |= ids_KNL[j] == ids_KNL[i]
         if bool(dup_NL.any()):
             n, l = (int(v) for v in dup_NL.nonzero()[0])
             raise RouteError(
@@ -93,11 +103,14 @@ class RoutingTrace:
         if not isinstance(start, int) or start < 0:
             raise RouteError(f"{_who(sample)}: start must be an int >= 0, got {start!r}")
         if isinstance(ids_NLK, torch.Tensor) and ids_NLK.dtype == dtype and ids_NLK.dim() == 3:
-            ids64 = ids_NLK.to(torch.int64)  # cheap path still validates range
+            # already compact: validated as is and kept without a copy when contiguous on CPU
+            ids = ids_NLK.detach().cpu().contiguous()
+            validate_ids(ids, num_experts, sample, row_offset=start)
+            self.ids_NLK = ids
         else:
             ids64 = _as_int64_NLK(ids_NLK, sample)
-        validate_ids(ids64, num_experts, sample, row_offset=start)
-        self.ids_NLK = ids64.to(dtype).contiguous()
+            validate_ids(ids64, num_experts, sample, row_offset=start)
+            self.ids_NLK = ids64.to(dtype).contiguous()
         self.num_experts = num_experts
         self.start = start
 

@@ -113,9 +113,11 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
 def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Tensor:
     """Per-token kept ids [B, T, S] (-1 padded, smallest int dtype that holds V), aligned with
     the response positions; checked: each sampled id is in its own set (an error names the
-    sample and the output position). Vectorised per sample: no per-token Python beyond
-    collecting the lists."""
-    parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (b, positions, ids [n, s])
+    sample and the output position). Tensor ops over the whole batch: the only per-token
+    Python is collecting the engine's per-token list of kept-id tensors into one list."""
+    kept: list[torch.Tensor] = []  # every truncated token's kept ids, batch order
+    where: list[torch.Tensor] = []  # per sample: [n_b, 3] (sample, output position, P)
+    chosen: list[torch.Tensor] = []  # per sample: the sampled ids at those positions
     for b, r in enumerate(results):
         P, R = r.prompt_tokens, r.completion_tokens
         if r.sampling_mask is None or len(r.sampling_mask) != R:
@@ -123,34 +125,33 @@ def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Te
             raise ValueError(f"sample {b}: sampling-mask replay needs a sampling mask for each "
                              f"of its {R} output tokens, got {got} (request "
                              "return_sampling_mask)")
-        at = [i for i, m in enumerate(r.sampling_mask) if m is not None]
-        if not at:
-            continue
-        seqs = [torch.as_tensor(r.sampling_mask[i]).reshape(-1) for i in at]
-        n_n = torch.tensor([len(x) for x in seqs])
-        flat = torch.cat(seqs).long()
-        row = torch.repeat_interleave(torch.arange(len(at)), n_n)
-        col = torch.arange(len(flat)) - torch.repeat_interleave(n_n.cumsum(0) - n_n, n_n)
-        ids_nS = torch.full((len(at), max(int(n_n.max()), 1)), -1, dtype=torch.long)
-        ids_nS[row, col] = flat
-        real_nS = torch.arange(ids_nS.shape[1])[None] < n_n[:, None]
-        bad_n = (n_n == 0) | ((real_nS & ((ids_nS < 0) | (ids_nS >= V))).any(-1))
-        chosen_n = torch.tensor([r.output_ids[i] for i in at])
-        bad_n |= ~(ids_nS == chosen_n[:, None]).any(-1)
-        if bool(bad_n.any()):
-            j = int(bad_n.nonzero()[0])
-            raise ValueError(f"sample {b}, output token {at[j]}: kept ids "
-                             f"{seqs[j].tolist()[:8]}... are empty, outside [0, {V}) or miss "
-                             f"the sampled id {int(chosen_n[j])}")
-        part_n = n_n < V  # a full support is stored as "no restriction"
-        if bool(part_n.any()):
-            pos_n = torch.tensor(at)[part_n] + P
-            parts.append((b, pos_n, ids_nS[part_n][:, :int(n_n[part_n].max())]))
-    S = max((ids.shape[1] for _, _, ids in parts), default=1)
+        at_n = torch.tensor([m is not None for m in r.sampling_mask]).nonzero().flatten()
+        if len(at_n):
+            kept.extend(m for m in r.sampling_mask if m is not None)
+            where.append(torch.stack([torch.full_like(at_n, b), at_n, torch.full_like(at_n, P)], 1))
+            chosen.append(torch.tensor(r.output_ids)[at_n])
     dtype = torch.int16 if V <= torch.iinfo(torch.int16).max else torch.int32
+    if not kept:
+        return torch.full((len(results), T, 1), -1, dtype=dtype)
+    try:
+        ids_nS = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True, padding_value=-1)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"sampling masks must be 1-D tensors of token ids: {e}") from e
+    n_n = torch.tensor([len(m) for m in kept])
+    where_n3, chosen_n = torch.cat(where), torch.cat(chosen)
+    real_nS = torch.arange(ids_nS.shape[1])[None] < n_n[:, None]
+    bad_n = (n_n == 0) | (real_nS & ((ids_nS < 0) | (ids_nS >= V))).any(-1)
+    bad_n |= ~((ids_nS == chosen_n[:, None]) & real_nS).any(-1)
+    if bool(bad_n.any()):
+        j = int(bad_n.nonzero()[0])
+        b, i, _ = where_n3[j].tolist()
+        raise ValueError(f"sample {b}, output token {i}: kept ids {kept[j].tolist()[:8]}... are "
+                         f"empty, outside [0, {V}) or miss the sampled id {int(chosen_n[j])}")
+    part_n = n_n < V  # a full support is stored as "no restriction"
+    S = max(int(n_n[part_n].max()), 1) if bool(part_n.any()) else 1
     cand_BTS = torch.full((len(results), T, S), -1, dtype=dtype)
-    for b, pos_n, ids_nS in parts:
-        cand_BTS[b, pos_n, :ids_nS.shape[1]] = ids_nS.to(dtype)
+    w = where_n3[part_n]
+    cand_BTS[w[:, 0], w[:, 1] + w[:, 2]] = ids_nS[part_n, :S].to(dtype)
     return cand_BTS
 
 
