@@ -1,5 +1,8 @@
 """The trainer's batch: DP shard plans (rows, balance, mini-batch parts), trimmed shards,
-compact routes on the wire, and the one-process gradient from the ranks' parts."""
+compact routes on the wire, the one-process gradient from the ranks' parts, and micro-batches
+packed by a token budget."""
+
+import copy
 
 import pytest
 import torch
@@ -8,8 +11,10 @@ from lockstep.kernels.logprob import logprobs_from_logits
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.types import GenerationResult
-from lockstep.trainer.batch import (Batch, collate, minibatch_schedule, plan_shards, trim,
-                                    trim_batch, wire_bytes)
+from lockstep.trainer.actor import TorchActor
+from lockstep.trainer.batch import (Batch, collate, micro_batches, minibatch_schedule,
+                                    plan_shards, trim, trim_batch, wire_bytes)
+from lockstep.trainer.config import ActorConfig
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -145,3 +150,73 @@ def test_sum_of_rank_parts_is_the_one_process_minibatch_gradient():
             got = g if got is None else [a + b for a, b in zip(got, g)]
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget", [None, 1, 20, 37, 1000])
+def test_micro_batches_pack_rows_by_length_under_the_token_budget(budget):
+    lens = torch.tensor([9, 3, 17, 4, 4, 12, 1, 30, 8, 2])
+    rows = torch.tensor([7, 0, 2, 5, 9, 3, 1])
+    cfg = ActorConfig(mini_batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=budget)
+    mbs = micro_batches(rows, lens, cfg)
+    assert sorted(torch.cat(mbs).tolist()) == sorted(rows.tolist())
+    if budget is None:
+        assert [m.tolist() for m in mbs] == [[7, 0], [2, 5], [9, 3], [1]]
+        return
+    for m in mbs:
+        assert len(m) == 1 or len(m) * int(lens[m].max()) <= budget
+    # greedy by length: no two consecutive micro-batches could have been merged
+    for a, b in zip(mbs, mbs[1:]):
+        assert (len(a) + len(b)) * int(lens[a].max()) > budget
+    assert [m.tolist() for m in micro_batches(rows, lens, cfg)] == [m.tolist() for m in mbs]
+
+
+def test_max_tokens_per_micro_batch_is_validated():
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        ActorConfig(max_tokens_per_micro_batch=0)
+
+
+class _GradRecordingActor(TorchActor):
+    """The real actor, keeping each optimiser step's gradients before it steps."""
+
+    def _optimizer_step(self):
+        self.grads.append([p.grad.clone() for p in self.master.parameters()])
+        return super()._optimizer_step()
+
+
+def test_token_budget_micro_batches_give_the_fixed_size_gradients_and_logprobs():
+    """One update, R3 replay: trimmed micro-batches packed by a token budget give the same
+    gradients, old log-probs and replayed routes as fixed-size micro-batches of full width."""
+    torch.manual_seed(0)
+    model = MoEModel(CFG)
+    batch = _collate(_results(model, B=12, seed=2))
+    adv_B = torch.arange(12) % 3 - 1.0
+
+    def loss_fn(lp_BT, ent_BT, rows, mini):
+        mask = batch.response_mask_BT[rows].float()
+        loss = -(adv_B[rows, None] * lp_BT * mask).sum() / batch.response_mask_BT[mini].sum()
+        return loss, {}
+
+    runs = []
+    for budget in (None, 24):
+        cfg = ActorConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=2,
+                          max_tokens_per_micro_batch=budget)
+        actor = _GradRecordingActor(copy.deepcopy(model), cfg, total_updates=2)
+        actor.grads = []
+        if budget is not None:  # the budget really changes the split
+            sizes = [len(m) for m in micro_batches(torch.arange(12), batch.seq_lens_B, cfg)]
+            assert sizes != [2] * 6
+        old = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
+                             record=True)
+        _, used, _ = actor.update(batch, loss_fn, batch.rollout_routes_BTLK,
+                                  batch.rollout_routes_valid_BT, shuffle_seed=3)
+        runs.append((old, used, actor.grads))
+    (old_a, used_a, g_a), (old_b, used_b, g_b) = runs
+    real_BT = batch.token_mask_BT
+    torch.testing.assert_close(old_b.logprobs_BT[real_BT], old_a.logprobs_BT[real_BT])
+    valid_BT = batch.rollout_routes_valid_BT
+    assert torch.equal(used_b[valid_BT], used_a[valid_BT])
+    assert torch.equal(used_b[valid_BT], batch.rollout_routes_BTLK[valid_BT])
+    assert len(g_a) == len(g_b) == 2
+    for step_a, step_b in zip(g_a, g_b):
+        for a, b in zip(step_a, step_b):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

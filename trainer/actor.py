@@ -15,7 +15,8 @@ over each token's kept candidate set instead, the distribution a top-k / top-p s
 
 Routes: the caller decides what to replay (`lockstep.replay.old_logprob_plan` / `update_plan`);
 the actor passes the ids and per-token mask to the model and reports the routes each forward
-ran and the natural top-k its router would have picked (compact dtype, all positions).
+ran and the natural top-k its router would have picked (compact dtype, every position up to
+its micro-batch's longest row, 0 past it: micro-batches run trimmed, `trainer/batch.py`).
 
 Shapes: B batch rows, T padded time (prompt + response), L MoE layers, K top-k, R response,
 S most kept candidates of any token in the batch, V vocabulary.
@@ -34,7 +35,7 @@ from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
 from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
-                                    minibatch_schedule)
+                                    micro_batches, minibatch_schedule, trim, trim_batch)
 from lockstep.trainer.config import ActorConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,16 +127,14 @@ class TorchActor:
         zero = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return list(rows.split(self.cfg.micro_batch_size))
-
     @staticmethod
-    def _replay_args(routes_BTLK, replay_mask_BT, idx):
+    def _replay_args(routes_BTLK, replay_mask_BT, idx, t):
+        """Rows `idx` of the replay inputs, cut to the micro-batch's time `t`."""
         if routes_BTLK is None:
             if replay_mask_BT is not None:
                 raise ValueError("replay_mask_BT given without routes_BTLK")
             return None, None
-        return routes_BTLK[idx], None if replay_mask_BT is None else replay_mask_BT[idx]
+        return trim(routes_BTLK, idx, t), None if replay_mask_BT is None else trim(replay_mask_BT, idx, t)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None = None,
@@ -150,13 +149,15 @@ class TorchActor:
         ent_BT = torch.zeros(B, T)
         nat_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
         used_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype) if record else None
-        for idx in self._micro_batches(torch.arange(B)):
-            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx)
-            lp, ent, out = self._forward(batch.rows(idx), r, m)
-            lp_BT[idx], ent_BT[idx] = lp.float(), ent.float()
-            nat_BTLK[idx] = out.natural_BTLK.to(self.route_dtype)
+        for idx in micro_batches(torch.arange(B), batch.seq_lens_B, self.cfg):
+            mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
+            t = mb.input_ids_BT.shape[1]
+            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
+            lp, ent, out = self._forward(mb, r, m)
+            lp_BT[idx, :t], ent_BT[idx, :t] = lp.float(), ent.float()
+            nat_BTLK[idx, :t] = out.natural_BTLK.to(self.route_dtype)
             if record:
-                used_BTLK[idx] = out.routes_BTLK.to(self.route_dtype)
+                used_BTLK[idx, :t] = out.routes_BTLK.to(self.route_dtype)
         return LogprobResult(lp_BT, ent_BT, nat_BTLK, used_BTLK)
 
     # -- update --------------------------------------------------------------------------
@@ -184,18 +185,21 @@ class TorchActor:
         the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`."""
         cfg = self.cfg
         step_metrics: dict[str, float] = {}
-        for idx in self._micro_batches(mini):
-            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx)
-            mb = batch.rows(idx)
+        T = batch.input_ids_BT.shape[1]
+        for idx in micro_batches(mini, batch.seq_lens_B, cfg):
+            mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
+            t = mb.input_ids_BT.shape[1]
+            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
             lp, ent, out = self._forward(mb, r, m)
+            lp, ent = (torch.nn.functional.pad(x, (0, T - t)) for x in (lp, ent))  # LossFn: [b, T]
             loss, metrics = loss_fn(lp, ent, idx, mini)
             if cfg.aux_loss_coef > 0:
                 aux = self.compute.load_balancing_loss(out, mb.token_mask_BT)
                 loss = loss + cfg.aux_loss_coef * aux * (len(idx) / len(mini))
                 metrics["actor/aux_loss"] = float(aux)
             loss.backward()
-            used_BTLK[idx] = out.routes_BTLK.detach().to(self.route_dtype)
-            nat_BTLK[idx] = out.natural_BTLK.detach().to(self.route_dtype)
+            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self.route_dtype)
+            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self.route_dtype)
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
                 step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
         step_metrics.update(self._optimizer_step())

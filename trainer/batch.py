@@ -172,6 +172,34 @@ def minibatch_schedule(batch_size: int, mini_batch_size: int, epochs: int,
     return steps
 
 
+def micro_batches(rows: torch.Tensor, seq_lens_B: torch.Tensor, cfg) -> list[torch.Tensor]:
+    """Split the rows of one mini-batch (or of a log-prob pass) into micro-batches; both actors
+    call this. Each micro-batch is meant to run trimmed to its own longest row (`trim_batch`).
+
+    `cfg` is the `ActorConfig`. With `max_tokens_per_micro_batch` unset: `micro_batch_size`
+    rows each, in the given order (today's schedule). With it set: rows sorted by length
+    (longest first, ties by their order in `rows`) are packed greedily, each micro-batch taking
+    rows while rows x its first (longest) row fits the budget; a row longer than the budget
+    gets a micro-batch of its own (a row is never split). As long as the loss of a micro-batch
+    is its share of the mini-batch loss (`LossFn`), the summed gradient does not depend on the
+    split, up to fp32 summation order; the load-balancing loss is the exception (it balances
+    each micro-batch's own tokens)."""
+    budget = cfg.max_tokens_per_micro_batch
+    if budget is None:
+        return list(rows.split(cfg.micro_batch_size))
+    lens = seq_lens_B[rows].tolist()
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    out: list[list[int]] = []
+    first = 0
+    for i in order:
+        if out and (len(out[-1]) + 1) * first <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+            first = lens[i]
+    return [rows[torch.tensor(m)] for m in out]
+
+
 def trim(x: torch.Tensor, rows_b: torch.Tensor, t: int) -> torch.Tensor:
     """Rows `rows_b` of a right-padded per-row [B, ...] or per-token [B, T, ...] tensor, the
     time axis cut to `t` (slice first, then gather: the [b, T, ...] copy is never built)."""

@@ -166,6 +166,9 @@ class ActorConfig:
     """Sequences per optimiser step; must divide the rollout batch."""
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradient accumulation); must divide mini_batch_size."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget per forward/backward (rows x their longest row): rows are packed by length
+    into as few micro-batches as fit, replacing micro_batch_size; None = micro_batch_size rows."""
     logprob_chunk: int = 4096
     """Vocabulary chunk of the log-prob kernel (the [tokens, V] log-softmax is never built)."""
     aux_loss_coef: float = 0.0
@@ -189,6 +192,8 @@ class ActorConfig:
               f"actor.micro_batch_size={self.micro_batch_size} must divide "
               f"actor.mini_batch_size={self.mini_batch_size}")
         _in("actor", self, "logprob_chunk", 1)
+        if self.max_tokens_per_micro_batch is not None:
+            _in("actor", self, "max_tokens_per_micro_batch", 1)
         _in("actor", self, "aux_loss_coef", 0.0)
         default = MegatronOptions()
         for name, instead in _MEGATRON_FROM_ACTOR.items():
