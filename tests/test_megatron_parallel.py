@@ -75,10 +75,12 @@ def _worker(rank: int, port: int, path: str) -> None:
                 lp_natural = token_logprobs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
                 recorded = replay.recorded(B, T)
         exported = convert.megatron_to_hf_state_dict(model, cfg)
+        streamed = {k: v for b in convert.export_hf(model, cfg, 1 << 12) for k, v in b}
         out[layout] = dict(rows=rows, lp_replay=lp_replay, lp_natural=lp_natural,
                            recorded=recorded,
-                           export_exact=all(torch.equal(exported[k], sd[k]) for k in sd)
-                           and set(exported) == set(sd))
+                           export_exact=all(torch.equal(exported[k], sd[k])
+                                            and torch.equal(streamed[k], sd[k]) for k in sd)
+                           and set(exported) == set(sd) == set(streamed))
     out["actors"] = _actor_checks(cfg, sd, data)
     torch.save(out, f"{path}.rank{rank}")
     dist.barrier()
@@ -148,7 +150,13 @@ def _actor_step(actor, batch, adv_B):
     after = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
     return dict(grads=grads, lp_before=before.logprobs_BT, routes_before=before.routes_BTLK,
                 metrics=metrics, used=used, natural=natural, lp_after=after.logprobs_BT,
-                weights={k: v.detach().clone() for k, v in hf_state_dict(actor.master).items()})
+                weights=_weights(actor))
+
+
+def _weights(actor) -> dict:
+    if hasattr(actor, "export_weights"):  # the megatron actor: gathered over TP/EP ranks
+        return {k: v.clone() for bucket in actor.export_weights(1 << 16) for k, v in bucket}
+    return {k: v.detach().clone() for k, v in hf_state_dict(actor.master).items()}
 
 
 def _actor_checks(cfg, sd, data):

@@ -2,9 +2,10 @@
 
 It trains a megatron-core GPTModel (DDP grad buffers, megatron-core's optimizer and
 forward-backward schedule) and replays routes through megatron-core's `RouterReplay`, via the
-one adapter `RouteReplay`. `actor.master` stays our torch `MoEModel`: after every optimiser
-step the megatron weights are copied back into it (HF names, exact), so weight pushes to the
-rollout engine and HF checkpoints work unchanged.
+one adapter `RouteReplay`. The megatron-core model is the only copy of the weights: the torch
+`MoEModel` given to the constructor supplies the initial weights and is not kept;
+`export_weights(bucket_bytes)` gathers HF-named tensors across TP/EP ranks on demand (once
+per RL step, for the weight push and the HF checkpoint).
 
 Data parallelism: each DP rank takes its share of every mini-batch's rows (and of the
 log-prob batch); results are summed over the DP group so every rank returns the full batch.
@@ -101,7 +102,7 @@ def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.
 
 
 class MegatronActor:
-    """Policy log-probs and updates on megatron-core; `master` mirrors the weights."""
+    """Policy log-probs and updates on megatron-core (the only copy of the weights)."""
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
                  temperature: float = 1.0, options: MegatronOptions | None = None):
@@ -109,7 +110,7 @@ class MegatronActor:
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.cfg, self.temperature, self.master = cfg, temperature, model
+        self.cfg, self.temperature, self.model_cfg = cfg, temperature, model.cfg
         self.opts = options_for(cfg, options)
         mcfg = model.cfg
         init_single_process_group()
@@ -186,7 +187,7 @@ class MegatronActor:
         if routes_BTLK is None and replay_mask_BT is not None:
             raise ValueError("replay_mask_BT given without routes_BTLK")
         B, T = batch.input_ids_BT.shape
-        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
         lp_BT, ent_BT = torch.zeros(B, T), torch.zeros(B, T)
         nat = torch.zeros(B, T, L, K, dtype=torch.int64)
         used = torch.zeros(B, T, L, K, dtype=torch.int64)
@@ -212,7 +213,7 @@ class MegatronActor:
         actor runs too (`run_minibatches`). Returns (metrics averaged over steps, routes run, natural top-k) [B, T, L, K]."""
         cfg = self.cfg
         B, T = batch.input_ids_BT.shape
-        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
         if cfg.mini_batch_size % self.dp:
             raise ValueError(f"actor.mini_batch_size={cfg.mini_batch_size} is not divisible by "
                              f"the data-parallel size {self.dp}")
@@ -280,12 +281,12 @@ class MegatronActor:
         """Gradients of the loss over the whole batch as one mini-batch, under HF names (no
         optimiser step; buffers are zeroed after). For parity checks against the torch model."""
         B, T = batch.input_ids_BT.shape
-        L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
+        L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
         scratch = torch.zeros(B, T, L, K, dtype=torch.int64)
         self._forward_backward(batch, loss_fn, torch.arange(B), routes_BTLK, replay_mask_BT,
                                scratch, scratch.clone())
         grads = {n: p.main_grad for n, p in self.gpt.named_parameters()}
-        out = convert.megatron_to_hf_state_dict(self.gpt, self.master.cfg, grads)
+        out = convert.megatron_to_hf_state_dict(self.gpt, self.model_cfg, grads)
         self.optimizer.zero_grad()
         self.ddp.zero_grad_buffer()
         return out
@@ -305,15 +306,23 @@ class MegatronActor:
         self.ddp.zero_grad_buffer()
         self.num_steps += 1
         self._set_lr()
-        self.sync_master()
         return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
                 "actor/skipped_step": float(not ok)}
 
-    @torch.no_grad()
-    def sync_master(self) -> None:
-        """Copy the megatron weights into `master` (collective over the world)."""
-        load_hf_state_dict(self.master, convert.megatron_to_hf_state_dict(self.gpt,
-                                                                          self.master.cfg))
+    def export_weights(self, bucket_bytes: int):
+        """The policy's weights under HF names, in buckets (lists of (name, tensor)) of at
+        most `bucket_bytes` (`lockstep.moe.buckets`), gathered across TP/EP ranks one layer at
+        a time. A collective: every rank iterates it to the end and gets the same buckets."""
+        return convert.export_hf(self.gpt, self.model_cfg, bucket_bytes)
+
+    @property
+    def master(self) -> MoEModel:
+        """A torch `MoEModel` built from `export_weights` now (a full copy made on each access,
+        not kept). Only for callers that still take a model (weight push, HF checkpoint)."""
+        model = MoEModel(self.model_cfg)
+        load_hf_state_dict(model, {k: v for bucket in self.export_weights(1 << 30)
+                                   for k, v in bucket})
+        return model
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -321,10 +330,8 @@ class MegatronActor:
         return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore optimiser state; the weights are re-read from `master` (the HF folder)."""
-        convert.load_hf_into_megatron(self.gpt, {k: v.detach() for k, v in
-                                                 hf_state_dict(self.master).items()},
-                                      self.master.cfg)
+        """Restore optimiser state and step count (the weights come with the model the
+        actor was built from, i.e. the checkpoint's HF folder)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.num_steps = state["num_steps"]
         self._set_lr()

@@ -133,11 +133,15 @@ def hf_to_megatron(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Lay
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
-                   cfg: ModelConfig, lay: Layout = Layout()) -> dict[str, Tensor]:
+                   cfg: ModelConfig, lay: Layout = Layout(), *,
+                   layers: list[int] | None = None,
+                   with_globals: bool = True) -> dict[str, Tensor]:
     """HF weights from megatron-core shards keyed by (tp_rank, ep_rank, etp_rank).
 
     TP-split tensors are read from a shard of each TP rank, experts from a shard of each
     (EP rank, ETP rank); replicated tensors from any shard (all copies are equal).
+    `layers` (None = all) and `with_globals` (embedding, final norm, LM head) restrict the
+    conversion to part of the model; the shards need to hold only that part.
     """
     def pick(what: str, want) -> Mapping[str, Tensor]:
         for key in sorted(shards):
@@ -161,13 +165,13 @@ def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
 
-    hf: dict[str, Tensor] = {
-        "model.embed_tokens.weight": cat_tp("embedding.word_embeddings.weight", 0),
-        "model.norm.weight": s0["decoder.final_layernorm.weight"],
-    }
-    if not cfg.tie_word_embeddings:
-        hf["lm_head.weight"] = cat_tp("output_layer.weight", 0)
-    for i in range(cfg.num_hidden_layers):
+    hf: dict[str, Tensor] = {}
+    if with_globals:
+        hf["model.embed_tokens.weight"] = cat_tp("embedding.word_embeddings.weight", 0)
+        hf["model.norm.weight"] = s0["decoder.final_layernorm.weight"]
+        if not cfg.tie_word_embeddings:
+            hf["lm_head.weight"] = cat_tp("output_layer.weight", 0)
+    for i in range(cfg.num_hidden_layers) if layers is None else layers:
         h, m = f"model.layers.{i}", f"decoder.layers.{i}"
         a = f"{m}.self_attention"
         in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
@@ -276,3 +280,38 @@ def megatron_to_hf_state_dict(model, cfg: ModelConfig,
     for ranks, sd in everyone:
         shards.setdefault(ranks, sd)
     return megatron_to_hf(shards, cfg, lay)
+
+
+def export_hf(model, cfg: ModelConfig, bucket_bytes: int):
+    """HF-named weights of a (possibly sharded) GPTModel in buckets of at most `bucket_bytes`
+    (`lockstep.moe.buckets`); a collective over the world: every rank must iterate it to the
+    end, and every rank gets the same buckets.
+
+    Gathered one part at a time (embedding / final norm / LM head, then each decoder layer):
+    a rank never holds more than one layer of every rank's shards plus the current bucket.
+    """
+    import torch.distributed as dist
+
+    from lockstep.moe.buckets import bucketize
+
+    lay = Layout.of_model(model)
+    local = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    ranks = _ranks()
+
+    def gathered(mine: dict[str, Tensor]) -> dict[tuple[int, int, int], dict[str, Tensor]]:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (ranks, {k: v.detach().cpu() for k, v in mine.items()}))
+        shards: dict[tuple[int, int, int], dict[str, Tensor]] = {}
+        for r, sd in everyone:  # DP copies are equal; PP stages hold disjoint names
+            shards.setdefault(r, {}).update(sd)
+        return shards
+
+    def named():
+        glob = {k: v for k, v in local.items() if not k.startswith("decoder.layers.")}
+        yield from megatron_to_hf(gathered(glob), cfg, lay, layers=[]).items()
+        for i in range(cfg.num_hidden_layers):
+            pre = f"decoder.layers.{i}."
+            part = gathered({k: v for k, v in local.items() if k.startswith(pre)})
+            yield from megatron_to_hf(part, cfg, lay, layers=[i], with_globals=False).items()
+
+    return bucketize(named(), bucket_bytes)
