@@ -103,8 +103,9 @@ class ModelConfig:
     """Routed experts per MoE layer."""
     num_experts_per_tok: int = 2
     """Top-k experts each token is routed to."""
-    norm_topk_prob: bool = True
-    """Renormalise the top-k gate weights to sum to one."""
+    norm_topk_prob: bool | None = None
+    """Renormalise the top-k gate weights to sum to one (None: the family's default, True but
+    for Qwen2-MoE)."""
     decoder_sparse_step: int = 1
     """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers."""
     mlp_only_layers: list[int] = field(default_factory=list)
@@ -126,7 +127,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     """Padding id used in batches."""
     # -- router family (docs/model.md "Router families") ---------------------------------
-    router: str = "softmax_topk"
+    router: str | None = None
     """softmax_topk: softmax over all experts, then top-k (Qwen); topk_softmax: top-k of the
     logits, then softmax over the k (Mixtral); sigmoid: sigmoid scores, selection by scores +
     expert bias within the best groups (DeepSeek-V3, Kimi-K2, GLM-4.5)."""
@@ -136,22 +137,22 @@ class ModelConfig:
     """Groups a token may pick its experts from (by the sum of each group's top-2 scores)."""
     routed_scaling_factor: float = 1.0
     """Gate weights are multiplied by this after (optional) normalisation."""
-    expert_bias: bool = False
+    expert_bias: bool | None = None
     """Router carries `e_score_correction_bias`: added to the scores for selection only."""
-    n_shared_experts: int = 0
+    n_shared_experts: int | None = None
     """Always-on shared experts of width moe_intermediate_size * n_shared_experts (DeepSeek, GLM)."""
     shared_expert_intermediate_size: int = 0
     """Width of Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x)); 0 = none."""
-    first_k_dense_replace: int = 0
+    first_k_dense_replace: int | None = None
     """The first k decoder layers have a dense MLP (DeepSeek-V3, GLM-4.5)."""
     # -- attention -----------------------------------------------------------------------
-    attention_bias: bool = False
+    attention_bias: bool | None = None
     """q/k/v projections carry biases (Qwen2-MoE `qkv_bias`, GLM-4.5 `attention_bias`)."""
-    qk_norm: bool = True
+    qk_norm: bool | None = None
     """Per-head RMSNorm of q and k before RoPE (Qwen3; GLM-4.5 `use_qk_norm`)."""
-    partial_rotary_factor: float = 1.0
+    partial_rotary_factor: float | None = None
     """RoPE rotates the first head_dim * factor dims of each head (GLM-4.5: 0.5)."""
-    rope_interleave: bool = False
+    rope_interleave: bool | None = None
     """DeepSeek's interleaved RoPE pairs (x0, x1), (x2, x3), ... instead of rotate-half."""
     q_lora_rank: int | None = None
     """MLA: rank of the query compression (None: a plain q_proj)."""
@@ -165,6 +166,14 @@ class ModelConfig:
     """MLA: per-head value width."""
 
     def __post_init__(self) -> None:
+        # Fields left None take the family's value (a YAML `model: {model_type: glm4_moe, ...}`
+        # gets GLM's router, bias and partial RoPE without spelling them out).
+        need(self.model_type in ARCHITECTURES,
+             f"model_type {self.model_type!r} is not supported; expected one of "
+             f"{list(ARCHITECTURES)}")
+        for name, base in _BASE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, _FAMILY_DEFAULTS[self.model_type].get(name, base))
         self.validate()
 
     # -- derived -------------------------------------------------------------------------
@@ -225,10 +234,8 @@ class ModelConfig:
     @classmethod
     def for_architecture(cls, model_type: str, **fields) -> "ModelConfig":
         """A config of `model_type` with that family's defaults (router, norms, biases), any
-        field overridden by `fields`."""
-        need(model_type in ARCHITECTURES,
-             f"model_type {model_type!r} is not supported; expected one of {list(ARCHITECTURES)}")
-        return cls(**{**_FAMILY_DEFAULTS[model_type], "model_type": model_type, **fields})
+        field overridden by `fields` (the same as ModelConfig(model_type=..., **fields))."""
+        return cls(model_type=model_type, **fields)
 
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
@@ -256,7 +263,7 @@ class ModelConfig:
         family = _FAMILY_DEFAULTS[self.model_type]
         defaults = {f.name: f.default for f in dataclasses.fields(self)
                     if f.default is not dataclasses.MISSING}
-        defaults["mlp_only_layers"] = []
+        defaults.update(_BASE_DEFAULTS, mlp_only_layers=[])
         for name in _ARCH_FIELDS:
             if name in _FAMILY_HF_FIELDS[self.model_type]:
                 continue
@@ -489,7 +496,11 @@ _FAMILY_HF_FIELDS = {
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim"),
 }
-# Each family's values of the fields that tell the families apart.
+# Values of the fields that tell the families apart: Qwen3-MoE's, then each family's own.
+_BASE_DEFAULTS: dict[str, Any] = dict(
+    router="softmax_topk", norm_topk_prob=True, expert_bias=False, n_shared_experts=0,
+    first_k_dense_replace=0, attention_bias=False, qk_norm=True, partial_rotary_factor=1.0,
+    rope_interleave=False)
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {},
     "qwen2_moe": dict(qk_norm=False, attention_bias=True, norm_topk_prob=False),

@@ -122,3 +122,25 @@ def test_serve_cli_process_deepseek_v3(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_family_defaults_and_config_errors(tmp_path):
+    from lockstep.moe.config import ConfigError
+
+    glm = ModelConfig(model_type="glm4_moe", num_experts=8, n_group=2, topk_group=1)
+    assert (glm.router, glm.expert_bias, glm.partial_rotary_factor, glm.n_shared_experts,
+            glm.first_k_dense_replace, glm.moe_layer_ids) == ("sigmoid", True, 0.5, 1, 1, [1, 2])
+    assert (glm.score_function, glm.softmax_before_topk) == ("sigmoid", False)
+    with pytest.raises(ConfigError, match="router='sigmoid' is not expressible in a qwen3_moe"):
+        ModelConfig(router="sigmoid")
+    with pytest.raises(ConfigError, match="deepseek_v3 needs kv_lora_rank"):
+        ModelConfig(model_type="deepseek_v3")
+    with pytest.raises(ConfigError, match="topk_group=3 exceeds n_group=2"):
+        ModelConfig(model_type="glm4_moe", num_experts=8, n_group=2, topk_group=3)
+    d = ModelConfig.from_json(write_hf_folder("deepseek_v3", tmp_path / "ds")).to_hf_dict()
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        ModelConfig.from_hf_dict({**d, "rope_scaling": {"type": "yarn", "factor": 40}})
+    with pytest.raises(ConfigError, match="topk_method='group_limited_greedy'"):
+        ModelConfig.from_hf_dict({**d, "topk_method": "group_limited_greedy"})
+    with pytest.raises(ConfigError, match=r"unknown config keys \['kv_rank'\].*deepseek_v3"):
+        ModelConfig.from_hf_dict({**d, "kv_rank": 3})

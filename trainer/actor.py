@@ -110,6 +110,9 @@ class TorchActor:
                                                            lr_lambda(cfg, total_updates))
         mcfg = model.cfg
         self.route_dtype = compact_dtype(mcfg.num_experts)
+        # uint16 has no index_put on CPU: route buffers hold int16 bits (ids < 65536 round-trip
+        # exactly), viewed as uint16 when returned.
+        self._route_store = torch.int16 if self.route_dtype == torch.uint16 else self.route_dtype
 
     # -- forward -------------------------------------------------------------------------
     def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT):
@@ -147,18 +150,19 @@ class TorchActor:
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
         lp_BT = torch.zeros(B, T)
         ent_BT = torch.zeros(B, T)
-        nat_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
-        used_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype) if record else None
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store) if record else None
         for idx in micro_batches(torch.arange(B), batch.seq_lens_B, self.cfg):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
             r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
             lp, ent, out = self._forward(mb, r, m)
             lp_BT[idx, :t], ent_BT[idx, :t] = lp.float(), ent.float()
-            nat_BTLK[idx, :t] = out.natural_BTLK.to(self.route_dtype)
+            nat_BTLK[idx, :t] = out.natural_BTLK.to(self._route_store)
             if record:
-                used_BTLK[idx, :t] = out.routes_BTLK.to(self.route_dtype)
-        return LogprobResult(lp_BT, ent_BT, nat_BTLK, used_BTLK)
+                used_BTLK[idx, :t] = out.routes_BTLK.to(self._route_store)
+        return LogprobResult(lp_BT, ent_BT, nat_BTLK.view(self.route_dtype),
+                             None if used_BTLK is None else used_BTLK.view(self.route_dtype))
 
     # -- update --------------------------------------------------------------------------
     def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
@@ -170,14 +174,14 @@ class TorchActor:
         steps, routes the last pass ran [B,T,L,K], natural top-k of the last pass [B,T,L,K])."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
-        used_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
-        nat_BTLK = torch.zeros(B, T, L, K, dtype=self.route_dtype)
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
         self.compute.train()
         metrics = run_minibatches(
             B, self.cfg, shuffle_seed,
             lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
                                           used_BTLK, nat_BTLK))
-        return metrics, used_BTLK, nat_BTLK
+        return metrics, used_BTLK.view(self.route_dtype), nat_BTLK.view(self.route_dtype)
 
     def _train_step(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor, routes_BTLK,
                     replay_mask_BT, used_BTLK, nat_BTLK) -> dict[str, float]:
@@ -198,8 +202,8 @@ class TorchActor:
                 loss = loss + cfg.aux_loss_coef * aux * (len(idx) / len(mini))
                 metrics["actor/aux_loss"] = float(aux)
             loss.backward()
-            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self.route_dtype)
-            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self.route_dtype)
+            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
+            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
                 step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
         step_metrics.update(self._optimizer_step())

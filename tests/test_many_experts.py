@@ -1,0 +1,37 @@
+"""More than 256 experts (Kimi-K2 has 384): routes are uint16 end to end, and R3 trains."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.trainer.config import load_config
+from lockstep.trainer.loop import Trainer
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+KIMI_LIKE = ["model.num_experts=384", "model.num_experts_per_tok=4",
+             "model.moe_intermediate_size=4", "model.hidden_size=32",
+             "model.num_hidden_layers=2", "model.intermediate_size=32",
+             "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
+             "warmstart.enabled=false", "rollout.prompts_per_step=4",
+             "rollout.samples_per_prompt=2", "actor.mini_batch_size=8",
+             "actor.micro_batch_size=8", "loop.steps=2", "loop.tensorboard=false",
+             "loop.plots=false", "actor.aux_loss_coef=0.01"]
+
+
+@pytest.mark.slow
+def test_384_experts_train_with_r3(tmp_path):
+    cfg = load_config(CONFIGS / "toy_r3.yaml", KIMI_LIKE)
+    tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+    assert tr.actor.route_dtype == torch.uint16
+    gates = [b.gate.weight for b in tr.actor.master.moe_blocks]
+    before = [g.detach().clone() for g in gates]
+    for step in (1, 2):
+        m = tr.step(step)
+        assert m["replay/mode"] == "R3" and m["replay/mismatch"] == 0.0
+        assert m["replay/replayed_fraction"] > 0.5
+        assert m["actor/aux_loss"] > 0  # a gradient whatever the rewards of a random policy
+    # the routers trained under replay (their gradient flows through the replayed gates)
+    assert all(not torch.equal(a, b) for a, b in zip(before, gates))
+    # experts beyond id 255 did run (uint16 matters)
+    assert int(tr.rollout.engine.routes_SMLK.view(torch.uint16).int().max()) > 255
