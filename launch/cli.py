@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lockstep.launch import compare, serve, train
+from lockstep.launch import compare, diagnose, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     serve.add_parser(sub)
     compare.add_parser(sub)
+    diagnose.add_parser(sub)
     return parser
 
 

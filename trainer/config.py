@@ -280,12 +280,16 @@ class LoopConfig:
     """Also write TensorBoard event files under out_dir/tensorboard."""
     plots: bool = True
     """Write reward / flip-rate / k3_kl PNG plots into out_dir at the end."""
+    dump_every: int = 0
+    """Write every N-th step's samples to out_dir/dumps/step_<n>.safetensors (0 = never);
+    `lockstep diagnose --dump FILE` reads them (docs/diagnose.md)."""
 
     def __post_init__(self) -> None:
         _in("loop", self, "steps", 1)
         _in("loop", self, "seed", 0, 2**31 - 1)
         _in("loop", self, "checkpoint_every", 0)
         _in("loop", self, "keep_checkpoints", 0)
+        _in("loop", self, "dump_every", 0)
 
 
 @dataclass

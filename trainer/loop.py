@@ -30,6 +30,7 @@ from lockstep.trainer.actor import Batch, LogprobResult, TorchActor, collate
 from lockstep.trainer.checkpoint import LoopState, load_latest, save_checkpoint, set_rng_state
 from lockstep.trainer.config import ExperimentConfig, save_config
 from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
+from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages, policy_loss
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
@@ -149,6 +150,7 @@ class Trainer:
         plan = old_logprob_plan(self.mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
         old = self.actor.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)  # pi_old
         t.lap("old_logprob")
+        maybe_dump(self, step, batch, rewards_B, old)  # loop.dump_every: samples for diagnose
         group_B = torch.arange(batch.size) // cfg.rollout.samples_per_prompt
         mask_BT = batch.response_mask_BT.float()
         adv_BT = grpo_advantages(rewards_B, group_B, mask_BT,                         # advantages
