@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from lockstep.replay import compare_routes
-from lockstep.trainer.correction import (SAFETY_BOUND, CorrectionConfig, correct,
-                                         parse_is_threshold)
+from lockstep.trainer.correction import (SAFETY_BOUND, CorrectionConfig, compute_offpolicy_metrics,
+                                         correct, parse_is_threshold)
 from lockstep.trainer.dump import StepRecord
 
 DEFAULT_TIS = 2.0
@@ -107,11 +107,12 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
     mask_f = resp_BT.float()
     metrics.update(correct(corr_cfg, t["old_logprobs"], t["rollout_logprobs"], mask_f).metrics)
 
-    lr_BT = (t["old_logprobs"] - t["rollout_logprobs"]).double()
+    # k3 exactly as training computes rollout_corr/k3_kl (fp32), for all three forwards
+    lr_BT = t["old_logprobs"] - t["rollout_logprobs"]
     k3_BT = _k3(lr_BT)
-    k3_old = _masked_mean(k3_BT, resp_BT)
-    k3_nat = _masked_mean(_k3((t["natural_logprobs"] - t["rollout_logprobs"]).double()), resp_BT)
-    k3_rep = _masked_mean(_k3((t["replayed_logprobs"] - t["rollout_logprobs"]).double()), resp_BT)
+    k3_old, k3_nat, k3_rep = (
+        compute_offpolicy_metrics(t[k], t["rollout_logprobs"], mask_f)["k3_kl"]
+        for k in ("old_logprobs", "natural_logprobs", "replayed_logprobs"))
     routing_k3 = k3_old - k3_rep
     # the row that predicts token t is t-1 (NOTE: position 0 is never a response token)
     pred_flip_BT = torch.zeros_like(resp_BT)
@@ -177,7 +178,7 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
             "k3_kl": float(k3_BT[:, p][r].mean()) if r.any() else None})
 
     # -- IS weights ------------------------------------------------------------------------
-    logw = lr_BT[resp_BT].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    logw = lr_BT[resp_BT].double().clamp(-SAFETY_BOUND, SAFETY_BOUND)
     span = max(float(logw.abs().max()) if len(logw) else 0.0, math.log(tis) * 1.2, 1e-3)
     w_edges = torch.linspace(-span, span, weight_bins + 1, dtype=torch.float64)
     is_weights = {"stats": _stats(w_N), "log_hist": {
