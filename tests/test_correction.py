@@ -295,3 +295,9 @@ def test_is_split_metrics():
     logprobs[0, 1] = float("nan")
     with pytest.raises(ValueError, match="logprobs is nan at row 0, position 1"):
         is_split_metrics(logprobs, old, rollout, torch.ones(1, 2))
+
+
+def test_fractional_response_mask_is_refused():
+    old, rollout, mask = batch()
+    with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
+        compute_rollout_correction_and_rejection_mask(old, rollout, mask * 0.5, "token")
