@@ -566,17 +566,26 @@ class MoEModel(nn.Module):
         sign(mean load - load) per MoE layer, the load counted over the valid tokens' routes
         in `routes_BTLK`. Pass the routes the forward ran (`ModelOutput.routes_BTLK`: the
         replayed ones under R2/R3), as the load the experts saw. Returns the loads [L, E]."""
+        loads_LE = self.expert_loads(routes_BTLK, valid_BT)
+        self.apply_expert_bias_update(loads_LE, rate)
+        return loads_LE
+
+    @torch.no_grad()
+    def expert_loads(self, routes_BTLK: torch.Tensor, valid_BT: torch.Tensor | None):
+        """Tokens per expert and MoE layer, fp32 [L, E], over the valid tokens' routes."""
+        B, T = routes_BTLK.shape[:2]
+        valid = torch.ones(B, T, dtype=torch.bool, device=routes_BTLK.device) \
+            if valid_BT is None else valid_BT.bool()
+        return torch.stack([expert_load(routes_BTLK[:, :, l][valid], self.cfg.num_experts)
+                            for l in range(routes_BTLK.shape[2])])
+
+    @torch.no_grad()
+    def apply_expert_bias_update(self, loads_LE: torch.Tensor, rate: float) -> None:
+        """e_score_correction_bias += rate * sign(mean load - load), per MoE layer."""
         blocks = self.moe_blocks
         if not blocks or blocks[0].e_score_correction_bias is None:
             raise ValueError(f"model_type {self.cfg.model_type} with expert_bias=False has no "
                              f"e_score_correction_bias to update")
-        B, T, L, K = routes_BTLK.shape
-        valid = torch.ones(B, T, dtype=torch.bool, device=routes_BTLK.device) \
-            if valid_BT is None else valid_BT.bool()
-        loads = []
-        for l, block in enumerate(blocks):
-            load_E = expert_load(routes_BTLK[:, :, l][valid], self.cfg.num_experts)
-            block.e_score_correction_bias += bias_update(load_E, rate).to(
-                block.e_score_correction_bias.device)
-            loads.append(load_E)
-        return torch.stack(loads)
+        for block, load_E in zip(blocks, loads_LE):
+            bias = block.e_score_correction_bias
+            bias += bias_update(load_E, rate).to(bias.device, bias.dtype)

@@ -135,3 +135,43 @@ def test_bias_update_counts_the_replayed_routes():
     for b, old in zip(model.moe_blocks, before):
         delta = b.e_score_correction_bias - old
         torch.testing.assert_close(delta, torch.tensor([-0.01] * 2 + [0.01] * 6))
+
+
+def test_torch_actor_bias_update_counts_the_replayed_routes():
+    """actor.expert_bias_update_rate: the update after each optimiser step counts the routes
+    the mini-batch ran: under replay, the replayed ones (every token forced to experts 0, 1)."""
+    from lockstep.kernels.logprob import logprobs_from_logits
+    from lockstep.rollout.types import GenerationResult
+    from lockstep.trainer.actor import TorchActor, collate
+    from lockstep.trainer.config import ActorConfig
+
+    model = make("deepseek_mla")
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for b in range(4):
+        ids = torch.randint(3, 48, (7,), generator=g)
+        with torch.no_grad():
+            o = model(ids[None])
+        lp = logprobs_from_logits(o.logits_BTV[0, 3:-1], ids[4:])
+        results.append(GenerationResult(f"r{b}", 0, ids[:4].tolist(), ids[4:].tolist(), lp, lp,
+                                        {"type": "length", "length": 3}, "0",
+                                        o.routes_BTLK[0, :-1].to(torch.uint8)))
+    batch = collate(results, 0, cfg.num_experts, cfg.num_moe_layers, cfg.num_experts_per_tok)
+    forced = torch.zeros_like(batch.rollout_routes_BTLK)
+    forced[..., 1] = 1
+    actor = TorchActor(model, ActorConfig(mini_batch_size=4, micro_batch_size=2,
+                                          expert_bias_update_rate=0.01), total_updates=1)
+    before = [b.e_score_correction_bias.clone() for b in model.moe_blocks]
+
+    def loss_fn(lp_BT, ent_BT, rows, mini):
+        return (lp_BT * batch.response_mask_BT[rows]).sum() * 0, {}
+
+    metrics, used, _ = actor.update(batch, loss_fn, forced, batch.rollout_routes_valid_BT)
+    assert torch.equal(used[batch.rollout_routes_valid_BT].long(),
+                       forced[batch.rollout_routes_valid_BT].long())
+    for b, old in zip(model.moe_blocks, before):
+        torch.testing.assert_close(b.e_score_correction_bias - old,
+                                   torch.tensor([-0.01] * 2 + [0.01] * 6))
+    # 2 of 8 experts take all replayed rows (the unreplayed last tokens route naturally)
+    assert metrics["actor/expert_load_max_over_mean"] > 3.5

@@ -189,6 +189,7 @@ class TorchActor:
         the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`."""
         cfg = self.cfg
         step_metrics: dict[str, float] = {}
+        load_LE = None
         T = batch.input_ids_BT.shape[1]
         for idx in micro_batches(mini, batch.seq_lens_B, cfg):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
@@ -204,9 +205,17 @@ class TorchActor:
             loss.backward()
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
+            if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
+                load = self.compute.expert_loads(out.routes_BTLK, mb.token_mask_BT)
+                load_LE = load if load_LE is None else load_LE + load
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
                 step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
         step_metrics.update(self._optimizer_step())
+        if load_LE is not None:
+            for model in {id(self.master): self.master, id(self.compute): self.compute}.values():
+                model.apply_expert_bias_update(load_LE, cfg.expert_bias_update_rate)
+            step_metrics["actor/expert_load_max_over_mean"] = float(
+                (load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1e-9)).mean())
         return step_metrics
 
     def _optimizer_step(self) -> dict[str, float]:

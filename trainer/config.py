@@ -173,6 +173,11 @@ class ActorConfig:
     """Vocabulary chunk of the log-prob kernel (the [tokens, V] log-softmax is never built)."""
     aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss (0 = off)."""
+    expert_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): after each optimiser step every MoE layer's
+    e_score_correction_bias += rate * sign(mean load - load), the load counted over the routes
+    the mini-batch ran (the replayed ones under R2/R3). Sigmoid-router models, torch backend;
+    0 = off."""
     megatron: MegatronOptions = field(default_factory=MegatronOptions)
     """backend=megatron only: TP/EP/ETP layout, dispatcher, TE, recompute (docs/megatron.md)."""
 
@@ -195,6 +200,10 @@ class ActorConfig:
         if self.max_tokens_per_micro_batch is not None:
             _in("actor", self, "max_tokens_per_micro_batch", 1)
         _in("actor", self, "aux_loss_coef", 0.0)
+        _in("actor", self, "expert_bias_update_rate", 0.0)
+        _need(self.expert_bias_update_rate == 0 or self.backend == "torch",
+              f"actor.expert_bias_update_rate={self.expert_bias_update_rate} is implemented by "
+              f"the torch actor only; actor.backend={self.backend!r}")
         default = MegatronOptions()
         for name, instead in _MEGATRON_FROM_ACTOR.items():
             _need(getattr(self.megatron, name) == getattr(default, name),
