@@ -114,14 +114,22 @@ def save_hf(model: MoEModel, out_dir: str | os.PathLike, tokenizer=None,
             dtype: torch.dtype | None = None) -> Path:
     """Write an HF folder. The write goes to a temporary sibling and is renamed into place,
     so a killed save never leaves a half-written checkpoint under `out_dir`."""
+    return save_hf_state_dict(hf_state_dict(model), model.cfg, out_dir, tokenizer,
+                              generation_config, max_shard_bytes, dtype)
+
+
+def save_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
+                       out_dir: str | os.PathLike, tokenizer=None,
+                       generation_config: dict | None = None, max_shard_bytes: int = 2 * 1024**3,
+                       dtype: torch.dtype | None = None) -> Path:
+    """`save_hf` from HF-named tensors (e.g. an actor's exported weight buckets) and a config."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         _rmtree(tmp)
     tmp.mkdir(parents=True)
-    cfg = model.cfg
     sd = {k: (v.detach().to(dtype) if dtype else v.detach()).contiguous().cpu()
-          for k, v in hf_state_dict(model).items()}
+          for k, v in weights.items()}
     cfg.save_json(tmp / "config.json")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from ..moe.checkpoint import save_hf
+from ..moe.checkpoint import save_hf, save_hf_state_dict
 from ..moe.config import ModelConfig
 from ..moe.model import MoEModel
 from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
@@ -247,15 +247,18 @@ class HTTPBackend(RolloutBackend):
 
     # -- weights ------------------------------------------------------------------------------
     async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
-        """`source`: an HF folder path the server can read, or a model, which is first saved
-        under `weights_dir/<version>` (a filesystem the server shares)."""
+        """`source`: an HF folder path the server can read, or a model (or its HF-named
+        tensors), which is first saved under `weights_dir/<version>` (a filesystem the server
+        shares)."""
         written = None
-        if isinstance(source, MoEModel):
+        if isinstance(source, (MoEModel, dict)):  # a model or its HF-named tensors
             if self.weights_dir is None:
                 raise RolloutError("pushing a model over HTTP needs weights_dir (a folder the "
                                    "server can read)")
             weight_version = weight_version or uuid.uuid4().hex[:8]
-            source = written = save_hf(source, self.weights_dir / f"weights_{weight_version}")
+            folder = self.weights_dir / f"weights_{weight_version}"
+            source = written = (save_hf(source, folder) if isinstance(source, MoEModel) else
+                                save_hf_state_dict(source, self.cfg, folder))
         body: dict[str, Any] = {"model_path": str(source), "flush_cache": True,
                                 "abort_all_requests": False}
         if weight_version is not None:

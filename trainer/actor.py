@@ -37,6 +37,7 @@ from lockstep.replay import compact_dtype
 from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
                                     micro_batches, minibatch_schedule, trim, trim_batch)
 from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.rank import RankActor, Stats
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,6 +59,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 `rows_b` are the batch rows of this micro-batch, `minibatch_rows` those of its mini-batch. The
 loss must be this micro-batch's share of the mini-batch loss (the shares are summed into one
 gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens."""
+
+
+OPTIMIZER_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_step")
+"""Metrics of the optimiser step itself: every DP rank has the same value."""
 
 
 def run_minibatches(batch_size: int, cfg: ActorConfig, shuffle_seed: int | None,
@@ -88,15 +93,21 @@ def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:
     return f
 
 
-class TorchActor:
-    """Policy log-probs and updates on our torch `MoEModel` (fp32 master weights)."""
+class TorchActor(RankActor):
+    """Policy log-probs and updates on our torch `MoEModel` (fp32 master weights).
+
+    With `dp_group` (a torch.distributed group of several ranks, the Ray actor group's world)
+    it is one data-parallel rank: every rank holds the whole model and optimiser; gradients
+    are summed over the group before each optimiser step (one flat all-reduce), so the ranks
+    stay equal. The rank-side interface is `lockstep.trainer.rank`."""
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, dp_group=None):
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
         self.cfg, self.temperature = cfg, temperature
         self.master = model
+        self.model_cfg = model.cfg
         low = [cfg.dtype, cfg.router_dtype or cfg.dtype, cfg.lm_head_dtype or cfg.dtype]
         if all(d == "fp32" for d in low):
             self.compute = model
@@ -113,6 +124,10 @@ class TorchActor:
         # uint16 has no index_put on CPU: route buffers hold int16 bits (ids < 65536 round-trip
         # exactly), viewed as uint16 when returned.
         self._route_store = torch.int16 if self.route_dtype == torch.uint16 else self.route_dtype
+        self.dp_group = dp_group
+        if dp_group is not None:
+            import torch.distributed as dist
+            self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
 
     # -- forward -------------------------------------------------------------------------
     def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT):
@@ -167,31 +182,66 @@ class TorchActor:
     # -- update --------------------------------------------------------------------------
     def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                replay_mask_BT: torch.Tensor | None = None, shuffle_seed: int | None = None,
+               steps: list[torch.Tensor] | None = None, mini_size: int | None = None,
                ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_size` rows (one optimiser
         step each), each accumulated over micro-batches. Rows are shuffled per epoch with
         `shuffle_seed` (None keeps their order). Returns (metrics averaged over optimiser
-        steps, routes the last pass ran [B,T,L,K], natural top-k of the last pass [B,T,L,K])."""
+        steps, routes the last pass ran [B,T,L,K], natural top-k of the last pass [B,T,L,K]).
+
+        A DP rank (`policy_update`) passes `steps` instead: its local rows of each global
+        optimiser step (maybe none), with `mini_size` the global mini-batch's rows; `loss_fn`'s
+        metrics are then already weighted to add up over micro-batches and ranks."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
         used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
         nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
         self.compute.train()
-        metrics = run_minibatches(
-            B, self.cfg, shuffle_seed,
-            lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
-                                          used_BTLK, nat_BTLK))
+        if steps is None:
+            metrics = run_minibatches(
+                B, self.cfg, shuffle_seed,
+                lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
+                                              used_BTLK, nat_BTLK))
+        else:
+            sums: dict[str, float] = {}
+            for local in steps:
+                for k, v in self._train_step(batch, loss_fn, local, routes_BTLK, replay_mask_BT,
+                                             used_BTLK, nat_BTLK, mini_size=mini_size,
+                                             weighted=True).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            metrics = {k: v / len(steps) for k, v in sums.items()}
         return metrics, used_BTLK.view(self.route_dtype), nat_BTLK.view(self.route_dtype)
 
+    def _train_steps(self, batch: Batch, objective, steps: list[torch.Tensor], routes_BTLK,
+                     replay_mask_BT) -> tuple[Stats, torch.Tensor, torch.Tensor]:
+        """The rank side of `policy_update`: `update` over this shard's part of every optimiser
+        step, the loss normalised by the whole mini-batch's counts (`step_norms`, one
+        all-reduce for all steps). Returns (stats, routes run, natural top-k) of the shard."""
+        norms = self.step_norms(objective.inputs.loss_mask_BT, steps)
+        by_step = {id(local): n for local, n in zip(steps, norms)}
+        metrics, used_BTLK, nat_BTLK = self.update(
+            batch, lambda lp, ent, idx, local: objective(lp, ent, idx, by_step[id(local)]),
+            routes_BTLK, replay_mask_BT, steps=steps, mini_size=self.cfg.mini_batch_size)
+        # optimiser metrics are replicated (every rank counts them); the loss metrics are this
+        # rank's share of each mini-batch (added over ranks, counted once)
+        first = float(self.dp_rank == 0)
+        return ({k: (v, 1.0 if k in OPTIMIZER_METRICS else first) for k, v in metrics.items()},
+                used_BTLK, nat_BTLK)
+
     def _train_step(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor, routes_BTLK,
-                    replay_mask_BT, used_BTLK, nat_BTLK) -> dict[str, float]:
+                    replay_mask_BT, used_BTLK, nat_BTLK, mini_size: int | None = None,
+                    weighted: bool = False) -> dict[str, float]:
         """One optimiser step on rows `mini`, gradients accumulated over micro-batches; writes
-        the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`."""
+        the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`.
+        `mini_size`: rows of the whole mini-batch when `mini` is one DP rank's part of it.
+        `weighted`: loss_fn's metrics are already weighted to add up (`rank.Objective`);
+        otherwise each micro-batch's metrics are weighted by its share of the rows."""
         cfg = self.cfg
+        mini_size = len(mini) if mini_size is None else mini_size
         step_metrics: dict[str, float] = {}
         load_LE = None
         T = batch.input_ids_BT.shape[1]
-        for idx in micro_batches(mini, batch.seq_lens_B, cfg):
+        for idx in (micro_batches(mini, batch.seq_lens_B, cfg) if len(mini) else []):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
             r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
@@ -200,8 +250,8 @@ class TorchActor:
             loss, metrics = loss_fn(lp, ent, idx, mini)
             if cfg.aux_loss_coef > 0:
                 aux = self.compute.load_balancing_loss(out, mb.token_mask_BT)
-                loss = loss + cfg.aux_loss_coef * aux * (len(idx) / len(mini))
-                metrics["actor/aux_loss"] = float(aux)
+                loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
+                metrics["actor/aux_loss"] = float(aux) * (len(idx) / mini_size if weighted else 1)
             loss.backward()
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
@@ -209,7 +259,8 @@ class TorchActor:
                 load = self.compute.expert_loads(out.routes_BTLK, mb.token_mask_BT)
                 load_LE = load if load_LE is None else load_LE + load
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
-                step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
+                step_metrics[k] = step_metrics.get(k, 0.0) + (
+                    v if weighted else v * len(idx) / mini_size)
         step_metrics.update(self._optimizer_step())
         if load_LE is not None:
             for model in {id(self.master): self.master, id(self.compute): self.compute}.values():
@@ -223,6 +274,8 @@ class TorchActor:
             for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
                 pm.grad = None if pc.grad is None else pc.grad.float()
                 pc.grad = None
+        if self.dp_size > 1:
+            self._sum_gradients()
         params = [p for p in self.master.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -234,6 +287,23 @@ class TorchActor:
         self.sync_compute()
         return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
                 "actor/skipped_step": float(not torch.isfinite(grad_norm))}
+
+    @torch.no_grad()
+    def _sum_gradients(self) -> None:
+        """Sum the master gradients over the DP group in one flat all-reduce. A parameter no
+        rank touched keeps grad None (AdamW skips it, as in one process); one touched
+        elsewhere only gets zeros here before the sum."""
+        params = list(self.master.parameters())
+        flat = torch.cat([torch.ones(len(params))] + [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in params])
+        flat[:len(params)] = torch.tensor([float(p.grad is not None) for p in params])
+        self._all_reduce(flat)
+        offset = len(params)
+        for i, p in enumerate(params):
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone() if flat[i] > 0 else None
+            offset += n
 
     @torch.no_grad()
     def sync_compute(self) -> None:

@@ -44,7 +44,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lockstep.moe.checkpoint import CheckpointError, load_hf, save_hf
+from lockstep.moe.checkpoint import (CheckpointError, load_hf, save_hf,
+                                     save_hf_state_dict)
+from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 
 __all__ = ["CheckpointError", "LoopState", "save_tree", "load_tree", "write_manifest",
@@ -272,10 +274,12 @@ def set_rng_state(state: dict) -> None:
         raise CheckpointError(f"trainer state: bad RNG state ({type(e).__name__}: {e})") from None
 
 
-def save_checkpoint(run_dir: str | Path, model: MoEModel, trainer_state: dict, state: LoopState,
-                    tokenizer=None, keep: int = 0) -> Path:
+def save_checkpoint(run_dir: str | Path, model: MoEModel | dict[str, torch.Tensor],
+                    trainer_state: dict, state: LoopState, tokenizer=None, keep: int = 0,
+                    model_cfg: ModelConfig | None = None) -> Path:
     """Write `run_dir/checkpoints/step_<state.step>/`; then delete all but the newest `keep`
-    (0 = keep all). Returns the checkpoint folder. An OSError while writing (disk full,
+    (0 = keep all). Returns the checkpoint folder. `model` is a model or its HF-named weights
+    (an actor's export; then `model_cfg` is needed). An OSError while writing (disk full,
     permissions) removes the partial write and raises `CheckpointError`; earlier checkpoints
     are left as they were."""
     root = Path(run_dir) / "checkpoints"
@@ -285,7 +289,10 @@ def save_checkpoint(run_dir: str | Path, model: MoEModel, trainer_state: dict, s
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_hf(model, tmp / "hf", tokenizer=tokenizer)
+        if isinstance(model, MoEModel):
+            save_hf(model, tmp / "hf", tokenizer=tokenizer)
+        else:
+            save_hf_state_dict(model, model_cfg, tmp / "hf", tokenizer=tokenizer)
         save_tree(tmp / TRAINER_STATE, {**trainer_state, "rng": rng_state()})
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
         write_manifest(tmp)

@@ -302,6 +302,34 @@ class LoopConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the actor runs: in this process (1 rank) or as a Ray actor group (docs/cluster.md)."""
+
+    actor_ranks: int = 1
+    """Actor ranks. 1 = in this process, without Ray; N > 1 = N Ray actors in one placement
+    group forming one torch.distributed world (torch backend: data parallel)."""
+    ray_address: str | None = None
+    """Ray cluster to join (e.g. 'ray://head:10001' or 'auto'); None = start a local Ray for
+    the run and shut it down after."""
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    """Device of the actor ranks and the embedded engine: auto = cuda when present."""
+    threads_per_rank: int = 1
+    """torch threads of each actor rank (more than the cores per rank oversubscribes)."""
+    weight_bucket_mb: float = 256.0
+    """Weights travel from the actor to the rollout engine and to checkpoints in buckets of
+    at most this many MiB (one larger tensor is a bucket of its own)."""
+
+    def __post_init__(self) -> None:
+        _in("cluster", self, "actor_ranks", 1, 4096)
+        _in("cluster", self, "threads_per_rank", 1, 1024)
+        _in("cluster", self, "weight_bucket_mb", 0.0, lo_open=True)
+
+    @property
+    def weight_bucket_bytes(self) -> int:
+        return max(1, int(self.weight_bucket_mb * 2**20))
+
+
+@dataclass
 class ExperimentConfig:
     """A whole RL experiment."""
 
@@ -326,6 +354,8 @@ class ExperimentConfig:
     """Supervised warm start before RL."""
     loop: LoopConfig = field(default_factory=LoopConfig)
     """Step loop, checkpoints and outputs."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Actor ranks (in-process or a Ray actor group), devices, weight buckets."""
 
     def __post_init__(self) -> None:
         B = self.rollout.batch_size
@@ -342,13 +372,18 @@ class ExperimentConfig:
                   f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every section; a default `cluster` (one in-process actor) is left out, so saved
+        configs and hashes read as before the section existed."""
+        d = dataclasses.asdict(self)
+        if self.cluster == ClusterConfig():
+            d.pop("cluster")
+        return d
 
     def hash(self, *sections: str) -> str:
         """Short stable hash of the named sections (all when none), e.g. for caches.
-        A default `actor.megatron` and an unset `rollout.sampling_mask_replay` are left out, so
-        configs hash as they did before they existed (runs written then still resume); any
-        other value changes the hash."""
+        A default `actor.megatron` and an unset `rollout.sampling_mask_replay` are left out (a
+        default `cluster` too, by `to_dict`), so configs hash as they did before they existed
+        (runs written then still resume); any other value changes the hash."""
         d = self.to_dict()
         if self.actor.megatron == MegatronOptions():
             d["actor"].pop("megatron")

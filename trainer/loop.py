@@ -21,18 +21,18 @@ from pathlib import Path
 import torch
 
 from lockstep.moe.model import MoEModel
-from lockstep.replay import old_logprob_plan, routing_divergence, update_plan
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import Batch, LogprobResult, TorchActor, collate
+from lockstep.trainer.actor import Batch, TorchActor, collate
 from lockstep.trainer.checkpoint import LoopState, load_latest, save_checkpoint, set_rng_state
 from lockstep.trainer.config import ExperimentConfig, save_config
 from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
 from lockstep.trainer.dump import maybe_dump
-from lockstep.trainer.losses import grpo_advantages, policy_loss
+from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
+from lockstep.trainer.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
@@ -106,14 +106,18 @@ class Trainer:
         self.rollout = self.make_backend(model, state.weight_version)
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
         total_updates = cfg.loop.steps * updates_per_step
-        if cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
+        if cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
+            from lockstep.trainer.group import ActorGroup
+            self.actor = ActorGroup(cfg, model, total_updates)
+        elif cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
             from lockstep.trainer.megatron.actor import MegatronActor
             self.actor = MegatronActor(model, cfg.actor, total_updates,
                                        temperature=ro.temperature, options=cfg.actor.megatron)
         else:
             self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature)
+        self._weights: tuple[int, dict] | None = None  # (step, last export), for the checkpoint
         if resume:
-            self.actor.load_state_dict(trainer_state)
+            self.actor.load_rank_state(trainer_state)
             set_rng_state(trainer_state["rng"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, state.step, cfg.loop.tensorboard,
                                      progress)
@@ -147,30 +151,25 @@ class Trainer:
         rewards_B = torch.tensor([self.task.reward(problems[i // cfg.rollout.samples_per_prompt],
                                                    r.output_ids) for i, r in enumerate(results)])
         t.lap("generate")
-        plan = old_logprob_plan(self.mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
-        old = self.actor.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)  # pi_old
+        old = self.actor.old_logprobs(batch, self.mode, step)  # pi_old; R2 routes stay on ranks
         t.lap("old_logprob")
-        maybe_dump(self, step, batch, rewards_B, old)  # loop.dump_every: samples for diagnose
+        maybe_dump(self, step, batch, rewards_B)  # loop.dump_every: samples for diagnose
         group_B = torch.arange(batch.size) // cfg.rollout.samples_per_prompt
         mask_BT = batch.response_mask_BT.float()
         adv_BT = grpo_advantages(rewards_B, group_B, mask_BT,                         # advantages
                                  norm_by_std=cfg.advantage.norm_by_std)
         corr = correct(cfg.correction, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)  # IS/RS
-        up = update_plan(self.mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
-                         recorded_routes_BTLK=old.routes_BTLK, recorded_valid_BT=batch.token_mask_BT)
-        current_BT = torch.zeros_like(old.logprobs_BT)  # pi_theta as the update forwards saw it
-        actor_metrics, used_BTLK, natural_BTLK = self.actor.update(                    # update
-            batch, self.loss_fn(batch, old, adv_BT, corr, current_BT), up.routes_BTLK,
-            up.replay_mask_BT, shuffle_seed=cfg.loop.seed * 1_000_003 + step)
+        upd = self.actor.policy_update(batch, self.update_inputs(batch, old, adv_BT, corr, step),
+                                       self.mode, step)                                # update
         t.lap("update")
-        self.state.weight_version = self.rollout.update_weights(self.actor.master, str(step))  # sync
+        self.state.weight_version = self.sync_weights(step)                            # sync
         t.lap("sync")
         self.state.step, self.state.cursor = step, self.state.cursor + len(problems)
-        split = is_split_metrics(current_BT, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)
+        split = is_split_metrics(upd.logprobs_BT, old.logprobs_BT, batch.rollout_logprobs_BT,
+                                 mask_BT)
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **corr.metrics,
-                **split,
-                **self.routing_metrics(batch, old, up, used_BTLK, natural_BTLK),
-                **actor_metrics, **t.metrics()}
+                **split, "replay/mode": self.mode.value, **stats_values(old.stats),
+                **stats_values(upd.stats), **t.metrics()}
 
     # -- pieces of the step ----------------------------------------------------------------
     def requests(self, problems, step: int) -> list[GenerateRequest]:
@@ -184,26 +183,31 @@ class Trainer:
             return_sampling_mask=ro.mask_replay)
             for i, p in enumerate(problems)]
 
-    def loss_fn(self, batch: Batch, old: LogprobResult, adv_BT: torch.Tensor,
-                corr: CorrectionResult, current_BT: torch.Tensor):
-        """The corrected policy loss of one micro-batch, as its share of its mini-batch; also
-        keeps the micro-batch's log-probs in `current_BT` (for the staleness metrics)."""
+    def update_inputs(self, batch: Batch, old: OldLogprobs, adv_BT: torch.Tensor,
+                      corr: CorrectionResult, step: int) -> UpdateInputs:
+        """The per-token inputs of the corrected policy loss (the actor splits them by rows).
+        In bypass mode IS/RS happen inside the loss, against pi_theta."""
         cfg = self.cfg
-        bypass = cfg.correction.bypass_mode  # IS/RS then happen inside policy_loss, vs pi_theta
-        mask_BT = (batch.response_mask_BT if bypass else corr.response_mask).float()
-        weights_BT = None if bypass else corr.weights
+        bypass = cfg.correction.bypass_mode
+        return UpdateInputs(
+            old_logprobs_BT=old.logprobs_BT, advantages_BT=adv_BT,
+            loss_mask_BT=(batch.response_mask_BT if bypass else corr.response_mask).float(),
+            is_weights_BT=None if bypass else corr.weights,
+            shuffle_seed=shuffle_seed(cfg.loop.seed, step), loss=cfg.loss,
+            correction=cfg.correction)
 
-        def fn(lp_BT, ent_BT, rows, mini):
-            current_BT[rows] = lp_BT.detach().float()
-            out = policy_loss(
-                cfg.loss, lp_BT, old.logprobs_BT[rows], adv_BT[rows], mask_BT[rows],
-                is_weights=None if weights_BT is None else weights_BT[rows],
-                entropy=ent_BT, correction=cfg.correction,
-                rollout_logprobs=batch.rollout_logprobs_BT[rows],
-                num_tokens=mask_BT[mini].sum().clamp(min=1),
-                num_seqs=(mask_BT[mini].sum(-1) > 0).sum().clamp(min=1))
-            return out.loss, out.metrics
-        return fn
+    def sync_weights(self, step: int) -> str:
+        """Export the actor's weights (HF-named buckets) once and push them to the engine."""
+        weights = {name: t for bucket in
+                   self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
+                   for name, t in bucket}
+        # kept only until this step's checkpoint (no second gather; no copy held otherwise)
+        self._weights = (step, weights) if self.saves_at(step) else None
+        return self.rollout.update_weights(weights, str(step))
+
+    def saves_at(self, step: int) -> bool:
+        cfg = self.cfg.loop
+        return step == cfg.steps or bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
 
     def reward_metrics(self, rewards_B, batch: Batch, group_B) -> dict:
         n = self.cfg.rollout.samples_per_prompt
@@ -213,23 +217,6 @@ class Trainer:
                 "reward/group_all_equal": float((per_group.std(1) == 0).float().mean()),
                 "response/length_mean": float(resp_len.mean()),
                 "response/length_max": float(resp_len.max())}
-
-    def routing_metrics(self, batch: Batch, old: LogprobResult, up, used_BTLK, natural_BTLK):
-        """Rollout-vs-trainer divergence, staleness, and a check that replay replayed."""
-        layers = self.cfg.model.moe_layer_ids
-        m = {"replay/mode": self.mode.value}
-        m.update(routing_divergence(batch.rollout_routes_BTLK, old.natural_BTLK,
-                                    batch.rollout_routes_valid_BT, "routing", layers))
-        m.update(routing_divergence(old.natural_BTLK, natural_BTLK, batch.token_mask_BT,
-                                    "routing_stale", layers))
-        if up.routes_BTLK is not None:
-            replayed_BT = up.replay_mask_BT & batch.token_mask_BT
-            differs = (used_BTLK[replayed_BT].long() != up.routes_BTLK[replayed_BT].long())
-            m["replay/replayed_fraction"] = float(replayed_BT.sum() / batch.token_mask_BT.sum())
-            m["replay/mismatch"] = float(differs.any(-1).float().mean()) if differs.numel() else 0.0
-        else:
-            m["replay/replayed_fraction"], m["replay/mismatch"] = 0.0, 0.0
-        return m
 
     def _route_shape(self) -> tuple[int, int, int]:
         c = self.cfg.model
@@ -242,11 +229,12 @@ class Trainer:
         try:
             for step in range(self.state.step + 1, cfg.steps + 1):
                 self.metrics.log(self.step(step))
-                if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                if self.saves_at(step):
                     self.save()
         finally:
             self.metrics.close()
             self.rollout.close()
+            self.actor.close()
         if cfg.plots:
             write_plots(self.out)
         summary = summarize(read_metrics(self.out / "metrics.jsonl"))
@@ -259,8 +247,16 @@ class Trainer:
         return summary
 
     def save(self) -> Path:
-        return save_checkpoint(self.out, self.actor.master, self.actor.state_dict(), self.state,
-                               tokenizer=self.task.tokenizer, keep=self.cfg.loop.keep_checkpoints)
+        if self._weights is not None and self._weights[0] == self.state.step:
+            weights = self._weights[1]  # this step's export: no second gather
+            self._weights = None
+        else:
+            weights = {name: t for bucket in
+                       self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
+                       for name, t in bucket}
+        return save_checkpoint(self.out, weights, self.actor.rank_state(), self.state,
+                               tokenizer=self.task.tokenizer, keep=self.cfg.loop.keep_checkpoints,
+                               model_cfg=self.cfg.model)
 
 
 class _Timer:

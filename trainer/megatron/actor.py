@@ -34,6 +34,7 @@ from lockstep.replay import compact_dtype
 from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
                                     run_minibatches)
 from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.rank import RankActor
 from lockstep.trainer.megatron import convert
 from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model, forward_logits,
                                              initialize_parallel, token_logprobs_entropy,
@@ -101,7 +102,7 @@ def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.
     return logits_BTV.float().masked_fill(~keep_BTV, -1e30)
 
 
-class MegatronActor:
+class MegatronActor(RankActor):
     """Policy log-probs and updates on megatron-core (the only copy of the weights)."""
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,

@@ -1,0 +1,149 @@
+"""The actor as a Ray group of ranks (cluster.actor_ranks=2, torch DDP over gloo, one thread each):
+the same run as one process within the documented tolerance (docs/cluster.md), R2/R3 replay
+on every rank, exact --resume after SIGKILL of the driver, and a rank dying mid-step."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from lockstep.trainer.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.group import ActorGroupError  # noqa: E402
+from lockstep.trainer.loop import Trainer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # each run starts a local Ray cluster (~5 s) and its ranks
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+LR = 3e-4  # toy_r3's actor.lr
+# toy_r3, smaller: a short warm start (so rewards and advantages are not all zero), 16 prompts
+# x 8 samples, two optimiser steps per RL step (each rank holds half of each mini-batch)
+SETS = ["warmstart.target_accuracy=0.1", "warmstart.eval_every=10",
+        "rollout.prompts_per_step=16", "actor.mini_batch_size=64", "actor.micro_batch_size=32",
+        "loop.checkpoint_every=1", "loop.keep_checkpoints=0", "loop.plots=false",
+        "loop.tensorboard=false"]
+# |a - b| <= rtol * |a| + atol per metric; docs/cluster.md derives these
+TOLERANCE = {"reward/mean": (0.0, 0.0), "routing/flip_rate": (0.0, 0.0),
+             "rollout_corr/k3_kl": (1e-2, 1e-7), "actor/grad_norm": (1e-3, 0.0),
+             "actor/pg_loss": (1e-2, 1e-4), "actor/entropy": (1e-3, 0.0)}
+
+
+def _train(out: Path, cache: Path, *sets: str, resume: bool = False) -> subprocess.Popen:
+    args = [a for s in SETS + [f"warmstart.cache_dir={cache}", *sets] for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "lockstep.launch.cli", "train", str(CONFIGS / "toy_r3.yaml"),
+           "--out", str(out), "--no-progress", *(["--resume"] if resume else []), *args]
+    # a session of its own: the Ray processes a SIGKILLed driver leaves can be found and ended
+    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _run(out: Path, cache: Path, *sets: str, resume: bool = False) -> str:
+    p = _train(out, cache, *sets, resume=resume)
+    text, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, text[-3000:]
+    return text
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(out / f"checkpoints/step_{step}/hf/model.safetensors")
+
+
+def test_dp2_equals_one_process_and_resumes_after_sigkill(tmp_path):
+    cache = tmp_path / "cache"
+    _run(tmp_path / "one", cache, "loop.steps=3")
+    _run(tmp_path / "dp2", cache, "loop.steps=3", "cluster.actor_ranks=2")
+    one, dp2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "dp2")
+    assert [r["step"] for r in dp2] == [1, 2, 3]
+    for a, b in zip(one, dp2):
+        for k, (rtol, atol) in TOLERANCE.items():
+            assert abs(a[k] - b[k]) <= rtol * abs(a[k]) + atol, (a["step"], k, a[k], b[k])
+        # R3 on both ranks: every replayed (token, layer) ran exactly the engine's experts
+        assert b["replay/mismatch"] == 0.0 and a["replay/mismatch"] == 0.0
+        assert b["replay/replayed_fraction"] == a["replay/replayed_fraction"] > 0.5
+    for step in (1, 3):  # the weights pushed to the engine (the checkpoint is the same export)
+        w1, w2 = _weights(tmp_path / "one", step), _weights(tmp_path / "dp2", step)
+        assert w1.keys() == w2.keys()
+        diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+        assert diff <= LR / 10, (step, diff)
+    moved = max(float((_weights(tmp_path / "dp2", 3)[k] - _weights(tmp_path / "dp2", 1)[k])
+                      .abs().max()) for k in w1)
+    assert moved > LR  # the comparison is not between untouched weights
+
+    # SIGKILL the driver after the step-1 checkpoint; --resume reproduces the dp2 run exactly
+    victim = _train(tmp_path / "run", cache, "loop.steps=1000", "cluster.actor_ranks=2")
+    done = tmp_path / "run/checkpoints/step_1/state.json"
+    deadline = time.monotonic() + 600
+    try:
+        while not done.exists():
+            assert victim.poll() is None, victim.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 1"
+            time.sleep(0.01)
+        victim.send_signal(signal.SIGKILL)
+        victim.communicate(timeout=60)
+    finally:
+        time.sleep(1)
+        try:  # Ray agents the dead driver started outlive it: end its whole session
+            os.killpg(victim.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert victim.returncode == -signal.SIGKILL
+    assert len(_metrics(tmp_path / "run")) < 3
+    text = _run(tmp_path / "run", cache, "loop.steps=3", "cluster.actor_ranks=2", resume=True)
+    assert "resuming from" in text
+    assert _metrics(tmp_path / "run") == dp2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # address="local": a private cluster even where `ray start` runs (or left a stale address)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+def _trainer(tmp_path, name: str, *sets: str) -> Trainer:
+    cfg = load_config(CONFIGS / "toy_r3.yaml", [
+        "warmstart.enabled=false", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+        "actor.mini_batch_size=16", "actor.micro_batch_size=8", "loss.entropy_coef=0.05",
+        "loop.plots=false", "loop.tensorboard=false", *sets])
+    return Trainer(cfg, tmp_path / name, progress=False, log=lambda s: None)
+
+
+def test_r2_replays_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_path):
+    one = _trainer(tmp_path, "one", "replay.mode=R2")
+    group = _trainer(tmp_path, "group", "replay.mode=R2", "cluster.actor_ranks=2")
+    try:
+        a, b = one.step(1), group.step(1)
+        # R2: each rank replays the routes its own old-log-prob forward recorded (kept there)
+        assert b["replay/mismatch"] == 0.0 and b["replay/replayed_fraction"] == 1.0
+        assert b["routing/flip_rate"] == a["routing/flip_rate"]
+        assert b["routing_stale/num_tokens"] == a["routing_stale/num_tokens"] > 0
+        assert abs(b["actor/grad_norm"] - a["actor/grad_norm"]) <= 1e-3 * a["actor/grad_norm"]
+        ckpt = group.save()
+        os.kill(group.actor.infos[1].pid, signal.SIGKILL)
+        with pytest.raises(ActorGroupError, match=r"actor rank 1 \(pid \d+.*died"):
+            group.step(2)
+    finally:
+        group.actor.close()
+        one.actor.close()
+    assert latest_checkpoint(tmp_path / "group") == ckpt
+    model, state, loop = load_checkpoint(ckpt)
+    assert loop.step == 1 and len(state["ranks"]) == 2
+    assert all(set(r) == {"optimizer", "scheduler"} for r in state["ranks"])

@@ -1,0 +1,358 @@
+"""The actor as a group of ranks: N Ray actors in one placement group, one torch.distributed
+world, behind the rank-side interface of `lockstep.trainer.rank` (the same calls the loop makes
+on an in-process actor), so `Trainer.step` does not change.
+
+    group = ActorGroup(cfg, model, total_updates)      # cluster.actor_ranks = N > 1
+    old = group.old_logprobs(batch, mode, step)         # each rank gets only its rows
+    upd = group.policy_update(batch, inputs, mode, step)
+    for bucket in group.export_weights(bucket_bytes):   # streamed from rank 0
+        ...
+
+Placement: one bundle per rank (`{CPU: 1}`, plus `{GPU: 1}` with cluster.device=cuda) in one
+placement group (PACK); each rank runs `cluster.threads_per_rank` torch threads. The world is
+gloo on CPU, NCCL on GPU; rank 0 picks a free port on its own node for the rendezvous.
+
+Data plane: the driver collates once; `plan_shards` (trainer/batch.py) fixes, per RL step, which
+rows each DP rank holds and its part of every optimiser step. `old_logprobs` sends each rank its
+trimmed shard (compact uint8/uint16 routes; the rank keeps it, with the routes its forward
+recorded, for the update); `policy_update` sends only the per-token loss inputs of those rows.
+Log-probs come back per row ([b, t] fp32) and are put back in batch order; metrics come back as
+(sum, count) pairs and are added.
+
+Torch backend: data parallel over the whole world (every rank holds the model and the
+optimiser; gradients are summed in one flat all-reduce per optimiser step), so rank 0 alone
+exports the weights and every rank keeps its own optimiser state in the checkpoint.
+
+Failures: a rank that dies (or raises) stops the run: the group kills every rank, removes the
+placement group and raises `ActorGroupError` naming the rank, its pid and node, and the call.
+The other ranks may be blocked in a collective with the dead one, so nothing waits for them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from lockstep.moe.buckets import Bucket
+from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
+from lockstep.moe.model import MoEModel
+from lockstep.replay import ReplayMode
+from lockstep.trainer.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
+from lockstep.trainer.config import ExperimentConfig
+from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, UpdateResult, add_stats,
+                                   shuffle_seed)
+
+
+class ActorGroupError(RuntimeError):
+    """An actor rank died or failed; the group is closed."""
+
+
+def resolve_device(device: str) -> str:
+    """cluster.device -> 'cpu' | 'cuda' ('auto' = cuda when this process sees a GPU)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("cluster.device=cuda but torch sees no CUDA device here")
+    return device
+
+
+class RankWorker:
+    """One actor rank in a Ray actor process (wrapped by `ray.remote` in `ActorGroup`)."""
+
+    def __init__(self, rank: int, world: int, threads: int):
+        torch.set_num_threads(threads)
+        self.rank, self.world = rank, world
+        self.actor = None
+        self._shards: dict[int, Batch] = {}
+
+    def info(self) -> dict[str, Any]:
+        import ray
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address(), "threads": torch.get_num_threads()}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_world(self, address: str, port: int, backend: str) -> None:
+        import torch.distributed as dist
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each rank one GPU, visible as device 0
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
+                                rank=self.rank, world_size=self.world)
+
+    def build(self, weights: dict[str, torch.Tensor], cfg: ExperimentConfig,
+              total_updates: int) -> tuple[int, int]:
+        """The rank's actor over `weights` (HF names); returns its (dp_rank, dp_size)."""
+        import torch.distributed as dist
+        model = MoEModel(cfg.model)
+        load_hf_state_dict(model, weights)
+        temperature = cfg.rollout.temperature
+        if cfg.actor.backend == "megatron":
+            from lockstep.trainer.megatron.actor import MegatronActor
+            from lockstep.trainer.rank import RankActor
+            self.actor = MegatronActor(model, cfg.actor, total_updates, temperature=temperature,
+                                       options=cfg.actor.megatron)
+            if type(self.actor)._train_steps is RankActor._train_steps:
+                raise NotImplementedError(
+                    "actor.backend=megatron with cluster.actor_ranks > 1 needs MegatronActor's "
+                    "own multi-rank policy_update (the rank interface, trainer/rank.py)")
+        else:
+            from lockstep.trainer.actor import TorchActor
+            self.actor = TorchActor(model, cfg.actor, total_updates, temperature=temperature,
+                                    dp_group=dist.group.WORLD)
+        return self.actor.dp_rank, self.actor.dp_size
+
+    def old_logprobs(self, shard: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
+        self._shards = {step: shard}  # kept for the update: rows travel once
+        return self.actor.old_logprobs(shard, mode, step)
+
+    def policy_update(self, inputs: UpdateInputs, mode: ReplayMode, step: int,
+                      steps: list[torch.Tensor]) -> UpdateResult:
+        if step not in self._shards:
+            raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step")
+        return self.actor.policy_update(self._shards.pop(step), inputs, mode, step, steps)
+
+    def export_weights(self, bucket_bytes: int, send: bool):
+        """Every rank runs the export (sharded backends gather in it); only `send` yields.
+        Buckets are copied: a view would ship its whole storage."""
+        for bucket in self.actor.export_weights(bucket_bytes):
+            if send:
+                yield [(name, t.detach().clone()) for name, t in bucket]
+
+    def rank_state(self) -> dict:
+        return self.actor.rank_state()
+
+    def load_rank_state(self, state: dict) -> None:
+        self.actor.load_rank_state(state)
+
+
+@dataclass
+class RankInfo:
+    """What the driver knows of one rank, for error messages."""
+
+    rank: int
+    pid: int = -1
+    node: str = "?"
+
+    def __str__(self) -> str:
+        where = "starting" if self.pid < 0 else f"pid {self.pid}, node {self.node[:12]}"
+        return f"actor rank {self.rank} ({where})"
+
+
+class ActorGroup:
+    """`cluster.actor_ranks` actor ranks on Ray with the rank interface of the in-process actor
+    (module docstring). Joins `cluster.ray_address`, or starts a local Ray for the run (shut
+    down by `close`)."""
+
+    def __init__(self, cfg: ExperimentConfig, model: MoEModel, total_updates: int,
+                 startup_timeout_s: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg, self.world = cfg, cfg.cluster.actor_ranks
+        if cfg.loop.dump_every:
+            raise ValueError("loop.dump_every needs the in-process actor (cluster.actor_ranks=1):"
+                             " a dump re-runs the actor on the whole batch")
+        self.device = resolve_device(cfg.cluster.device)
+        self.infos = [RankInfo(r) for r in range(self.world)]
+        self.workers: list[Any] = []
+        self.pg = None
+        self.closed = False
+        self._plans: dict[int, ShardPlan] = {}
+        threads = cfg.cluster.threads_per_rank
+        env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            if cfg.cluster.ray_address:
+                ray.init(address=cfg.cluster.ray_address, runtime_env=env)
+            else:  # a private cluster for this run, even where `ray start` left an address
+                ray.init(address="local", num_cpus=max(self.world, os.cpu_count() or 1),
+                         include_dashboard=False, runtime_env=env)
+        try:
+            gpu = self.device == "cuda"
+            bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
+            self.pg = placement_group([bundle] * self.world, strategy="PACK",
+                                      name=f"lockstep-actor-{os.getpid()}-{id(self):x}")
+            if not self.pg.wait(startup_timeout_s):
+                raise ActorGroupError(
+                    f"could not reserve {self.world} bundles {bundle} within "
+                    f"{startup_timeout_s:.0f}s; the cluster has {ray.available_resources()} "
+                    f"free of {ray.cluster_resources()}")
+            remote = ray.remote(RankWorker)
+            for r in range(self.world):
+                self.workers.append(remote.options(
+                    num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=r),
+                ).remote(r, self.world, threads))
+            infos = self._gather("start", [w.info.remote() for w in self.workers],
+                                 timeout_s=startup_timeout_s)
+            for info, got in zip(self.infos, infos):
+                info.pid, info.node = got["pid"], got["node"]
+            port = self._gather("start", [self.workers[0].free_port.remote()], [0])[0]
+            backend = "nccl" if gpu else "gloo"
+            self._gather("init_process_group", [
+                w.init_world.remote(infos[0]["ip"], port, backend) for w in self.workers],
+                timeout_s=startup_timeout_s)
+            weights = ray.put({k: v.detach().clone() for k, v in hf_state_dict(model).items()})
+            layout = self._gather("build", [w.build.remote(weights, cfg, total_updates)
+                                            for w in self.workers])
+            del weights
+        except BaseException:
+            self.close()
+            raise
+        self.dp_rank = [d for d, _ in layout]
+        self.dp_size = layout[0][1]
+
+    # -- the rank interface (driver side) -------------------------------------------------
+    def old_logprobs(self, batch: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
+        a = self.cfg.actor
+        schedule = minibatch_schedule(batch.size, a.mini_batch_size, a.epochs,
+                                      shuffle_seed(self.cfg.loop.seed, step))
+        plan = plan_shards(batch.seq_lens_B, self.dp_size, schedule)
+        self._plans = {step: plan}
+        got = self._gather("old_logprobs", [
+            w.old_logprobs.remote(plan.batch(self.dp_rank[r], batch), mode, step)
+            for r, w in enumerate(self.workers)])
+        lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
+        return OldLogprobs(lp_BT, add_stats([g.stats for g in got]))
+
+    def policy_update(self, batch: Batch, inputs: UpdateInputs, mode: ReplayMode,
+                      step: int) -> UpdateResult:
+        if step not in self._plans:
+            raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step")
+        plan = self._plans.pop(step)
+        got = self._gather("policy_update", [
+            w.policy_update.remote(self._inputs_of(plan, self.dp_rank[r], inputs, batch), mode,
+                                   step, plan.steps[self.dp_rank[r]])
+            for r, w in enumerate(self.workers)])
+        lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
+        return UpdateResult(lp_BT, add_stats([g.stats for g in got]))
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        self._check_open()
+        gens = [w.export_weights.options(num_returns="streaming").remote(bucket_bytes, r == 0)
+                for r, w in enumerate(self.workers)]
+        for ref in gens[0]:
+            yield self._get(ref, 0, "export_weights")
+        for r, gen in enumerate(gens[1:], start=1):
+            for ref in gen:
+                self._get(ref, r, "export_weights")
+
+    def rank_state(self) -> dict:
+        return {"ranks": self._gather("rank_state", [w.rank_state.remote() for w in self.workers])}
+
+    def load_rank_state(self, state: dict) -> None:
+        ranks = state.get("ranks")
+        if not isinstance(ranks, list) or len(ranks) != self.world:
+            got = "one in-process actor's" if ranks is None else f"{len(ranks)} ranks'"
+            raise ValueError(f"--resume: the checkpoint holds {got} optimiser state, but "
+                             f"cluster.actor_ranks={self.world}")
+        self._gather("load_rank_state", [w.load_rank_state.remote(s)
+                                         for w, s in zip(self.workers, ranks)])
+
+    def close(self) -> None:
+        """Kill the ranks and remove the placement group (idempotent); shut down the Ray this
+        group started."""
+        if self.closed:
+            return
+        self.closed = True
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead: nothing left to free
+                pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # Ray already shut down (e.g. by the rollout backend)
+                pass
+            self.pg = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    # -- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _unshard(plan: ShardPlan, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+        """Per-rank [b, t] rows back into a zero-padded [B, T] tensor in batch order."""
+        B, T = batch.input_ids_BT.shape
+        out = torch.zeros(B, T, dtype=parts[0].dtype)
+        for rows_b, part in zip(plan.rows, parts):
+            out[rows_b, :part.shape[1]] = part
+        return out
+
+    def _by_dp(self, per_rank) -> list[torch.Tensor]:
+        """One answer per DP rank (the first rank of each DP index; TP/PP peers agree)."""
+        out: dict[int, torch.Tensor] = {}
+        for dp, x in zip(self.dp_rank, per_rank):
+            out.setdefault(dp, x)
+        return [out[d] for d in range(self.dp_size)]
+
+    @staticmethod
+    def _inputs_of(plan: ShardPlan, dp: int, inputs: UpdateInputs, batch: Batch) -> UpdateInputs:
+        parts = {}
+        for f in fields(inputs):
+            v = getattr(inputs, f.name)
+            parts[f.name] = (plan.take(dp, v, batch.seq_lens_B) if isinstance(v, torch.Tensor)
+                             else v)
+        return UpdateInputs(**parts)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ActorGroupError("the actor group is closed (after close() or a rank failure)")
+
+    def _fail(self, err: Exception) -> None:
+        self.close()
+        raise err
+
+    def _get(self, ref, rank: int, what: str):
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            self._fail(ActorGroupError(f"{self.infos[rank]} died during {what}: {_reason(e)}"))
+        except RayTaskError as e:
+            self._fail(ActorGroupError(f"{self.infos[rank]} failed in {what}: "
+                                       f"{type(e.cause).__name__}: {e.cause}"))
+
+    def _gather(self, what: str, refs: list, ranks: list[int] | None = None,
+                timeout_s: float | None = None) -> list:
+        """Each rank's answer, in order. The first failure closes the group and raises an
+        error naming that rank (the others may be stuck in a collective with it)."""
+        import ray
+        self._check_open()
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        owner = {ref: r for ref, r in zip(refs, ranks)}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending, got = list(refs), {}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                self._fail(ActorGroupError(f"{self.infos[owner[pending[0]]]}: no answer to "
+                                           f"{what} within {timeout_s:.0f}s"))
+            got[ready[0]] = self._get(ready[0], owner[ready[0]], what)
+        return [got[ref] for ref in refs]
+
+
+def _reason(e: Exception) -> str:
+    """Ray's death message, cut to its first line plus the last line of any traceback."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"

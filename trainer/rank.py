@@ -1,0 +1,288 @@
+"""The rank-side actor interface: what one data-parallel rank of the policy does in an RL step.
+
+The step loop (`Trainer.step`) talks to its actor only through these calls. An in-process
+actor (`TorchActor`, `MegatronActor`: a world of one, the batch is its one shard) and the Ray
+actor group (`lockstep.trainer.group.ActorGroup`: N ranks; the driver collates once and sends
+each rank only its rows, `lockstep.trainer.batch.plan_shards`) answer them alike, so the loop
+is the same lines for one process and for a cluster. This is also what `MegatronActor` has to
+implement natively for multi-rank layouts.
+
+  old_logprobs(batch, mode, step) -> OldLogprobs
+      pi_old of this shard's rows under the replay plan of `mode` (R3: the rollout routes; R2:
+      natural routing, *recorded*; off: natural). The routes the forward ran and the router's
+      natural top-k stay on the rank, keyed by `step`, for `policy_update` (R2 replays them,
+      the staleness metrics compare against them); they never travel back. Returns the
+      shard's log-probs [b, t] fp32 (the driver's rollout correction needs batch-wide
+      statistics of them: max, std, batch-normalised IS) and the `routing/*` divergence stats
+      (rollout routes vs the trainer's natural top-k).
+  policy_update(batch, inputs, mode, step, steps=None) -> UpdateResult
+      One optimiser step per entry of `steps`: this shard's local rows of each global
+      mini-batch (maybe none; None = a world of one, the whole `minibatch_schedule`), in
+      micro-batches, the loss normalised by the mini-batch's *global* token / sequence counts
+      (`step_norms`: all-reduced over DP), gradients summed over DP before each step.
+      `inputs` are per-token tensors of this shard's rows only (old log-probs, advantages, IS
+      weights, loss mask; `UpdateInputs`). Returns the log-probs the update forwards saw
+      [b, t] (for the driver's staleness split) and stats: actor/* metrics, `routing_stale/*`
+      (old natural vs update natural top-k) and the replay check `replay/replayed_fraction`,
+      `replay/mismatch` (routes run vs routes given, every layer).
+  export_weights(bucket_bytes) -> iterator of buckets of (hf_name, tensor) (`moe/buckets.py`)
+      The policy's weights under Hugging Face names, once per RL step; with DP every rank
+      holds them all and rank 0 exports; sharded backends gather across TP/EP/PP here.
+  rank_state() -> dict / load_rank_state(dict)
+      This rank's optimiser and LR-schedule state: a plain nested dict of tensors, numbers,
+      strings and lists (the checkpoint keeps one per rank).
+  close()
+      Release what the actor holds (nothing in-process; the group's Ray actors).
+
+Stats: every metric a rank returns is a `(sum, count)` pair; `add_stats` adds ranks' pairs
+and `stats_values` turns them into numbers (sum / count; NaN for count 0, like the
+one-process metrics). Route metrics count their tokens (or (token, layer) pairs). Actor
+metrics are averages over optimiser steps: a value every rank holds in full (grad norm, lr)
+is counted 1 by every rank, so sum / count is the value; a loss metric is each rank's
+additive part of the mini-batch's value (`Objective`: loss terms are shares of the
+mini-batch loss, token means are weighted by the rank's share of its loss tokens), counted
+once, by rank 0. So the metrics do not depend on micro-batch size or DP layout.
+
+Shapes: B global batch rows, b this rank's rows, t its padded time, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+import torch
+
+from lockstep.moe.buckets import Bucket, bucketize
+from lockstep.moe.checkpoint import hf_state_dict
+from lockstep.replay import ReplayMode, old_logprob_plan, update_plan
+from lockstep.replay.divergence import compare_routes
+from lockstep.trainer.batch import Batch, minibatch_schedule
+from lockstep.trainer.correction import CorrectionConfig
+from lockstep.trainer.losses import LossConfig, policy_loss
+
+Stats = dict[str, tuple[float, float]]
+"""metric name -> (sum, count) of one rank, or added over ranks."""
+
+ZERO_IF_EMPTY = ("replay/mismatch",)  # nothing replayed = nothing mismatched
+SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
+"""Loss terms normalised by the whole mini-batch's counts: a micro-batch's value is its share,
+and the shares add up to the mini-batch's value (the other metrics are token means)."""
+
+
+def add_stats(parts: list[Stats]) -> Stats:
+    """Add ranks' (sum, count) pairs, key order of the first rank."""
+    out: Stats = {}
+    for part in parts:
+        for k, (s, c) in part.items():
+            s0, c0 = out.get(k, (0.0, 0.0))
+            out[k] = (s0 + s, c0 + c)
+    return out
+
+
+def stats_values(stats: Stats) -> dict[str, float]:
+    """sum / count per metric (NaN where nothing was counted, 0 for ZERO_IF_EMPTY)."""
+    return {k: s / c if c else (0.0 if k in ZERO_IF_EMPTY else math.nan)
+            for k, (s, c) in stats.items()}
+
+
+def route_stats(a_BTLK: torch.Tensor, b_BTLK: torch.Tensor, valid_BT: torch.Tensor,
+                prefix: str, layer_names, first: bool) -> Stats:
+    """`lockstep.replay.routing_divergence`'s metrics as (sum, count) pairs, so ranks add
+    them. `first`: this rank reports the token count (the group's rank 0)."""
+    cmp = compare_routes(a_BTLK, b_BTLK, valid_BT)
+    L = cmp.flip_BTL.shape[-1]
+    n = float(cmp.valid_BT.sum())
+    flips_L = cmp.flip_BTL.sum(dim=(0, 1), dtype=torch.float64)
+    out: Stats = {f"{prefix}/num_tokens": (n, 1.0 if first else 0.0),
+                  f"{prefix}/flip_rate": (float(flips_L.sum()), n * L)}
+    for i, f in zip(layer_names, flips_L.tolist()):
+        out[f"{prefix}/flip_rate/layer_{int(i)}"] = (f, n)
+    out[f"{prefix}/token_any_flip"] = (float(cmp.any_flip_BT.sum()), n)
+    out[f"{prefix}/topk_overlap"] = (float(cmp.overlap_BTL.sum(dtype=torch.float64)), n * L)
+    return out
+
+
+@dataclass
+class OldLogprobs:
+    """`old_logprobs`' answer for a shard (or, from the group, the whole batch)."""
+
+    logprobs_BT: torch.Tensor  # fp32 pi_old, 0 at position 0
+    stats: Stats               # routing/* (rollout routes vs the trainer's natural top-k)
+
+
+@dataclass
+class UpdateResult:
+    """`policy_update`'s answer for a shard (or, from the group, the whole batch)."""
+
+    logprobs_BT: torch.Tensor  # fp32 pi_theta as the update forwards saw it (last pass)
+    stats: Stats               # actor/*, routing_stale/*, replay/*
+
+
+@dataclass
+class UpdateInputs:
+    """Per-token inputs of the policy loss, made by the driver for the whole batch; the group
+    sends each rank its rows (`rows`)."""
+
+    old_logprobs_BT: torch.Tensor    # fp32 pi_old (the PPO ratio's denominator)
+    advantages_BT: torch.Tensor      # fp32, 0 off the response
+    loss_mask_BT: torch.Tensor       # fp32 1/0: response tokens kept by rejection sampling
+    is_weights_BT: torch.Tensor | None  # fp32 detached IS weights (None: bypass / IS off)
+    shuffle_seed: int | None         # mini-batch shuffle of the global batch
+    loss: LossConfig
+    correction: CorrectionConfig
+
+    def rows(self, idx: torch.Tensor) -> UpdateInputs:
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return UpdateInputs(**{k: v[idx] if isinstance(v, torch.Tensor) else v
+                               for k, v in parts.items()})
+
+
+def shuffle_seed(loop_seed: int, step: int) -> int:
+    """Seed of step `step`'s mini-batch shuffle (the group plans its shards with it)."""
+    return loop_seed * 1_000_003 + step
+
+
+class RankActor:
+    """The rank-side interface (module docstring) on top of an actor that has
+    `logprobs(batch, routes, mask, record)`, `model_cfg`, `cfg`, `state_dict`/`load_state_dict`
+    and either `_train_steps` (native: explicit per-rank schedule) or `update(batch, loss_fn,
+    routes, mask, shuffle_seed)` (world of one only)."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def _kept_routes(self) -> dict:
+        if not hasattr(self, "_kept"):
+            self._kept: dict[int, tuple] = {}
+        return self._kept
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
+        plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
+        res = self.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)
+        kept = self._kept_routes()
+        kept.clear()  # a step never updated (a failed run) leaves nothing behind
+        kept[step] = (res.routes_BTLK, res.natural_BTLK)
+        stats: Stats = {}
+        if batch.rollout_routes_BTLK is not None:
+            stats = route_stats(batch.rollout_routes_BTLK, res.natural_BTLK,
+                                batch.rollout_routes_valid_BT, "routing", self._layer_names(),
+                                self.dp_rank == 0)
+        return OldLogprobs(res.logprobs_BT, stats)
+
+    def policy_update(self, batch: Batch, inputs: UpdateInputs, mode: ReplayMode, step: int,
+                      steps: list[torch.Tensor] | None = None) -> UpdateResult:
+        kept = self._kept_routes()
+        if step not in kept:
+            raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step "
+                               f"on rank {self.dp_rank} (kept: {sorted(kept)})")
+        recorded_BTLK, old_natural_BTLK = kept.pop(step)
+        up = update_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
+                         recorded_routes_BTLK=recorded_BTLK, recorded_valid_BT=batch.token_mask_BT)
+        if steps is None:  # a world of one: the whole schedule
+            steps = minibatch_schedule(batch.size, self.cfg.mini_batch_size, self.cfg.epochs,
+                                       inputs.shuffle_seed)
+        current_BT = torch.zeros_like(inputs.old_logprobs_BT)
+        stats, used_BTLK, natural_BTLK = self._train_steps(
+            batch, Objective(batch, inputs, current_BT), steps, up.routes_BTLK,
+            up.replay_mask_BT)
+        first = 1.0 if self.dp_rank == 0 else 0.0
+        token_BT = batch.token_mask_BT
+        stats.update(route_stats(old_natural_BTLK, natural_BTLK, token_BT, "routing_stale",
+                                 self._layer_names(), self.dp_rank == 0))
+        if up.routes_BTLK is not None:
+            replayed_BT = up.replay_mask_BT & token_BT
+            differs = (used_BTLK[replayed_BT].long() != up.routes_BTLK[replayed_BT].long())
+            n_rep = float(replayed_BT.sum())
+            stats["replay/replayed_fraction"] = (n_rep, float(token_BT.sum()))
+            # (token, layer) pairs whose routes differ from the given ones, over every layer
+            stats["replay/mismatch"] = (float(differs.any(-1).sum()), n_rep * differs.shape[1])
+        else:
+            stats["replay/replayed_fraction"] = (0.0, float(token_BT.sum()))
+            stats["replay/mismatch"] = (0.0, first)
+        return UpdateResult(current_BT, stats)
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """HF-named weights in buckets of at most `bucket_bytes` (views: consume each bucket
+        before the next optimiser step)."""
+        return bucketize(((k, v.detach()) for k, v in hf_state_dict(self.master).items()),
+                         bucket_bytes)
+
+    def rank_state(self) -> dict:
+        return self.state_dict()
+
+    def load_rank_state(self, state: dict) -> None:
+        self.load_state_dict(state)
+
+    def close(self) -> None:
+        """Release what the actor holds (the group: its Ray actors); nothing in-process."""
+
+    # -- pieces --------------------------------------------------------------------------
+    def _layer_names(self) -> list[int]:
+        return self.model_cfg.moe_layer_ids
+
+    def step_norms(self, loss_mask_bT: torch.Tensor, steps: list[torch.Tensor]) -> list:
+        """(num_tokens, num_seqs) of every global mini-batch, this shard holding `steps[i]` of
+        mini-batch i: float32 token and long sequence counts over all DP ranks (one
+        all-reduce for all steps), each at least 1."""
+        out = []
+        for rows in steps:
+            mask = loss_mask_bT[rows]
+            out.append((mask.sum(), (mask.sum(-1) > 0).sum()))
+        if self.dp_size > 1:
+            both = torch.tensor([[float(t), float(s)] for t, s in out], dtype=torch.float64)
+            both = both.to(self._device())
+            self._all_reduce(both)
+            both = both.cpu()
+            out = [(torch.tensor(float(t), dtype=torch.float32), torch.tensor(int(s)))
+                   for t, s in both.tolist()]
+        return [(t.clamp(min=1), s.clamp(min=1)) for t, s in out]
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+        dist.all_reduce(t, group=getattr(self, "dp_group", None))
+
+    def _train_steps(self, batch: Batch, objective: Objective, steps, routes_BTLK,
+                     replay_mask_BT) -> tuple[Stats, torch.Tensor, torch.Tensor]:
+        """Fallback for actors with only `update` (world of one): the same schedule through
+        their own `run_minibatches`, normalisers from the whole mini-batch."""
+        if self.dp_size > 1:
+            raise NotImplementedError(f"{type(self).__name__} has no multi-rank policy_update")
+        mask = objective.inputs.loss_mask_BT
+
+        def loss_fn(lp, ent, rows, mini):
+            norms = (mask[mini].sum().clamp(min=1), (mask[mini].sum(-1) > 0).sum().clamp(min=1))
+            loss, metrics = objective(lp, ent, rows, norms)
+            share = len(rows) / len(mini)  # `update` weights each micro-batch by its rows
+            return loss, {k: v / share for k, v in metrics.items()}
+        metrics, used, natural = self.update(batch, loss_fn, routes_BTLK, replay_mask_BT,
+                                             shuffle_seed=objective.inputs.shuffle_seed)
+        return {k: (v, 1.0) for k, v in metrics.items()}, used, natural
+
+
+class Objective:
+    """The corrected policy loss of one micro-batch as its share of its mini-batch:
+    `objective(lp_bT, ent_bT, rows_b, norms) -> (loss, metrics)`, `norms` = the global
+    mini-batch's (num_tokens, num_seqs). Keeps the micro-batch's log-probs in `current_BT`."""
+
+    def __init__(self, batch: Batch, inputs: UpdateInputs, current_BT: torch.Tensor):
+        self.batch, self.inputs, self.current_BT = batch, inputs, current_BT
+
+    def __call__(self, lp_BT, ent_BT, rows, norms):
+        """Metrics come back weighted, so that adding them over micro-batches and ranks gives
+        the mini-batch's value: loss terms (SHARE_METRICS) already are the micro-batch's share;
+        token means are weighted by the micro-batch's share of the mini-batch's loss tokens."""
+        x = self.inputs
+        self.current_BT[rows] = lp_BT.detach().float()
+        out = policy_loss(
+            x.loss, lp_BT, x.old_logprobs_BT[rows], x.advantages_BT[rows], x.loss_mask_BT[rows],
+            is_weights=None if x.is_weights_BT is None else x.is_weights_BT[rows],
+            entropy=ent_BT, correction=x.correction,
+            rollout_logprobs=self.batch.rollout_logprobs_BT[rows],
+            num_tokens=norms[0], num_seqs=norms[1])
+        w = float(x.loss_mask_BT[rows].sum() / norms[0])
+        return out.loss, {k: v if k in SHARE_METRICS else v * w for k, v in out.metrics.items()}
