@@ -2,8 +2,9 @@
 
 The actor owns the fp32 master weights (the `MoEModel` it is given) and an AdamW optimiser over
 them. When `ActorConfig.dtype` (or the router / LM-head dtype) is not fp32, forwards and
-backwards run on a cast copy (`model.set_precision`) whose gradients are copied to the fp32
-master before the optimiser step, and which is refreshed from the master after it.
+backwards run on a cast copy (`model.set_precision`) whose gradients are added into the fp32
+master's after every micro-batch (so they accumulate in fp32), and which is refreshed from the
+master after each optimiser step.
 
 Log-probs are of the token at each position given the tokens before it, under
 softmax(logits / temperature) over the whole vocabulary (the distribution the rollout engine
@@ -253,6 +254,7 @@ class TorchActor(RankActor):
                 loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
                 metrics["actor/aux_loss"] = float(aux) * (len(idx) / mini_size if weighted else 1)
             loss.backward()
+            self._accumulate_fp32()
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
             if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
@@ -269,11 +271,20 @@ class TorchActor(RankActor):
                 (load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1e-9)).mean())
         return step_metrics
 
-    def _optimizer_step(self) -> dict[str, float]:
-        if self.compute is not self.master:
-            for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
-                pm.grad = None if pc.grad is None else pc.grad.float()
+    @torch.no_grad()
+    def _accumulate_fp32(self) -> None:
+        """Move a low-precision compute copy's gradients into the fp32 master's after every
+        micro-batch, so they accumulate in fp32 (a bf16 sum of micro-batch gradients would
+        lose ~3 significant digits)."""
+        if self.compute is self.master:
+            return
+        for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+            if pc.grad is not None:
+                g = pc.grad.float()
+                pm.grad = g if pm.grad is None else pm.grad.add_(g)
                 pc.grad = None
+
+    def _optimizer_step(self) -> dict[str, float]:
         if self.dp_size > 1:
             self._sum_gradients()
         params = [p for p in self.master.parameters() if p.grad is not None]

@@ -176,8 +176,7 @@ class ActorGroup:
             if cfg.cluster.ray_address:
                 ray.init(address=cfg.cluster.ray_address, runtime_env=env)
             else:  # a private cluster for this run, even where `ray start` left an address
-                ray.init(address="local", num_cpus=max(self.world, os.cpu_count() or 1),
-                         include_dashboard=False, runtime_env=env)
+                _start_local_ray(max(self.world, os.cpu_count() or 1), env)
         try:
             gpu = self.device == "cuda"
             bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
@@ -347,6 +346,21 @@ class ActorGroup:
                                            f"{what} within {timeout_s:.0f}s"))
             got[ready[0]] = self._get(ready[0], owner[ready[0]], what)
         return [got[ref] for ref in refs]
+
+
+def _start_local_ray(num_cpus: int, runtime_env: dict, attempts: int = 3) -> None:
+    """`ray.init` of a private local cluster, retried: Ray gives its raylet a fixed 30 s to
+    register, which a busy machine can miss."""
+    import ray
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     runtime_env=runtime_env)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            ray.shutdown()
 
 
 def _reason(e: Exception) -> str:
