@@ -153,7 +153,7 @@ class Trainer:
         t.lap("generate")
         old = self.actor.old_logprobs(batch, self.mode, step)  # pi_old; R2 routes stay on ranks
         t.lap("old_logprob")
-        maybe_dump(self, step, batch, rewards_B)  # loop.dump_every: samples for diagnose
+        maybe_dump(self, step, batch, rewards_B, None)  # loop.dump_every: for diagnose
         group_B = torch.arange(batch.size) // cfg.rollout.samples_per_prompt
         mask_BT = batch.response_mask_BT.float()
         adv_BT = grpo_advantages(rewards_B, group_B, mask_BT,                         # advantages
