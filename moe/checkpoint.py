@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
@@ -73,21 +74,14 @@ def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
     return sd
 
 
-@torch.no_grad()
-def load_hf_state_dict(model: MoEModel, sd: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named tensors into the model (casting to each parameter's dtype).
-
-    Every missing, unexpected or mis-shaped tensor is named in one error; nothing is copied
-    unless all match. A tied model accepts (and ignores) a `lm_head.weight` equal in shape.
-    """
-    targets = hf_state_dict(model)
-    extra = dict(sd)
-    if model.lm_head is None:
-        extra.pop("lm_head.weight", None)
-    missing = sorted(k for k in targets if k not in extra)
-    unexpected = sorted(k for k in extra if k not in targets)
-    misshaped = sorted(f"{k}: checkpoint {tuple(extra[k].shape)} vs model {tuple(t.shape)}"
-                       for k, t in targets.items() if k in extra and extra[k].shape != t.shape)
+def check_tensors(targets: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
+    """Validate `sd` against `targets` (same names, shapes; floating point; finite) without
+    touching either: every missing, unexpected or mis-shaped tensor in one error, then the
+    first integer-typed or non-finite tensor by name."""
+    missing = sorted(k for k in targets if k not in sd)
+    unexpected = sorted(k for k in sd if k not in targets)
+    misshaped = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(t.shape)}"
+                       for k, t in targets.items() if k in sd and sd[k].shape != t.shape)
     problems = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {missing}")
@@ -99,10 +93,29 @@ def load_hf_state_dict(model: MoEModel, sd: dict[str, torch.Tensor]) -> None:
         raise CheckpointError("checkpoint does not match the model config:\n  "
                               + "\n  ".join(problems))
     for k, t in targets.items():
-        src = extra[k]
-        if not torch.isfinite(src).all():
+        src = sd[k]
+        if t.is_floating_point() and not src.is_floating_point():
+            raise CheckpointError(f"tensor {k} has dtype {src.dtype}; weights must be floating "
+                                  f"point (the model's is {t.dtype})")
+        if src.is_floating_point() and not torch.isfinite(src).all():
             raise CheckpointError(f"tensor {k} contains NaN or Inf")
-        t.copy_(src.to(t.dtype))
+
+
+@torch.no_grad()
+def load_hf_state_dict(model: MoEModel, sd: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors into the model (casting to each parameter's dtype).
+
+    Validate, then swap: every tensor is checked (`check_tensors`) before any is copied, so a
+    bad checkpoint leaves the model as it was. A tied model accepts (and ignores) a
+    `lm_head.weight` equal in shape.
+    """
+    targets = hf_state_dict(model)
+    extra = dict(sd)
+    if model.lm_head is None:
+        extra.pop("lm_head.weight", None)
+    check_tensors(targets, extra)
+    for k, t in targets.items():
+        t.copy_(extra[k].to(t.dtype))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -173,13 +186,32 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path)
 
 
+def regular_file(path: Path) -> Path:
+    """`path` if it is a regular file; CheckpointError otherwise (a FIFO or a device would
+    block the reader forever, a directory cannot be read as one)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise CheckpointError(f"{path} is {kind}; expected a regular file")
+    return path
+
+
 def read_hf_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a folder (single file or sharded with an index), under their HF names."""
+    """All tensors of a folder (single file or sharded with an index), under their HF names.
+    Only regular files are opened; a damaged file is named in the error."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a directory (an HF checkpoint folder)")
     if (folder / INDEX_FILE).exists():
-        index = json.loads((folder / INDEX_FILE).read_text())
-        files = sorted(set(index["weight_map"].values()))
-    elif (folder / SINGLE_FILE).exists():
+        try:
+            index = json.loads(regular_file(folder / INDEX_FILE).read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{folder / INDEX_FILE} is not a valid index: {e!r}") from None
+    elif (folder / SINGLE_FILE).exists() or (folder / SINGLE_FILE).is_symlink():
         files = [SINGLE_FILE]
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -187,9 +219,17 @@ def read_hf_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"no safetensors weights in {folder}")
     sd = {}
     for name in files:
-        with safe_open(folder / name, framework="pt") as f:
-            for k in f.keys():
-                sd[k] = f.get_tensor(k)
+        if not isinstance(name, str) or Path(name).name != name:
+            raise CheckpointError(f"{folder / INDEX_FILE} names {name!r}; expected a file name "
+                                  f"inside {folder}")
+        path = regular_file(folder / name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for k in f.keys():
+                    sd[k] = f.get_tensor(k)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file (truncated or "
+                                  f"damaged?): {e}") from None
     return _unfuse_transformers_experts(sd)
 
 

@@ -449,12 +449,16 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
+        if path.exists() and not path.is_file():  # a FIFO or device would block the read
+            raise ConfigError(f"{path} is not a regular file")
         try:
             d = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
         try:
             return cls.from_hf_dict(d)
         except (ConfigError, TypeError) as e:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..moe.checkpoint import load_hf, load_hf_state_dict, read_hf_state_dict
+from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_state_dict,
+                              read_hf_state_dict)
 from ..moe.config import strict_kwargs
 from ..moe.model import KVCache, MoEModel
 from .decode import cached_forward_step, decode_step, make_decode_weights
@@ -105,6 +106,9 @@ class Engine:
         self._decode_weights = make_decode_weights(self.model)
         self.vocab_size = mcfg.vocab_size
         self.max_len = cfg.max_len or mcfg.max_position_embeddings
+        if self.max_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_len={self.max_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
         S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
         self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype])
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
@@ -174,14 +178,26 @@ class Engine:
         return req.rid
 
     def abort(self, rid: str | None = None) -> list[GenerationResult]:
-        """Drop a queued request or finish its running samples now (rid None: everything)."""
-        keep = [r for r in self.waiting if rid is not None and r.rid != rid]
-        for r in self.waiting:
-            if r not in keep:
-                self._live.pop(r.rid, None)
-        self.waiting = keep
+        """Finish a request now, queued or running (rid None: everything), as SGLang does:
+        every sample gets a result with finish_reason `abort` (a queued one with no output
+        tokens), so whoever waits on it is answered, and its rid is free again."""
+        reason = {"type": "abort", "message": "aborted by request"}
+        queued = [r for r in self.waiting if rid is None or r.rid == rid]
+        self.waiting = [r for r in self.waiting if not (rid is None or r.rid == rid)]
+        out = [self._aborted_in_queue(r, j, reason) for r in queued for j in range(r.sampling.n)]
+        for r in queued:
+            self._live.pop(r.rid, None)
         hit = [s for s in self.running.values() if rid is None or s.req.rid == rid]
-        return [self._finish(s, {"type": "abort", "message": "aborted by request"}) for s in hit]
+        return out + [self._finish(s, reason) for s in hit]
+
+    def _aborted_in_queue(self, req: GenerateRequest, index: int, reason: dict) -> GenerationResult:
+        empty = torch.zeros(0, dtype=torch.float32)
+        return GenerationResult(
+            rid=req.rid, index=index, prompt_ids=list(req.input_ids), output_ids=[],
+            output_logprobs=empty, sampling_logprobs=empty.clone(), finish_reason=dict(reason),
+            weight_version=self.weight_version,
+            sampling_mask=[] if req.return_sampling_mask else None,
+            support_logprobs=[] if req.return_support_logprobs else None)
 
     @property
     def has_work(self) -> bool:
@@ -201,20 +217,38 @@ class Engine:
         return [done[(r.rid, j)] for r in requests for j in range(r.sampling.n)]
 
     # -- weights ----------------------------------------------------------------------------
-    @torch.no_grad()
     def update_weights(self, source: dict | str | Path | MoEModel,
                        weight_version: str | None = None) -> str:
         """Copy new weights in place (cast to the engine's dtypes). `source` is an HF folder,
-        an HF-named or native state dict, or a model. Running sequences continue with the new
+        an HF-named or native state dict, or a model. Validate, then swap: every tensor is
+        read and checked first, and a bad source (CheckpointError naming the tensor) leaves
+        the weights and the version as they were. Running sequences continue with the new
         weights (SGLang does the same); returns the new weight version."""
+        return self.swap_weights(self.prepare_weights(source), weight_version)
+
+    def prepare_weights(self, source: dict | str | Path | MoEModel) -> dict:
+        """Read and validate new weights without touching the engine (any thread may call
+        it: the server reads a folder off the engine thread, then swaps on it)."""
         if isinstance(source, MoEModel):
             source = source.state_dict()
         elif isinstance(source, (str, Path)):
             source = read_hf_state_dict(source)
         if any(k.startswith("model.") for k in source):
-            load_hf_state_dict(self.model, source)
+            targets = hf_state_dict(self.model)
+            if self.model.lm_head is None:
+                source = {k: v for k, v in source.items() if k != "lm_head.weight"}
         else:
-            self.model.load_state_dict(source, strict=True)
+            targets = self.model.state_dict()
+        check_tensors(targets, source)
+        return source
+
+    @torch.no_grad()
+    def swap_weights(self, state_dict: dict, weight_version: str | None = None) -> str:
+        """Copy a state dict that `prepare_weights` returned; sets the new version."""
+        if any(k.startswith("model.") for k in state_dict):
+            load_hf_state_dict(self.model, state_dict)
+        else:
+            self.model.load_state_dict(state_dict, strict=True)
         self._decode_weights = make_decode_weights(self.model)
         if weight_version is None:
             weight_version = str(int(self.weight_version) + 1) \

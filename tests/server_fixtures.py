@@ -1,6 +1,10 @@
 """Fixtures shared by the client and server tests: one tiny random-init model (layer 0 dense)
-and a loopback `ServerThread` over it, both module-scoped. Import them into a test module:
+and a loopback `ServerThread` over it, both module-scoped; `call`, a plain urllib client. Import them into a test module:
 `from server_fixtures import ENGINE, model, server  # noqa: F401`."""
+
+import json
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -24,3 +28,19 @@ def model():
 def server(model):
     with ServerThread(Engine.from_model(model, ENGINE)) as srv:
         yield srv
+
+
+def call(url, path, body=None, raw=None, headers=None, method=None, timeout=60):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+            return r.status, (json.loads(text) if text.strip().startswith(("{", "[")) else text)
+    except urllib.error.HTTPError as e:
+        text = e.read().decode()
+        try:
+            return e.code, json.loads(text or "null")
+        except ValueError:
+            return e.code, text

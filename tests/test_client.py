@@ -97,7 +97,7 @@ def test_row_count_and_contract_checks(server, model):
     with pytest.raises(RolloutError, match="request 0 sample 0: prompt_tokens=2 \\(sent 3\\)"):
         http.parse(item, req, 0, 0)
     with pytest.raises(RolloutError, match="HTTP 400.*outside the vocabulary"):
-        http.generate([GenerateRequest([1, 99])])
+        http.generate([GenerateRequest([1, 99], SamplingParams(max_new_tokens=4))])
 
 
 def test_bad_routes_name_request_and_sample(server, model):

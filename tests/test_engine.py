@@ -231,5 +231,9 @@ def test_bad_requests_rejected_by_name(model):
     assert len(aborted) == 1 and aborted[0].finish_reason["type"] == "abort"
     assert not eng.has_work and len(eng.free_slots) == 4
     assert math.isfinite(float(aborted[0].output_logprobs.sum()))
-    eng.add_request(GenerateRequest([3], rid=rid))  # a finished rid can be used again
-    assert len(eng.abort()) == 0 and not eng.has_work and not eng._live
+    eng.add_request(GenerateRequest([3], SamplingParams(n=2), rid=rid))  # a finished rid is free
+    # a queued request is answered too (every sample, no tokens), as SGLang does
+    queued = eng.abort()
+    assert [(r.rid, r.index, r.output_ids, r.finish_reason["type"]) for r in queued] == \
+        [(rid, 0, [], "abort"), (rid, 1, [], "abort")]
+    assert not eng.has_work and not eng._live

@@ -2,10 +2,7 @@
 
 import base64
 import re
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -17,25 +14,13 @@ from lockstep.rollout.engine import Engine
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
-from server_fixtures import ENGINE, model, server  # noqa: F401 (pytest fixtures)
-
-
-def call(url, path, body=None, raw=None, headers=None, method=None):
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            text = r.read().decode()
-            return r.status, (json.loads(text) if text.strip().startswith(("{", "[")) else text)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read().decode() or "null")
+from server_fixtures import ENGINE, call, model, server  # noqa: F401 (pytest fixtures)
 
 
 def test_generate_matches_engine_and_sglang_schema(server, model):
     body = {"input_ids": [5, 9, 11, 3, 7], "return_logprob": True, "return_routed_experts": True,
             "sampling_params": {"temperature": 0.7, "max_new_tokens": 9, "sampling_seed": 4},
-            "some_future_top_level_key": 1}  # unknown top-level keys are ignored, as in SGLang
+            "priority": 3, "routing_key": "k"}  # SGLang fields with no effect here are accepted
     status, out = call(server.url, "/generate", body)
     assert status == 200 and isinstance(out, dict)
     meta = out["meta_info"]
@@ -129,6 +114,22 @@ BAD = [
     ({"input_ids": [1], "lockstep_routed_experts_encoding": "int8"}, "valid: \\['int32', 'compact'\\]"),
     ({"input_ids": [1], "sampling_logprobs_mode": "selected"}, "needs return_sampling_mask"),
     ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid values must be distinct"),
+    ({"input_ids": [1], "rid": 7}, "rid must be a string"),
+    # strictness (issue 12): misspelled or unknown top-level fields are refused by name
+    ({"input_ids": [1], "return_logprobs": True},
+     "unknown /generate field 'return_logprobs'; did you mean 'return_logprob'"),
+    ({"input_ids": [1], "sampling_param": {}}, "did you mean 'sampling_params'"),
+    ({"input_ids": [1], "lora_path": "adapter"}, "'lora_path' is an SGLang feature .* not implement"),
+    ({"input_ids": [1] * 40, "sampling_params": {"max_new_tokens": 9}},
+     "40 prompt tokens \\+ max_new_tokens=9 exceed the context of 48 tokens.*at most 8"),
+    # what SGLang 0.5.23 refuses (issue 9 item 5)
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 2}}, "min_new_tokens=2 is refused"),
+    ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_p": 0.9}},
+     "return_sampling_mask needs a finite top_k in \\(1, 4096\\].*got top_k=-1"),
+    ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": 5000}},
+     "got top_k=5000"),
+    ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": 5, "n": 2}},
+     "return_sampling_mask with n=2 is refused: SGLang fails"),
 ]
 
 
@@ -151,7 +152,7 @@ def test_endpoints_and_weight_update(server, model, tmp_path):
     assert status == 200 and info["is_generation"] and info["lockstep"]["moe_layer_ids"] == [1, 2]
     assert call(server.url, "/flush_cache", {})[0] == 200
     status, bad = call(server.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
-    assert status == 400 and bad["success"] is False and "no safetensors" in bad["message"]
+    assert status == 400 and bad["success"] is False and "nope is not a directory" in bad["message"]
     torch.manual_seed(3)
     other = MoEModel(model.cfg)
     save_hf(other, tmp_path / "w1")
@@ -196,7 +197,11 @@ def test_sampling_mask_max_tokens(model):
         body = {"input_ids": [1, 2], "return_sampling_mask": True,
                 "sampling_params": {"max_new_tokens": 2}}
         status, out = call(srv.url, "/generate", body)
-        assert status == 400 and "sampling_mask_max_tokens=8: set top_k <= 8" in out["error"]["message"]
+        assert status == 400 and "set top_k <= 8" in out["error"]["message"]
+        body["sampling_params"]["top_k"] = 9
+        assert call(srv.url, "/generate", body)[0] == 400
+        for ok in ({"top_k": 1}, {"temperature": 0}):  # a one-token support is always allowed
+            assert call(srv.url, "/generate", {**body, "sampling_params": ok})[0] == 200
         body["sampling_params"]["top_k"] = 8
         status, out = call(srv.url, "/generate", body)
         assert status == 200 and all(len(m) <= 8 for m in out["meta_info"]["output_token_sampling_mask"])
