@@ -9,6 +9,7 @@ log-probs after temperature, the finish reason and the weight version that produ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import shutil
 import uuid
@@ -93,6 +94,13 @@ class HTTPBackend(RolloutBackend):
     request is wrong). With `compact_routes` the client asks for lockstep's compact route
     encoding; a real SGLang server ignores the field and sends int32, which is decoded as well.
 
+    Sampling-mask requests follow what SGLang 0.5.23 accepts (REFERENCE.md): top_k must be
+    finite and at most the server's `--sampling-mask-max-tokens` (`sampling_mask_max_tokens`),
+    so top_k=-1 is sent as the vocabulary size when that fits (the same distribution) and
+    refused before sending otherwise; and an n > 1 request is sent as n single-sample requests
+    with seeds seed + j (SGLang fails n > 1 with the mask), regrouped in order, which gives
+    the engine's n-sample results exactly.
+
     Every response must carry the `weight_version` that produced it. After `update_weights`
     the client expects exactly the version it pushed: results of any other version are
     refused naming both, as are weight updates the server reports under another version.
@@ -101,7 +109,7 @@ class HTTPBackend(RolloutBackend):
     def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
                  max_concurrency: int = 64, timeout_s: float = 600.0, retries: int = 3,
                  backoff_s: float = 0.5, compact_routes: bool = True,
-                 weights_dir: str | Path | None = None):
+                 weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096):
         self.url = url.rstrip("/")
         self.cfg = model_cfg
         self.api_key = api_key
@@ -109,6 +117,7 @@ class HTTPBackend(RolloutBackend):
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
         self.compact_routes = compact_routes
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.weight_version = "unknown"  # until a response or update_weights names it
         self._pushed_version: str | None = None  # what results must carry after update_weights
@@ -150,9 +159,31 @@ class HTTPBackend(RolloutBackend):
                 return await r.json(content_type=None) if text else None
 
     # -- generate -----------------------------------------------------------------------------
+    def _wire_sampling(self, req: GenerateRequest) -> dict:
+        """sampling_params as SGLang accepts them; a finite top_k for sampling-mask requests."""
+        sp = req.sampling.to_sglang()
+        if not req.return_sampling_mask or req.sampling.greedy or sp["top_k"] == 1:
+            return sp
+        V, cap = self.cfg.vocab_size, self.sampling_mask_max_tokens
+        if sp["top_k"] == -1 and V <= cap:
+            sp["top_k"] = V  # keeps every token: the same distribution as -1
+        if not 1 < sp["top_k"] <= cap:
+            raise RolloutError(
+                f"return_sampling_mask with top_k={req.sampling.top_k} (vocabulary {V}): SGLang "
+                f"needs a finite top_k <= sampling_mask_max_tokens={cap} "
+                f"(--sampling-mask-max-tokens); set rollout.top_k <= {cap}")
+        return sp
+
+    def _fan_out(self, req: GenerateRequest) -> list[GenerateRequest]:
+        """The n single-sample requests an n > 1 sampling-mask request is sent as."""
+        base = req.rid or uuid.uuid4().hex
+        sp = req.sampling
+        return [dataclasses.replace(req, rid=f"{base}-{j}", sampling=dataclasses.replace(
+            sp, n=1, seed=None if sp.seed is None else sp.seed + j)) for j in range(sp.n)]
+
     def request_body(self, req: GenerateRequest) -> dict:
         body: dict[str, Any] = {
-            "input_ids": req.input_ids, "sampling_params": req.sampling.to_sglang(),
+            "input_ids": req.input_ids, "sampling_params": self._wire_sampling(req),
             "rid": req.rid or uuid.uuid4().hex,
             "return_logprob": True, "logprob_start_len": 0 if req.return_input_logprobs else -1,
             "top_logprobs_num": req.top_logprobs_num,
@@ -170,8 +201,14 @@ class HTTPBackend(RolloutBackend):
         conn = aiohttp.TCPConnector(limit=self.max_concurrency)
         async with aiohttp.ClientSession(timeout=self.timeout, connector=conn) as session:
             async def one(i: int, req: GenerateRequest) -> list[GenerationResult]:
+                if req.return_sampling_mask and req.sampling.n > 1:
+                    subs = self._fan_out(req)
+                    parts = await asyncio.gather(*(one(i, sub) for sub in subs))
+                    return [dataclasses.replace(r[0], index=j, rid=req.rid or r[0].rid)
+                            for j, r in enumerate(parts)]
+                body = self.request_body(req)  # refuses before sending what SGLang refuses
                 async with sem:
-                    resp = await self._post(session, "/generate", self.request_body(req))
+                    resp = await self._post(session, "/generate", body)
                 items = resp if isinstance(resp, list) else [resp]
                 if len(items) != req.sampling.n:
                     raise RolloutError(f"request {i}: asked n={req.sampling.n}, server answered "
