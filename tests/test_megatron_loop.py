@@ -76,7 +76,8 @@ def test_megatron_section_reaches_the_actor(tmp_path):
 
 
 @pytest.mark.parametrize("override", ["actor.megatron.tensor_parallel=2",
-                                      "actor.megatron.expert_parallel=2"])
+                                      "actor.megatron.expert_parallel=2",
+                                      "actor.megatron.pipeline_parallel=2"])
 def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
     with pytest.raises(ValueError, match=override.replace(".", r"\.") + r".*world of one "
                                          r"process.*torchrun\) is not supported yet"):

@@ -31,7 +31,7 @@ LAYOUTS = {  # name -> MegatronOptions kwargs
 
 
 def _cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+    return ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, intermediate_size=48,
                        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                        mlp_only_layers=[1])
@@ -87,7 +87,9 @@ def _worker(rank: int, port: int, path: str) -> None:
     dist.destroy_process_group()
 
 
-ACTOR_LAYOUTS = {"ep2": dict(expert_parallel=2), "tp2_sp": dict(tensor_parallel=2)}
+ACTOR_LAYOUTS = {"ep2": dict(expert_parallel=2), "tp2_sp": dict(tensor_parallel=2),
+                 # stage 0: layers 0 (MoE), 1 (dense); stage 1: layers 2, 3 (MoE)
+                 "pp2": dict(pipeline_parallel=2)}
 
 
 def _batch(data):
@@ -142,6 +144,8 @@ def _actor_step(actor, batch, adv_B):
     grads = actor.gradients(batch, _loss_fn(batch, adv_B), batch.rollout_routes_BTLK,
                             batch.rollout_routes_valid_BT) if hasattr(actor, "gradients") \
         else _torch_grads(actor.master, batch, adv_B)
+    rec = actor.logprobs(batch, record=True)  # R2's old-log-prob pass: recorded routes
+    r2 = actor.logprobs(batch, rec.routes_BTLK, batch.token_mask_BT, record=True)
     before = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
                             record=True)
     metrics, used, natural = actor.update(batch, _loss_fn(batch, adv_B),
@@ -149,6 +153,8 @@ def _actor_step(actor, batch, adv_B):
                                           batch.rollout_routes_valid_BT, shuffle_seed=3)
     after = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
     return dict(grads=grads, lp_before=before.logprobs_BT, routes_before=before.routes_BTLK,
+                lp_natural=rec.logprobs_BT, recorded=rec.routes_BTLK,
+                r2_lp=r2.logprobs_BT, r2_routes=r2.routes_BTLK,
                 metrics=metrics, used=used, natural=natural, lp_after=after.logprobs_BT,
                 weights=_weights(actor))
 
@@ -244,6 +250,14 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
             err = (got["lp_before"] - ref["lp_before"])[scored_all].abs().max()
             assert err <= TOL, f"actor {layout} rank {rank}: old log-probs differ by {err}"
             assert torch.equal(got["routes_before"][valid], routes[valid])
+            # R2: recorded = the torch actor's natural routes; replaying them runs them
+            real = batch.token_mask_BT
+            assert torch.equal(got["recorded"].sort(-1).values[real],
+                               ref["recorded"].sort(-1).values[real]), layout
+            assert torch.equal(got["r2_routes"][real], got["recorded"][real]), layout
+            for k in ("lp_natural", "r2_lp"):
+                err = (got[k] - ref[k])[scored_all].abs().max()
+                assert err <= TOL, f"actor {layout} rank {rank}: {k} differs by {err}"
             assert torch.equal(got["used"][valid], routes[valid])
             scale = max(g.abs().max() for g in ref["grads"].values())
             diff, key = max(((got["grads"][k] - ref["grads"][k]).abs().max(), k)

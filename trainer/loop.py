@@ -58,7 +58,8 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
     m = cfg.actor.megatron
     big = {k: v for k, v in (("tensor_parallel", m.tensor_parallel),
                              ("expert_parallel", m.expert_parallel),
-                             ("expert_tensor_parallel", m.etp)) if v != 1}
+                             ("expert_tensor_parallel", m.etp),
+                             ("pipeline_parallel", m.pipeline_parallel)) if v != 1}
     if big:
         raise ValueError(
             f"{', '.join(f'actor.megatron.{k}={v}' for k, v in big.items())}: the RL loop runs "

@@ -37,8 +37,8 @@ from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor
 from lockstep.trainer.megatron import convert
 from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model, forward_logits,
-                                             initialize_parallel, token_logprobs_entropy,
-                                             transformer_config)
+                                             initialize_parallel, is_last_stage, padded_length,
+                                             token_logprobs_entropy, transformer_config)
 from lockstep.trainer.megatron.replay import Mode, RouteReplay
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -137,6 +137,14 @@ class MegatronActor(RankActor):
         self.route_dtype = compact_dtype(mcfg.num_experts)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
+        self.tp = self.opts.tensor_parallel
+        self.pp = self.opts.pipeline_parallel
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        # this stage's MoE layers, as a slice of the L axis of [B, T, L, K] routes
+        moe_ids = [i for i in convert.stage_layers(self.gpt).values() if mcfg.is_moe_layer(i)]
+        first = sum(1 for i in range(moe_ids[0]) if mcfg.is_moe_layer(i)) if moe_ids else 0
+        self.moe_slice = slice(first, first + len(moe_ids))
+        self._update_lp = torch.zeros(0)
         self._set_lr()
 
     # -- helpers -------------------------------------------------------------------------
@@ -149,31 +157,89 @@ class MegatronActor(RankActor):
     def _my_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.tensor_split(self.dp)[self.dp_rank]
 
+    def _pp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pp > 1:
+            dist.all_reduce(x, group=self.pp_group)
+        return x
+
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp > 1:
             dist.all_reduce(x, group=self.dp_group)
         return x
 
-    def _forward(self, mb: Batch, routes_BTLK, mask_BT):
-        """One forward of micro-batch `mb` inside an open session -> (lp, ent, used, natural).
+    def _run(self, batch: Batch, micro: list[torch.Tensor], routes_BTLK, mask_BT, used, nat,
+             *, lp_BT=None, ent_BT=None, loss_fn: LossFn | None = None,
+             mini: torch.Tensor | None = None) -> dict[str, float]:
+        """Micro-batches `micro` (rows of `batch`) through megatron-core's schedule, on every
+        pipeline stage, inside one replay session. Writes this stage's MoE layers of the routes
+        run / natural top-k into `used` / `nat` [B, T, L, K]; on the last stage writes the
+        log-probs and entropies into `lp_BT` / `ent_BT` (log-prob pass) or gives them to
+        `loss_fn` (update: backward too; grads end up DP-reduced in the DDP buffers). Returns
+        the update's metrics (row-weighted over this rank's micro-batches; last stage), and
+        `actor/aux_loss` summed over this stage's MoE layers (not yet over stages)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        lp/ent are [b, T] with 0 at position 0 (nothing predicts it), like the torch actor.
-        Positions where `mask_BT` is False are routed naturally in this same forward.
-        """
-        b, T = mb.input_ids_BT.shape
-        if routes_BTLK is not None:
-            self.replay.set_routes(routes_BTLK, mask_BT)
-        ids = mb.input_ids_BT.to(self.device)
-        logits = self.replay.backward_replays(forward_logits(self.ddp, ids))[:, :-1]
-        if mb.candidates_BTS is not None:  # sampling-mask replay: softmax over the kept ids
-            logits = _keep_candidates(logits, mb.candidates_BTS[:, 1:].to(self.device))
-        lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
-        zero = lp.new_zeros(b, 1)
-        natural, used = self.replay.natural(b, T), self.replay.used(b, T)
-        # results live on the CPU like the batch the loss function indexes (a differentiable
-        # copy: the backward pass still reaches the model on its device)
-        lp, ent = torch.cat([zero, lp], 1).cpu(), torch.cat([zero, ent], 1).cpu()
-        return lp, ent, used, natural
+        train = loss_fn is not None
+        T = batch.input_ids_BT.shape[1]
+        last = is_last_stage(self.gpt)
+        metrics: dict[str, float] = {}
+        aux_sum = 0.0
+
+        def forward_step(data_iterator, model):
+            nonlocal aux_sum
+            idx = next(data_iterator)
+            mb = batch.rows(idx)
+            b = len(idx)
+            if train:
+                # the torch actor adds aux_loss_coef * (layer mean) * len(idx) / len(mini); the
+                # schedule and DDP divide what is attached by micro-batches * dp (undone here)
+                self.replay.begin_micro_batch(
+                    mb.token_mask_BT, self.aux_coef / self.num_moe_layers * b / len(mini)
+                    * len(micro) * self.dp)
+            if routes_BTLK is not None and self.replay.num_layers:
+                self.replay.set_routes(routes_BTLK[idx][:, :, self.moe_slice],
+                                       None if mask_BT is None else mask_BT[idx])
+            ids = mb.input_ids_BT.to(self.device)
+            out = self.replay.backward_replays(forward_logits(model, ids))
+            if self.replay.num_layers:
+                used[idx, :, self.moe_slice] = self.replay.used(b, T)
+                nat[idx, :, self.moe_slice] = self.replay.natural(b, T)
+            if train and self.aux_coef > 0 and self.replay.num_layers:
+                aux_sum += float(self.replay.aux_loss_sum()) * b / len(mini)
+            if not last:
+                return out, None  # hidden states for the next stage; no loss here
+            logits = out[:, :-1]
+            if mb.candidates_BTS is not None:  # sampling-mask replay: softmax over kept ids
+                logits = _keep_candidates(logits, mb.candidates_BTS[:, 1:].to(self.device))
+            lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
+            zero = lp.new_zeros(b, 1)
+            # results live on the CPU like the batch the loss function indexes (a
+            # differentiable copy: the backward pass still reaches the model on its device)
+            lp, ent = torch.cat([zero, lp], 1).cpu(), torch.cat([zero, ent], 1).cpu()
+
+            def loss_func(_output):
+                if not train:
+                    lp_BT[idx], ent_BT[idx] = lp, ent
+                    return lp.new_zeros(()), {}
+                loss, m = loss_fn(lp, ent, idx, mini)
+                self._update_lp[idx] = lp.detach()
+                for k, v in m.items():  # micro-batch means: weight them by rows
+                    metrics[k] = metrics.get(k, 0.0) + v * b / len(mini)
+                # megatron-core divides by the micro-batch count and DDP averages over DP
+                # ranks; our loss already is this micro-batch's share of the mini-batch loss
+                return loss * (len(micro) * self.dp), {}
+            return lp, loss_func
+
+        self.ddp.train(train)
+        mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
+        with self.replay.session(mode):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
+                num_microbatches=len(micro), seq_length=padded_length(T, self.tp),
+                micro_batch_size=max(len(m) for m in micro), forward_only=not train)
+        if train and self.aux_coef > 0:
+            metrics["actor/aux_loss"] = aux_sum
+        return metrics
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.micro_batch_size))
@@ -192,16 +258,12 @@ class MegatronActor(RankActor):
         lp_BT, ent_BT = torch.zeros(B, T), torch.zeros(B, T)
         nat = torch.zeros(B, T, L, K, dtype=torch.int64)
         used = torch.zeros(B, T, L, K, dtype=torch.int64)
-        self.ddp.eval()
-        mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
-        for idx in self._micro_batches(self._my_rows(torch.arange(B))):
-            r = None if routes_BTLK is None else routes_BTLK[idx]
-            m = None if replay_mask_BT is None else replay_mask_BT[idx]
-            with self.replay.session(mode):
-                lp, ent, u, n = self._forward(batch.rows(idx), r, m)
-            lp_BT[idx], ent_BT[idx], used[idx], nat[idx] = lp, ent, u, n
-        for x in (lp_BT, ent_BT, used, nat):
+        micro = self._micro_batches(self._my_rows(torch.arange(B)))
+        self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat, lp_BT=lp_BT,
+                  ent_BT=ent_BT)
+        for x in (lp_BT, ent_BT, used, nat):  # rows over DP, stages' layers / logits over PP
             self._dp_sum(x)
+            self._pp_sum(x)
         return LogprobResult(lp_BT, ent_BT, nat.to(self.route_dtype),
                              used.to(self.route_dtype) if record else None)
 
@@ -230,52 +292,36 @@ class MegatronActor(RankActor):
             return metrics
 
         metrics = run_minibatches(B, cfg, shuffle_seed, step)
-        self._dp_sum(used)
-        self._dp_sum(nat)
+        for x in (used, nat):
+            self._dp_sum(x)
+            self._pp_sum(x)
         return metrics, used.to(self.route_dtype), nat.to(self.route_dtype)
 
     def _forward_backward(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor,
                           routes_BTLK, replay_mask_BT, used, nat) -> dict[str, float]:
         """Gradients of one mini-batch (this DP rank's rows, in micro-batches) through
-        megatron-core's schedule; grads end up DP-reduced in the DDP buffers."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+        megatron-core's schedule; metrics are the mini-batch's on every rank. Under PP the
+        loss is computed on the last stage; earlier stages then hand `loss_fn` the same
+        log-probs (no grad) so its side effects (the loop keeps them) happen on every rank."""
         micro = self._micro_batches(self._my_rows(mini))
-        step_metrics: dict[str, float] = {}
-
-        def forward_step(data_iterator, model):
-            idx = next(data_iterator)
-            r = None if routes_BTLK is None else routes_BTLK[idx]
-            m = None if replay_mask_BT is None else replay_mask_BT[idx]
-            mb = batch.rows(idx)
-            # the torch actor adds aux_loss_coef * (layer mean) * len(idx) / len(mini); the
-            # schedule and DDP divide what is attached by micro-batches * dp (undone here)
-            self.replay.begin_micro_batch(
-                mb.token_mask_BT, self.aux_coef / self.num_moe_layers * len(idx) / len(mini)
-                * len(micro) * self.dp)
-            lp, ent, u, n = self._forward(mb, r, m)
-            used[idx], nat[idx] = u, n
-            aux = self.replay.aux_loss_sum()
-
-            def loss_func(_output):
-                loss, metrics = loss_fn(lp, ent, idx, mini)
-                if self.aux_coef > 0 and aux is not None:
-                    metrics = {**metrics, "actor/aux_loss": float(aux) / self.num_moe_layers}
-                for k, v in metrics.items():  # micro-batch means: weight them by rows
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v * len(idx) / len(mini)
-                # megatron-core divides by the micro-batch count and DDP averages over DP
-                # ranks; our loss already is this micro-batch's share of the mini-batch loss
-                return loss * (len(micro) * self.dp), {}
-            return lp, loss_func
-
-        self.ddp.train()
-        mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
-        with self.replay.session(mode):
-            get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
-                num_microbatches=len(micro), seq_length=batch.input_ids_BT.shape[1],
-                micro_batch_size=self.cfg.micro_batch_size, forward_only=False)
-        return self._dp_mean_metrics(step_metrics)
+        self._update_lp = torch.zeros(batch.input_ids_BT.shape)
+        metrics = self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat,
+                            loss_fn=loss_fn, mini=mini)
+        if self.pp > 1:
+            parts: list = [None] * self.pp
+            dist.all_gather_object(parts, metrics, group=self.pp_group)
+            metrics = dict(parts[-1])
+            if self.aux_coef > 0:
+                metrics["actor/aux_loss"] = sum(p["actor/aux_loss"] for p in parts)
+            self._pp_sum(self._update_lp)
+            if not is_last_stage(self.gpt):
+                with torch.no_grad():
+                    for idx in micro:
+                        lp = self._update_lp[idx]
+                        loss_fn(lp, torch.zeros_like(lp), idx, mini)
+        if self.aux_coef > 0:
+            metrics["actor/aux_loss"] /= self.num_moe_layers
+        return self._dp_mean_metrics(metrics)
 
     def gradients(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                   replay_mask_BT: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

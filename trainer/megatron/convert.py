@@ -21,6 +21,7 @@ Norm weights and the router are replicated. `_extra_state` entries (TE) are skip
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -243,12 +244,39 @@ def _ranks() -> tuple[int, int, int]:
             ps.get_expert_tensor_parallel_rank())
 
 
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def stage_layers(model) -> dict[int, int]:
+    """This pipeline stage's decoder layers: local index -> global layer index."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return {j: layer.layer_number - 1 for j, layer in enumerate(model.decoder.layers)}
+
+
+def global_names(model, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors` keyed by this stage's local megatron names -> keyed by whole-model names
+    (`decoder.layers.{j}` of stage p is layer j + p * layers-per-stage); PP=1: unchanged."""
+    g = stage_layers(model)
+
+    def rename(k: str) -> str:
+        m = _LAYER.match(k)
+        return k if m is None else f"decoder.layers.{g[int(m.group(1))]}." + k[m.end():]
+    return {rename(k): v for k, v in tensors.items() if not k.endswith("_extra_state")}
+
+
 def load_hf_into_megatron(model, hf: Mapping[str, Tensor], cfg: ModelConfig) -> None:
-    """Copy HF weights into this rank's shard of a built GPTModel; every tensor is checked."""
+    """Copy HF weights into this rank's shard of a built GPTModel (its pipeline stage's
+    layers, embedding on the first stage, final norm / LM head on the last); every tensor is
+    checked."""
     lay = Layout.of_model(model)
     tp_rank, ep_rank, etp_rank = _ranks()
     sd = hf_to_megatron(hf, cfg, lay, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    own = global_names(model, model.state_dict())
+    if len(stage_layers(model)) != cfg.num_hidden_layers:  # a pipeline stage: its part only
+        mine = {f"decoder.layers.{i}." for i in stage_layers(model).values()}
+        sd = {k: v for k, v in sd.items() if k in own or
+              (_LAYER.match(k) and _LAYER.match(k).group(0) in mine)}
     missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
     bad = [f"{k}: model {tuple(own[k].shape)} vs converted {tuple(sd[k].shape)}"
            for k in sorted(set(own) & set(sd)) if own[k].shape != sd[k].shape]
@@ -273,12 +301,12 @@ def megatron_to_hf_state_dict(model, cfg: ModelConfig,
     lay = Layout.of_model(model)
     if tensors is None:
         tensors = model.state_dict()
-    local = {k: v.detach().cpu() for k, v in tensors.items() if not k.endswith("_extra_state")}
+    local = {k: v.detach().cpu() for k, v in global_names(model, tensors).items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (_ranks(), local))
-    shards = {}
-    for ranks, sd in everyone:
-        shards.setdefault(ranks, sd)
+    shards: dict = {}
+    for ranks, sd in everyone:  # DP copies are equal; PP stages hold disjoint names
+        shards.setdefault(ranks, {}).update(sd)
     return megatron_to_hf(shards, cfg, lay)
 
 
@@ -295,7 +323,7 @@ def export_hf(model, cfg: ModelConfig, bucket_bytes: int):
     from lockstep.moe.buckets import bucketize
 
     lay = Layout.of_model(model)
-    local = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    local = global_names(model, model.state_dict())
     ranks = _ranks()
 
     def gathered(mine: dict[str, Tensor]) -> dict[tuple[int, int, int], dict[str, Tensor]]:

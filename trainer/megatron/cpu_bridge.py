@@ -104,6 +104,12 @@ def install() -> None:
     for mod in (schedules, mc_optimizer, clip_grads, param_and_grad_buffer, mc_utils):
         _patch(mod, "torch", _TORCH_CPU_FOR_CUDA)
 
+    # 8. Pipeline p2p with variable shapes (the actor's PP micro-batches may differ in rows)
+    #    exchanges shapes first and then calls `torch.cuda.synchronize()` against a NCCL race;
+    #    on CPU the requests were already waited on, so the sync is a no-op.
+    from megatron.core.pipeline_parallel import p2p_communication
+    _patch(p2p_communication, "torch", _TORCH_CPU_NO_CUDA_SYNC)
+
     # 7. Grad clipping asserts every grad is a 'torch.cuda.FloatTensor'. On CPU the same fp32
     #    grads are 'torch.FloatTensor'; scaling them by the clip coefficient is all it does.
     _patch(clip_grads, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
@@ -188,6 +194,21 @@ class _TorchCpuForCuda(types.ModuleType):
 _TORCH_CPU_FOR_CUDA = _TorchCpuForCuda("torch")
 for _name in _FACTORIES:
     setattr(_TORCH_CPU_FOR_CUDA, _name, _cpu_for_cuda(getattr(torch, _name)))
+
+
+class _CudaWithoutSync(types.ModuleType):
+    """`torch.cuda`, except that `synchronize()` does nothing (nothing runs asynchronously)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+
+_TORCH_CPU_NO_CUDA_SYNC = _TorchCpuForCuda("torch")
+_TORCH_CPU_NO_CUDA_SYNC.cuda = _CudaWithoutSync("torch.cuda")
 
 
 def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,

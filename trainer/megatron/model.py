@@ -40,6 +40,8 @@ class MegatronOptions:
     """EP size: experts are partitioned over this many ranks."""
     expert_tensor_parallel: int | None = None
     """Expert TP size (ETP); None = tensor_parallel (megatron-core's default)."""
+    pipeline_parallel: int = 1
+    """PP size: the decoder layers are split evenly over this many stages (1F1B schedule)."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype."""
     router_dtype: Literal["fp32", "fp64"] | None = None
@@ -58,7 +60,8 @@ class MegatronOptions:
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel"):
+        for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel",
+                     "pipeline_parallel"):
             v = getattr(self, name)
             if v is None and name == "expert_tensor_parallel":
                 continue
@@ -134,6 +137,14 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
     if cfg.num_experts % opts.expert_parallel:
         raise ConfigError(f"num_experts={cfg.num_experts} is not divisible by "
                           f"expert_parallel={opts.expert_parallel}")
+    pp = opts.pipeline_parallel
+    if cfg.num_hidden_layers % pp:
+        raise ConfigError(f"num_hidden_layers={cfg.num_hidden_layers} is not divisible by "
+                          f"megatron.pipeline_parallel={pp} (stages hold equal layer counts)")
+    if pp > 1 and cfg.tie_word_embeddings:
+        raise ConfigError("megatron.pipeline_parallel > 1 with tie_word_embeddings: the first and "
+                          "last stage would each hold a copy of the embedding, which lockstep's "
+                          "weight conversion does not handle")
     if cfg.vocab_size % opts.tensor_parallel:
         raise ConfigError(f"vocab_size={cfg.vocab_size} is not divisible by "
                           f"tensor_parallel={opts.tensor_parallel} (no vocabulary padding: "
@@ -182,6 +193,12 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         expert_model_parallel_size=opts.expert_parallel,
         expert_tensor_parallel_size=opts.etp,
         sequence_parallel=opts.tensor_parallel > 1,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype if pp > 1 else None,
+        # micro-batches of unequal rows (the last one of a batch) travel between stages
+        variable_seq_lengths=pp > 1,
+        # the batched p2p path calls torch.cuda.synchronize() (p2p_communication.py)
+        batch_p2p_sync=on_gpu,
         # precision and kernels
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -230,8 +247,13 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
     check_replay_compatible(tc)
     use_te = tc.moe_grouped_gemm or (te_available() if opts.use_transformer_engine is None
                                      else opts.use_transformer_engine)
+    from megatron.core import parallel_state as ps
+
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=use_te, normalization="RMSNorm")
+    pp = tc.pipeline_model_parallel_size > 1
     return GPTModel(
+        pre_process=ps.is_pipeline_first_stage() if pp else True,
+        post_process=ps.is_pipeline_last_stage() if pp else True,
         config=tc,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
@@ -264,6 +286,7 @@ def initialize_parallel(opts: MegatronOptions) -> None:
         tensor_model_parallel_size=opts.tensor_parallel,
         expert_model_parallel_size=opts.expert_parallel,
         expert_tensor_parallel_size=opts.etp,
+        pipeline_model_parallel_size=opts.pipeline_parallel,
     )
     model_parallel_cuda_manual_seed(opts.seed)
 
@@ -274,7 +297,8 @@ def padded_length(T: int, tensor_parallel: int) -> int:
 
 
 def forward_logits(model, input_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Logits [B, T, V/TP] (vocab-sharded under TP) for right-padded rows at positions 0..T-1.
+    """Logits [B, T, V/TP] (vocab-sharded under TP) for right-padded rows at positions 0..T-1;
+    on a pipeline stage before the last, that stage's output hidden states (sequence-first).
 
     megatron-core's RoPE always uses positions arange(S), so rows must start at position 0
     (right padding). T is padded to a multiple of TP for sequence parallelism; the padding is
@@ -293,8 +317,17 @@ def forward_logits(model, input_ids_BT: torch.Tensor) -> torch.Tensor:
         # True = masked out (megatron-core convention); explicit, as the default is built
         # on "cuda"
         mask_11SS = torch.ones(1, 1, S, S, dtype=torch.bool, device=device).triu(1)
-    logits_BSV = model(ids_BS, pos_BS, mask_11SS)
-    return logits_BSV[:, :T]
+    out = model(ids_BS, pos_BS, mask_11SS)
+    if not is_last_stage(model):
+        return out  # hidden states [S/TP, B, D] for the next pipeline stage
+    return out[:, :T]
+
+
+def is_last_stage(model) -> bool:
+    """Whether `model` (a GPTModel, maybe DDP-wrapped) computes logits (the last PP stage)."""
+    while not hasattr(model, "post_process") and hasattr(model, "module"):
+        model = model.module
+    return bool(model.post_process)
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
