@@ -86,6 +86,12 @@ class MegatronOptions:
                               "of 'alltoall', 'allgather'")
         if self.aux_loss_coef < 0:
             raise ConfigError(f"megatron.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        if self.pipeline_parallel > 1 and self.recompute_activations and self.aux_loss_coef > 0:
+            # 1F1B runs later micro-batches' forwards before an earlier one's recomputation,
+            # and the load-balancing loss attached there needs that micro-batch's token mask
+            raise ConfigError("megatron.recompute_activations with pipeline_parallel > 1 and a "
+                              "load-balancing loss (actor.aux_loss_coef > 0) is not supported: "
+                              "the recomputed forward would mask the wrong micro-batch's padding")
 
     @classmethod
     def from_dict(cls, d: dict) -> "MegatronOptions":
@@ -113,10 +119,34 @@ def te_available() -> bool:
     return True
 
 
+# ModelConfig fields whose non-Qwen3 values the megatron mapping does not cover (yet):
+# field -> the value it must have
+_QWEN3_ONLY = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, expert_bias=False,
+                   n_shared_experts=0, shared_expert_intermediate_size=0, attention_bias=False,
+                   qk_norm=True, partial_rotary_factor=1.0, rope_interleave=False,
+                   kv_lora_rank=None, q_lora_rank=None)
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Refuse model features the megatron mapping does not build (it would otherwise build a
+    Qwen3-MoE-shaped model and fail or, worse, differ from the torch model)."""
+    bad = {k: getattr(cfg, k) for k, v in _QWEN3_ONLY.items() if getattr(cfg, k) != v}
+    if cfg.router not in ("softmax_topk", "topk_softmax"):
+        bad["router"] = cfg.router
+    if bad:
+        raise ConfigError(
+            f"actor.backend=megatron maps Qwen3-MoE-style models (softmax routers, q/k norm, "
+            f"no shared experts / biases / MLA); model_type={cfg.model_type!r} has "
+            + ", ".join(f"{k}={v!r}" for k, v in bad.items())
+            + f" (megatron needs {', '.join(f'{k}={_QWEN3_ONLY.get(k)!r}' for k in bad)}); use "
+            "actor.backend=torch for this architecture")
+
+
 def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
     """megatron-core `TransformerConfig` for `cfg` laid out as `opts` says."""
     from megatron.core.transformer import TransformerConfig
 
+    check_supported(cfg)
     on_gpu = torch.cuda.is_available()
     use_te = te_available() if opts.use_transformer_engine is None else opts.use_transformer_engine
     if use_te and not te_available():
@@ -176,7 +206,7 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         moe_router_score_function="softmax",
         # norm_topk_prob: softmax over the K chosen logits == renormalised top-k of the full
         # softmax; without it, the plain top-k of the full softmax.
-        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_pre_softmax=not cfg.norm_topk_prob and cfg.router == "softmax_topk",
         # the load-balancing loss is the torch model's, added by replay.RouteReplay (its own
         # counts natural routes under replay and sums layers): megatron-core's is off
         moe_router_load_balancing_type="none",
