@@ -30,13 +30,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.window < 1:
+        print(f"lockstep compare: --window={args.window} must be >= 1", file=sys.stderr)
+        return 2
     runs = {}
     for d in args.runs:
         path = Path(d) / "metrics.jsonl"
-        if not path.exists():
+        if not Path(d).is_dir():
+            print(f"lockstep compare: {d} is not a run directory", file=sys.stderr)
+            return 2
+        if not path.is_file():
             print(f"lockstep compare: no metrics.jsonl in {d}", file=sys.stderr)
             return 2
-        rows = read_metrics(path)
+        rows = read_metrics(path)  # a malformed file: one line via lockstep.launch.cli
         if not rows:
             print(f"lockstep compare: {path} has no steps yet", file=sys.stderr)
             return 2
@@ -45,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         print("lockstep compare: run directories must have distinct names", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"lockstep compare: --out {out} is a file, not a directory", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     written = write_plots(out, runs)
     width = max(len(n) for n in runs)

@@ -3,8 +3,12 @@
     lockstep train configs/toy_r3.yaml --out runs/toy
     lockstep train configs/toy_r3.yaml --out runs/toy --set replay.mode=off --set loop.steps=50
     lockstep train --resume --out runs/toy            # continue a killed run (config from DIR)
+    lockstep train --resume --out runs/toy --set loop.steps=300   # extend it (config.yaml too)
 
-Prints a JSON summary at the end (also written to DIR/summary.json).
+Prints a JSON summary at the end (also written to DIR/summary.json). One process per run
+directory (a lock names the holder's PID); files lockstep did not write are never overwritten.
+Without a terminal, progress is logged as one line every --log-every steps. The http backend's
+API key comes from LOCKSTEP_API_KEY or rollout.api_key_file, never from the config or argv.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from lockstep.trainer.config import ExperimentConfigError, load_config
+from lockstep.trainer.config import load_config, save_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=10, metavar="N",
+                   help="without a progress bar (stderr not a terminal, or --no-progress), log a "
+                        "progress line every N steps (0 = never; default 10)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: keep torch's; OMP_NUM_THREADS applies)")
     p.set_defaults(run=run)
@@ -39,30 +46,39 @@ def _fail(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from lockstep.trainer.loop import Trainer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and not 1 <= args.threads <= 4096:
+        return _fail(f"--threads={args.threads} must be in [1, 4096]")
+    if args.log_every < 0:
+        return _fail(f"--log-every={args.log_every} must be >= 0")
     config = args.config
     if config is None and not (args.resume and args.out):
         return _fail("a CONFIG file is required (or --resume --out DIR, which reads DIR/config.yaml)")
     if config is None:
         config = Path(args.out) / "config.yaml"
-    try:
-        cfg = load_config(config, args.overrides)
-    except ExperimentConfigError as e:
-        return _fail(str(e))
+        if not Path(args.out).is_dir():
+            return _fail(f"--resume: {args.out} does not exist")
+        if not config.exists():
+            return _fail(f"--resume: {args.out} holds no lockstep run (no config.yaml)")
+    cfg = load_config(config, args.overrides)  # errors: one line via lockstep.launch.cli
+
+    import torch
+
+    from lockstep.trainer.loop import Trainer
+    from lockstep.trainer.rundir import claim_run_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out or cfg.loop.out_dir)
-    if not args.resume and (out / "metrics.jsonl").exists():
-        return _fail(f"{out} already holds a run; pass --resume to continue it or choose "
-                     f"another --out")
+    with claim_run_dir(out, args.resume):  # held (and the PID shown) until the run ends
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        def log(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
 
-    trainer = Trainer(cfg, out, resume=args.resume, log=log,
-                      progress=not args.no_progress and sys.stderr.isatty())
-    print(json.dumps(trainer.run()))
+        bar = not args.no_progress and sys.stderr.isatty()
+        trainer = Trainer(cfg, out, resume=args.resume, log=log, progress=bar)
+        if args.resume:  # the run now goes on with these settings (e.g. a new loop.steps)
+            save_config(cfg, out / "config.yaml")
+        if not bar:
+            trainer.metrics.log_lines(log, args.log_every)
+        print(json.dumps(trainer.run()))
     return 0

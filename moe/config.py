@@ -76,6 +76,11 @@ _IGNORED_PER_ARCH = {
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
 
 
+# Fields an HF config.json must give (the dataclass defaults are the toy model's).
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 @dataclass
 class ModelConfig:
     """MoE architecture hyper-parameters (field names follow HF `config.json`); the defaults
@@ -354,6 +359,11 @@ class ModelConfig:
             raise ConfigError(f"model_type {model_type!r} is not supported; expected one of "
                               f"{list(ARCHITECTURES)}")
         _merge_aliases(d, "num_experts", ("num_local_experts", "n_routed_experts"))
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in d and not (
+            k == "moe_intermediate_size" and model_type == "mixtral" and "intermediate_size" in d)]
+        if missing:  # never filled from the toy defaults: that would be another model
+            raise ConfigError(f"config is missing required MoE field(s) {missing}; a "
+                              f"{model_type} config.json has them all")
         rope = d.get("rope_parameters")
         if isinstance(rope, dict):
             if rope.get("rope_type", "default") != "default":

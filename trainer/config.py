@@ -89,8 +89,10 @@ class RolloutConfig:
     machine, else a new local one)."""
     url: str | None = None
     """http backend: server base URL, e.g. http://127.0.0.1:30000."""
-    api_key: str | None = None
-    """http backend: bearer token, if the server wants one."""
+    api_key_file: str | None = None
+    """http backend: file holding the server's bearer token (first line). The token itself is
+    never part of the config (it would be saved in config.yaml and show in `ps`): it comes from
+    this file, else the LOCKSTEP_API_KEY environment variable (`rollout_api_key`)."""
     weights_dir: str | None = None
     """http backend: folder shared with the server for weight pushes (None = out_dir/weights)."""
 
@@ -389,6 +391,10 @@ class ExperimentConfig:
             d["actor"].pop("megatron")
         if self.rollout.sampling_mask_replay is None:
             d["rollout"].pop("sampling_mask_replay")
+        # where the API key is read from is not the run's identity; runs written while the key
+        # itself was a (null) config field keep their hash
+        d["rollout"].pop("api_key_file")
+        d["rollout"]["api_key"] = None
         d = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -397,6 +403,24 @@ class ExperimentConfig:
 class _Loader(yaml.SafeLoader):
     """YAML 1.2 core-schema scalars: only true/false are booleans (so `mode: off` stays the
     string 'off'), `3e-4` is a number, and `1_5` / `1:30` stay strings (IcePop "1_5")."""
+
+
+    def construct_mapping(self, node, deep=False):
+        """Refuse duplicate keys (PyYAML silently keeps the last), naming key and lines."""
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:
+                    continue  # unhashable: the base class raises its own error
+                if first != key_node.start_mark.line + 1:
+                    raise ExperimentConfigError(
+                        f"duplicate key {key!r} at lines {first} and "
+                        f"{key_node.start_mark.line + 1} (YAML would silently keep the last)")
+        return super().construct_mapping(node, deep)
 
 
 _STRICT = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
@@ -416,7 +440,15 @@ _NUMBER = re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
 
 
 def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+    """Parse YAML text; any failure is an ExperimentConfigError (e.g. a bad date, deep nesting)."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ExperimentConfigError:
+        raise
+    except yaml.YAMLError as e:
+        raise ExperimentConfigError(f"not valid YAML: {e}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:
+        raise ExperimentConfigError(f"not valid YAML: {type(e).__name__}: {e}") from None
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -462,7 +494,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             value = float(value)
         _need(isinstance(value, (int, float)) and not isinstance(value, bool),
               f"{where} must be a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ExperimentConfigError(f"{where}={value!r} is too large for a float") from None
     if tp is str:
         _need(isinstance(value, str), f"{where} must be a string, got {value!r}")
         return value
@@ -479,7 +514,7 @@ def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
     """Build dataclass `cls` from a plain dict, checking keys and types (recursively)."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(k for k in data if k not in names)
+    unknown = sorted(str(k) for k in data if k not in names)
     prefix = f"{where}." if where else ""
     _need(not unknown, f"unknown key(s) {[prefix + k for k in unknown]}; valid keys"
                        f"{' in ' + where if where else ''} are {names}")
@@ -498,7 +533,8 @@ def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
         return cls(**kwargs)
     except ExperimentConfigError:
         raise
-    except (ValueError, TypeError) as e:  # a section's own validation (model, task, correction)
+    except (ValueError, TypeError, ArithmeticError, KeyError, IndexError) as e:
+        # a section's own validation (model, task, correction)
         raise ExperimentConfigError(f"{where or cls.__name__}: {e}") from None
 
 
@@ -508,8 +544,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     _need(bool(sep) and bool(key.strip()), f"override {text!r} must look like key.sub=value")
     try:
         value = _yaml_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ExperimentConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+    except ExperimentConfigError as e:
+        raise ExperimentConfigError(f"override {text!r}: value is {e}") from None
     return key.strip().split("."), value
 
 
@@ -533,22 +569,69 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        _need(not path.is_dir(), f"{path} is a directory, not an experiment YAML file")
         try:
-            data = _yaml_load(path.read_text()) or {}
+            text = path.read_text()
         except FileNotFoundError:
             raise ExperimentConfigError(f"no config file at {path}") from None
-        except yaml.YAMLError as e:
-            raise ExperimentConfigError(f"{path} is not valid YAML: {e}") from None
+        except UnicodeDecodeError:
+            raise ExperimentConfigError(f"{path} is not a text (UTF-8) file") from None
+        except OSError as e:
+            raise ExperimentConfigError(f"cannot read {path}: {e.strerror or e}") from None
+        try:
+            data = _yaml_load(text)
+        except ExperimentConfigError as e:
+            raise ExperimentConfigError(f"{path}: {e}") from None
+        _need(data is not None, f"{path} is empty (or only comments): refusing to start an "
+                                f"all-defaults run; start from configs/toy_r3.yaml")
         _need(isinstance(data, dict), f"{path}: top level must be a mapping of sections")
     for text in overrides or []:
-        _apply_override(data, *parse_override(text), ExperimentConfig)
+        key, value = parse_override(text)
+        if key == ["rollout", "api_key"]:
+            _refuse_secrets({"rollout": {"api_key": value or "?"}}, None)
+        _apply_override(data, key, value, ExperimentConfig)
+    _refuse_secrets(data, path)
     try:
         return build(ExperimentConfig, data)
     except ExperimentConfigError as e:
         raise ExperimentConfigError(f"{path}: {e}" if path else str(e)) from None
 
 
+def _refuse_secrets(data: dict[str, Any], path: Path | None) -> None:
+    """`rollout.api_key` is not a config field: a key in a file or on the command line would be
+    saved in DIR/config.yaml and visible in `ps`. (A null one, as in run directories written
+    by older versions, is dropped.)"""
+    ro = data.get("rollout")
+    if isinstance(ro, dict) and "api_key" in ro:
+        _need(ro["api_key"] is None,
+              f"{str(path) + ': ' if path else ''}rollout.api_key: secrets are not taken from "
+              f"config files or --set (they would be saved in the run directory and show in "
+              f"`ps`); export LOCKSTEP_API_KEY or set rollout.api_key_file to a file holding it")
+        ro.pop("api_key")
+
+
+def rollout_api_key(ro: RolloutConfig) -> str | None:
+    """The http backend's bearer token: the first line of `rollout.api_key_file`, else the
+    LOCKSTEP_API_KEY environment variable, else None."""
+    import os
+
+    if ro.api_key_file:
+        try:
+            key = Path(ro.api_key_file).expanduser().read_text().strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ExperimentConfigError(f"rollout.api_key_file={ro.api_key_file!r}: cannot "
+                                        f"read it ({getattr(e, 'strerror', None) or e})") from None
+        _need(bool(key) and bool(key[0].strip()),
+              f"rollout.api_key_file={ro.api_key_file!r} is empty")
+        return key[0].strip()
+    return os.environ.get("LOCKSTEP_API_KEY") or None
+
+
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
-    """Write the resolved config; `load_config` reads it back to an equal config."""
+    """Write the resolved config (atomically); `load_config` reads it back to an equal config.
+    It holds no secret (see `rollout_api_key`)."""
     d = json.loads(json.dumps(cfg.to_dict(), default=lambda o: getattr(o, "value", str(o))))
-    Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(d, sort_keys=False))
+    tmp.replace(path)

@@ -26,8 +26,10 @@ from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor import Batch, TorchActor, collate
-from lockstep.trainer.checkpoint import LoopState, load_latest, save_checkpoint, set_rng_state
-from lockstep.trainer.config import ExperimentConfig, save_config
+from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
+                                         save_checkpoint, set_rng_state)
+from lockstep.trainer.config import ExperimentConfig, rollout_api_key, save_config
+from lockstep.trainer.divergence import check_step, check_weights, from_step_error
 from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
@@ -127,7 +129,7 @@ class Trainer:
         """The rollout engine, holding `model`'s weights at `weight_version`."""
         ro = self.cfg.rollout
         if ro.backend == "http":
-            backend = HTTPBackend(ro.url, self.cfg.model, api_key=ro.api_key,
+            backend = HTTPBackend(ro.url, self.cfg.model, api_key=rollout_api_key(ro),
                                   max_concurrency=ro.prompts_per_step,
                                   weights_dir=ro.weights_dir or self.out / "weights")
             backend.update_weights(model, weight_version)  # the server's weights are unknown
@@ -229,9 +231,17 @@ class Trainer:
         cfg = self.cfg.loop
         try:
             for step in range(self.state.step + 1, cfg.steps + 1):
-                self.metrics.log(self.step(step))
+                try:
+                    m = self.step(step)
+                except (ValueError, RuntimeError, FloatingPointError) as e:  # NaN checks inside
+                    raise from_step_error(step, e, self.cfg, latest_checkpoint(self.out)) or e
+                self.metrics.log(m)
+                # NaN/Inf stops the run here, before a checkpoint could keep the broken model
+                check_step(step, m, self.cfg, latest_checkpoint(self.out))
                 if self.saves_at(step):
                     self.save()
+                    if cfg.plots and step != cfg.steps:
+                        write_plots(self.out)  # refreshed at each checkpoint, not only at the end
         finally:
             self.metrics.close()
             self.rollout.close()
@@ -255,6 +265,7 @@ class Trainer:
             weights = {name: t for bucket in
                        self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
                        for name, t in bucket}
+        check_weights(self.state.step, weights.items(), self.cfg, latest_checkpoint(self.out))
         return save_checkpoint(self.out, weights, self.actor.rank_state(), self.state,
                                tokenizer=self.task.tokenizer, keep=self.cfg.loop.keep_checkpoints,
                                model_cfg=self.cfg.model)

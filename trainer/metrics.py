@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,29 @@ PLOTS = {  # file name -> (title, metric keys)
 }
 
 
+class MetricsFileError(ValueError):
+    """A metrics.jsonl file that is not one step record per line."""
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All step records of a metrics.jsonl file (a torn last line is ignored)."""
+    """All step records of a metrics.jsonl file (a torn last line is ignored; any other bad
+    line is a `MetricsFileError` naming the file and line)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise MetricsFileError(f"{path} is not a text file") from None
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for i, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # only the last line of a killed run can be torn
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            if i == len(lines) - 1:
+                break  # only the last line of a killed run can be torn
+            raise MetricsFileError(f"{path}:{i + 1}: not a JSON line") from None
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            raise MetricsFileError(f"{path}:{i + 1}: not a step record (no integer 'step')")
+        rows.append(row)
     return rows
 
 
@@ -60,6 +77,29 @@ class MetricsWriter:
                                      purge_step=start_step + 1 if start_step else None)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=not progress, dynamic_ncols=True)
+        self.total_steps, self._start_step = total_steps, start_step
+        self._line_fn: Callable[[str], None] | None = None
+        self._line_every = 0
+        self._t0 = time.monotonic()
+
+    def log_lines(self, fn: Callable[[str], None], every: int) -> None:
+        """Also report progress as one text line every `every` steps (and at the first and
+        last step) through `fn`: for logs, where no progress bar is drawn."""
+        self._line_fn, self._line_every = fn, every
+
+    def progress_line(self, metrics: dict[str, Any]) -> str:
+        """`step 20/200 reward 0.412 k3_kl 3.1e-04 flip 0.0021 step_time 0.41s ETA 1m13s`"""
+        step = int(metrics["step"])
+        done = step - self._start_step
+        per_step = (time.monotonic() - self._t0) / max(done, 1)
+        eta = int(per_step * (self.total_steps - step))
+
+        def f(key: str, fmt: str) -> str:
+            v = metrics.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "n/a"
+        return (f"step {step}/{self.total_steps} reward {f('reward/mean', '.3f')} "
+                f"k3_kl {f('rollout_corr/k3_kl', '.1e')} flip {f('routing/flip_rate', '.4f')} "
+                f"step_time {f('time/step_s', '.2f')}s ETA {eta // 60}m{eta % 60:02d}s")
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["step"])
@@ -69,6 +109,10 @@ class MetricsWriter:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
+        if self._line_fn is not None and self._line_every > 0 and (
+                step % self._line_every == 0 or step == self.total_steps
+                or step == self._start_step + 1):
+            self._line_fn(self.progress_line(metrics))
         self._bar.update(1)
         self._bar.set_postfix({"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
                                "k3_kl": f"{metrics.get('rollout_corr/k3_kl', float('nan')):.1e}",
