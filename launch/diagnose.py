@@ -152,7 +152,9 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
                                     return_sampling_mask=r.return_sampling_mask)
                     for (ids, _), r in zip(rows, template)]
     if url is not None:
-        backend = HTTPBackend(url, cfg.model, api_key=ro.api_key, max_concurrency=prompts)
+        from lockstep.trainer.config import rollout_api_key
+        backend = HTTPBackend(url, cfg.model, api_key=rollout_api_key(ro),
+                              max_concurrency=prompts)
     else:
         backend = Trainer.make_backend(loop, model, weight_version)
     try:
