@@ -236,6 +236,16 @@ class ModelConfig:
                     self.v_head_dim)
         return self.num_key_value_heads, self.head_dim, self.head_dim
 
+    def partial_dict(self) -> dict[str, Any]:
+        """asdict() with the fields that tell the families apart set to None where they hold
+        this family's value: a base to which a partial config (another model_type) is added,
+        as experiment configs do."""
+        d = dataclasses.asdict(self)
+        for name, base in _BASE_DEFAULTS.items():
+            if d[name] == _FAMILY_DEFAULTS[self.model_type].get(name, base):
+                d[name] = None
+        return d
+
     @classmethod
     def for_architecture(cls, model_type: str, **fields) -> "ModelConfig":
         """A config of `model_type` with that family's defaults (router, norms, biases), any

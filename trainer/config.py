@@ -337,7 +337,8 @@ class ExperimentConfig:
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(
         vocab_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2))
-    """Policy architecture (HF Qwen3-MoE config.json fields); random init under loop.seed."""
+    """Policy architecture (HF config.json fields; `model_type` picks the family, docs/model.md);
+    random init under loop.seed."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The synthetic verifiable task."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -361,6 +362,11 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         B = self.rollout.batch_size
+        # NOTE: trainer/megatron maps Qwen3-MoE only so far; another family would build a
+        # megatron model with the wrong router and attention, silently.
+        _need(self.actor.backend != "megatron" or self.model.model_type == "qwen3_moe",
+              f"actor.backend=megatron supports model.model_type=qwen3_moe only (got "
+              f"{self.model.model_type!r}); use actor.backend=torch")
         _need(B % self.actor.mini_batch_size == 0,
               f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
               f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
@@ -527,7 +533,10 @@ def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
                 and f.default_factory is not dataclasses.MISSING):
             # A section given in part keeps this tree's defaults for the rest (e.g. the toy
             # model's vocabulary and special ids), not those of the section class.
-            value = {**dataclasses.asdict(f.default_factory()), **value}
+            # The model's family fields stay unset, so `model_type: glm4_moe` gets GLM's defaults.
+            default = f.default_factory()
+            value = {**(default.partial_dict() if isinstance(default, ModelConfig)
+                        else dataclasses.asdict(default)), **value}
         kwargs[f.name] = _convert(value, hints[f.name], prefix + f.name)
     try:
         return cls(**kwargs)
