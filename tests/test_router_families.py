@@ -137,19 +137,15 @@ def test_bias_update_counts_the_replayed_routes():
         torch.testing.assert_close(delta, torch.tensor([-0.01] * 2 + [0.01] * 6))
 
 
-def test_torch_actor_bias_update_counts_the_replayed_routes():
-    """actor.expert_bias_update_rate: the update after each optimiser step counts the routes
-    the mini-batch ran: under replay, the replayed ones (every token forced to experts 0, 1)."""
+def _actor_batch(model, n=4, seed=0):
     from lockstep.kernels.logprob import logprobs_from_logits
     from lockstep.rollout.types import GenerationResult
-    from lockstep.trainer.actor import TorchActor, collate
-    from lockstep.trainer.config import ActorConfig
+    from lockstep.trainer.actor import collate
 
-    model = make("deepseek_mla")
     cfg = model.cfg
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     results = []
-    for b in range(4):
+    for b in range(n):
         ids = torch.randint(3, 48, (7,), generator=g)
         with torch.no_grad():
             o = model(ids[None])
@@ -157,17 +153,35 @@ def test_torch_actor_bias_update_counts_the_replayed_routes():
         results.append(GenerationResult(f"r{b}", 0, ids[:4].tolist(), ids[4:].tolist(), lp, lp,
                                         {"type": "length", "length": 3}, "0",
                                         o.routes_BTLK[0, :-1].to(torch.uint8)))
-    batch = collate(results, 0, cfg.num_experts, cfg.num_moe_layers, cfg.num_experts_per_tok)
-    forced = torch.zeros_like(batch.rollout_routes_BTLK)
-    forced[..., 1] = 1
+    return collate(results, 0, cfg.num_experts, cfg.num_moe_layers, cfg.num_experts_per_tok)
+
+
+def _forced(batch, first):
+    """Replay routes sending every token to experts (first, first + 1)."""
+    forced = torch.full_like(batch.rollout_routes_BTLK, first)
+    forced[..., 1] = first + 1
+    return forced
+
+
+def _zero_loss(batch):
+    return lambda lp_BT, ent_BT, rows, mini: ((lp_BT * batch.response_mask_BT[rows]).sum() * 0,
+                                              {})
+
+
+def test_torch_actor_bias_update_counts_the_replayed_routes():
+    """actor.expert_bias_update_rate: the update after each optimiser step counts the routes
+    the mini-batch ran: under replay, the replayed ones (every token forced to experts 0, 1)."""
+    from lockstep.trainer.actor import TorchActor
+    from lockstep.trainer.config import ActorConfig
+
+    model = make("deepseek_mla")
+    batch = _actor_batch(model)
+    forced = _forced(batch, 0)
     actor = TorchActor(model, ActorConfig(mini_batch_size=4, micro_batch_size=2,
                                           expert_bias_update_rate=0.01), total_updates=1)
     before = [b.e_score_correction_bias.clone() for b in model.moe_blocks]
-
-    def loss_fn(lp_BT, ent_BT, rows, mini):
-        return (lp_BT * batch.response_mask_BT[rows]).sum() * 0, {}
-
-    metrics, used, _ = actor.update(batch, loss_fn, forced, batch.rollout_routes_valid_BT)
+    metrics, used, _ = actor.update(batch, _zero_loss(batch), forced,
+                                    batch.rollout_routes_valid_BT)
     assert torch.equal(used[batch.rollout_routes_valid_BT].long(),
                        forced[batch.rollout_routes_valid_BT].long())
     for b, old in zip(model.moe_blocks, before):
@@ -175,3 +189,40 @@ def test_torch_actor_bias_update_counts_the_replayed_routes():
                                    torch.tensor([-0.01] * 2 + [0.01] * 6))
     # 2 of 8 experts take all replayed rows (the unreplayed last tokens route naturally)
     assert metrics["actor/expert_load_max_over_mean"] > 3.5
+
+
+def _dp_rank(rank, init_file, out_dir):
+    import torch.distributed as dist
+
+    from lockstep.trainer.actor import TorchActor
+    from lockstep.trainer.config import ActorConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = make("deepseek_mla")
+        batch = _actor_batch(model, n=2, seed=rank)
+        actor = TorchActor(model, ActorConfig(mini_batch_size=4, micro_batch_size=2,
+                                              expert_bias_update_rate=0.01), total_updates=1,
+                           dp_group=dist.group.WORLD)
+        actor.update(batch, _zero_loss(batch), _forced(batch, 2 * rank),
+                     batch.rollout_routes_valid_BT, steps=[torch.arange(2)], mini_size=4)
+        torch.save([b.e_score_correction_bias for b in model.moe_blocks],
+                   f"{out_dir}/bias{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dp_ranks_apply_the_same_bias_update_from_the_global_load(tmp_path):
+    """Two gloo ranks, rank r replaying experts (2r, 2r + 1): both apply the update of the
+    summed load (experts 0-3 overloaded), so their biases stay equal."""
+    import torch.multiprocessing as mp
+
+    before = [b.e_score_correction_bias.clone() for b in make("deepseek_mla").moe_blocks]
+    mp.start_processes(_dp_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    b0, b1 = (torch.load(tmp_path / f"bias{r}.pt") for r in (0, 1))
+    for x, y, old in zip(b0, b1, before):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x - old, torch.tensor([-0.01] * 4 + [0.01] * 4))

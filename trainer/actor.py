@@ -240,7 +240,9 @@ class TorchActor(RankActor):
         cfg = self.cfg
         mini_size = len(mini) if mini_size is None else mini_size
         step_metrics: dict[str, float] = {}
-        load_LE = None
+        mcfg = self.master.cfg
+        load_LE = torch.zeros(mcfg.num_moe_layers, mcfg.num_experts) \
+            if cfg.expert_bias_update_rate > 0 else None
         T = batch.input_ids_BT.shape[1]
         for idx in (micro_batches(mini, batch.seq_lens_B, cfg) if len(mini) else []):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
@@ -258,13 +260,14 @@ class TorchActor(RankActor):
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
             if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
-                load = self.compute.expert_loads(out.routes_BTLK, mb.token_mask_BT)
-                load_LE = load if load_LE is None else load_LE + load
+                load_LE += self.compute.expert_loads(out.routes_BTLK, mb.token_mask_BT).cpu()
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
                 step_metrics[k] = step_metrics.get(k, 0.0) + (
                     v if weighted else v * len(idx) / mini_size)
         step_metrics.update(self._optimizer_step())
         if load_LE is not None:
+            if self.dp_size > 1:  # every rank applies the same update: the global load
+                self._all_reduce(load_LE)
             for model in {id(self.master): self.master, id(self.compute): self.compute}.values():
                 model.apply_expert_bias_update(load_LE, cfg.expert_bias_update_rate)
             step_metrics["actor/expert_load_max_over_mean"] = float(
