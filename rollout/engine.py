@@ -222,8 +222,9 @@ class Engine:
         """Copy new weights in place (cast to the engine's dtypes). `source` is an HF folder,
         an HF-named or native state dict, or a model. Validate, then swap: every tensor is
         read and checked first, and a bad source (CheckpointError naming the tensor) leaves
-        the weights and the version as they were. Running sequences continue with the new
-        weights (SGLang does the same); returns the new weight version."""
+        the weights and the version as they were. Sequences still running would continue
+        with the new weights (the server drains them first, as SGLang does, so that no sample
+        mixes versions); returns the new weight version."""
         return self.swap_weights(self.prepare_weights(source), weight_version)
 
     def prepare_weights(self, source: dict | str | Path | MoEModel) -> dict:
@@ -258,10 +259,11 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self) -> list[GenerationResult]:
+    def step(self, admit: bool = True) -> list[GenerationResult]:
         """Admit what fits (prefill + first token), then decode one token for every running
-        sequence. Returns the samples that finished in this step."""
-        finished = self._admit()
+        sequence. Returns the samples that finished in this step. `admit=False` only decodes
+        (a server draining its running samples before a weight swap)."""
+        finished = self._admit() if admit else []
         if self.running:
             finished += self._decode()
         return finished

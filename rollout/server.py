@@ -44,6 +44,7 @@ class EngineWorker:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.steps = 0
+        self.hold = False  # True while a weight swap waits: queued requests stay queued
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
@@ -113,13 +114,27 @@ class EngineWorker:
                 if not fut.done():
                     fut.set_result(sorted(got, key=lambda x: x.index))
 
+    def _busy(self) -> bool:
+        return bool(self.engine.running or (self.engine.waiting and not self.hold))
+
+    async def drain(self) -> None:
+        """Stop admitting queued requests and wait until no sample runs; `hold` stays set
+        until the caller clears it (and calls `wake`)."""
+        self.hold = True
+        while self.engine.running:
+            await asyncio.sleep(0.002)
+
+    def wake(self) -> None:
+        self.hold = False
+        self._wake.set()
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.engine.has_work:
+            while self._busy():
                 try:
-                    results = await self.call(self.engine.step)
+                    results = await self.call(self.engine.step, not self.hold)
                 except Exception as e:  # an engine bug: fail what runs, keep serving
                     results = await self.call(self.engine.abort, None)
                     for fut, _, _ in list(self._waiters.values()):
@@ -403,8 +418,14 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
                 return web.json_response({"success": False, "message": str(e),
                                           "num_paused_requests": 0}, status=400)
             aborted = await worker.abort(None) if _flag(body, "abort_all_requests") else 0
-            paused = len(engine.running)
-            new = await worker.call(engine.swap_weights, new_sd, version)
+            # As SGLang: the swap waits for running samples to finish and holds queued ones,
+            # so no sample mixes two weight versions.
+            try:
+                await worker.drain()
+                paused = len(engine.waiting)
+                new = await worker.call(engine.swap_weights, new_sd, version)
+            finally:
+                worker.wake()
         return web.json_response({"success": True, "message": f"weights loaded from "
                                   f"{path}; weight_version={new}"
                                   + (f"; aborted {aborted} requests" if aborted else ""),

@@ -77,3 +77,67 @@ def test_serve_reports_unloadable_folder(tmp_path, capsys):
     assert serve_main(["--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "cannot load" in err and "config.json" in err
+
+
+# -- user errors: one line `lockstep serve: ...`, no traceback (issue 12) ----------------------
+
+def _one_line_error(capsys, argv, *want):
+    rc = serve_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("lockstep serve: "), err
+    for w in want:
+        assert w in err[-1], err
+    return err
+
+
+def _tiny_folder(tmp_path):
+    from lockstep.moe.checkpoint import save_hf
+    from lockstep.moe.model import MoEModel
+    from model_fixtures import tiny_config
+    torch.manual_seed(0)
+    return save_hf(MoEModel(tiny_config(max_position_embeddings=64)), tmp_path / "hf")
+
+
+def test_serve_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_API_KEY", raising=False)
+    folder = _tiny_folder(tmp_path)
+    data = (folder / "model.safetensors").read_bytes()
+    (tmp_path / "trunc").mkdir()
+    (tmp_path / "trunc" / "config.json").write_bytes((folder / "config.json").read_bytes())
+    (tmp_path / "trunc" / "model.safetensors").write_bytes(data[:len(data) // 3])
+    base = ["--port", "0", "--model"]
+    _one_line_error(capsys, base + [str(folder), "--threads", "0"], "--threads must be a positive")
+    _one_line_error(capsys, base + [str(tmp_path / "missing")], "cannot load", "config.json")
+    _one_line_error(capsys, base + [str(tmp_path / "trunc")],
+                    str(tmp_path / "trunc" / "model.safetensors"), "truncated")
+    _one_line_error(capsys, base + [str(folder), "--max-len", "65"],
+                    "--max-len 65 exceeds the model's max_position_embeddings=64")
+    (tmp_path / "key").write_text("\n")
+    _one_line_error(capsys, base + [str(folder), "--api-key-file", str(tmp_path / "key")],
+                    "is empty")
+    with socket.socket() as s:  # a port in use, on a public address, with the key on argv
+        s.bind(("0.0.0.0", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        err = _one_line_error(capsys, ["--model", str(folder), "--host", "0.0.0.0", "--port",
+                                       str(port)], f"cannot listen on 0.0.0.0:{port}")
+        assert any("without an API key" in line for line in err), err
+        err = _one_line_error(capsys, ["--model", str(folder), "--host", "0.0.0.0", "--port",
+                                       str(port), "--api-key", "k"], "cannot listen")
+        assert any("--api-key shows the key" in line for line in err), err
+        assert not any("without an API key" in line for line in err), err
+
+
+def test_api_key_from_environment_or_file(tmp_path, monkeypatch):
+    import argparse
+
+    from lockstep.launch.serve import _api_key
+    ns = lambda **kw: argparse.Namespace(**{"api_key": None, "api_key_file": None, **kw})  # noqa: E731
+    monkeypatch.setenv("LOCKSTEP_API_KEY", "from-env")
+    assert _api_key(ns()) == "from-env"
+    (tmp_path / "k").write_text("from-file\n")
+    assert _api_key(ns(api_key_file=str(tmp_path / "k"))) == "from-file"
+    monkeypatch.delenv("LOCKSTEP_API_KEY")
+    assert _api_key(ns()) is None
