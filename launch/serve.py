@@ -52,7 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--debug", action="store_true", help="print tracebacks of errors")
     p.set_defaults(run=run)
     return p
 
@@ -159,29 +158,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """User errors -> one line and exit 2 here; anything else goes to the CLI's handler
+    (one line too, the traceback with --debug)."""
     try:
         return _serve(args)
     except ServeError as e:
-        if args.debug:
+        if getattr(args, "debug", False):
             traceback.print_exc()
         print(f"lockstep serve: {e}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # a bug, not a user error: still one line unless --debug
-        if args.debug:
-            raise
-        print(f"lockstep serve: internal error: {e!r} (run with --debug for the traceback)",
-              file=sys.stderr, flush=True)
-        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m lockstep.launch.serve --model DIR ...` (same as `lockstep serve`)."""
-    parser = argparse.ArgumentParser(prog="lockstep")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    return args.run(args)
+    from lockstep.launch.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
