@@ -17,10 +17,14 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from lockstep.replay import ReplayMode  # noqa: E402
+from lockstep.trainer.batch import collate, minibatch_schedule  # noqa: E402
 from lockstep.trainer.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.correction import correct  # noqa: E402
 from lockstep.trainer.group import ActorGroupError  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
+from lockstep.trainer.rank import shuffle_seed, stats_values  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each run starts a local Ray cluster (~5 s) and its ranks
 
@@ -64,6 +68,51 @@ def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(out / f"checkpoints/step_{step}/hf/model.safetensors")
 
 
+def test_dp2_equals_one_process_and_resumes_after_sigkill(tmp_path):
+    cache = tmp_path / "cache"
+    _run(tmp_path / "one", cache, "loop.steps=3")
+    _run(tmp_path / "dp2", cache, "loop.steps=3", "cluster.actor_ranks=2")
+    one, dp2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "dp2")
+    assert [r["step"] for r in dp2] == [1, 2, 3]
+    for a, b in zip(one, dp2):
+        for k, (rtol, atol) in TOLERANCE.items():
+            assert abs(a[k] - b[k]) <= rtol * abs(a[k]) + atol, (a["step"], k, a[k], b[k])
+        # R3 on both ranks: every replayed (token, layer) ran exactly the engine's experts
+        assert b["replay/mismatch"] == 0.0 and a["replay/mismatch"] == 0.0
+        assert b["replay/replayed_fraction"] == a["replay/replayed_fraction"] > 0.5
+    for step in (1, 3):  # the weights pushed to the engine (the checkpoint is the same export)
+        w1, w2 = _weights(tmp_path / "one", step), _weights(tmp_path / "dp2", step)
+        assert w1.keys() == w2.keys()
+        diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+        assert diff <= LR / 10, (step, diff)
+    moved = max(float((_weights(tmp_path / "dp2", 3)[k] - _weights(tmp_path / "dp2", 1)[k])
+                      .abs().max()) for k in w1)
+    assert moved > LR  # the comparison is not between untouched weights
+
+    # SIGKILL the driver after the step-1 checkpoint; --resume reproduces the dp2 run exactly
+    victim = _train(tmp_path / "run", cache, "loop.steps=1000", "cluster.actor_ranks=2")
+    done = tmp_path / "run/checkpoints/step_1/state.json"
+    deadline = time.monotonic() + 600
+    try:
+        while not done.exists():
+            assert victim.poll() is None, victim.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 1"
+            time.sleep(0.01)
+        victim.send_signal(signal.SIGKILL)
+        victim.communicate(timeout=60)
+    finally:
+        time.sleep(1)
+        try:  # Ray agents the dead driver started outlive it: end its whole session
+            os.killpg(victim.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert victim.returncode == -signal.SIGKILL
+    assert len(_metrics(tmp_path / "run")) < 3
+    text = _run(tmp_path / "run", cache, "loop.steps=3", "cluster.actor_ranks=2", resume=True)
+    assert "resuming from" in text
+    assert _metrics(tmp_path / "run") == dp2
+
+
 @pytest.fixture(scope="module")
 def cluster():
     # address="local": a private cluster even where `ray start` runs (or left a stale address)
@@ -81,7 +130,30 @@ def _trainer(tmp_path, name: str, *sets: str) -> Trainer:
     return Trainer(cfg, tmp_path / name, progress=False, log=lambda s: None)
 
 
-def test_r2_replays_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_path):
+def _replay_check(tr: Trainer, mode: ReplayMode, step: int) -> None:
+    """Through the group's interface: the first optimiser step runs before any weight change,
+    so where routes are replayed its forwards must give pi_old again (a one-position shift
+    between routes and tokens on any rank, or routes replayed on the wrong rows, would not)."""
+    problems = tr.task.problems(tr.cfg.loop.seed, 0, tr.cfg.rollout.prompts_per_step)
+    batch = collate(tr.rollout.generate(tr.requests(problems, step)), tr.task.pad_id,
+                    *tr._route_shape())
+    old = tr.actor.old_logprobs(batch, mode, step)
+    mask_BT = batch.response_mask_BT.float()
+    adv_BT = torch.linspace(-1, 1, batch.size)[:, None] * mask_BT
+    corr = correct(tr.cfg.correction, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)
+    upd = tr.actor.policy_update(batch, tr.update_inputs(batch, old, adv_BT, corr, step),
+                                 mode, step)
+    a = tr.cfg.actor
+    first = minibatch_schedule(batch.size, a.mini_batch_size, a.epochs,
+                               shuffle_seed(tr.cfg.loop.seed, step))[0]
+    resp = batch.response_mask_BT[first]
+    assert torch.allclose(upd.logprobs_BT[first][resp], old.logprobs_BT[first][resp],
+                          atol=1e-5, rtol=0), mode
+    m = stats_values(upd.stats)
+    assert m["replay/mismatch"] == 0.0 and m["replay/replayed_fraction"] > 0.5, (mode, m)
+
+
+def test_replay_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_path):
     one = _trainer(tmp_path, "one", "replay.mode=R2")
     group = _trainer(tmp_path, "group", "replay.mode=R2", "cluster.actor_ranks=2")
     try:
@@ -91,10 +163,12 @@ def test_r2_replays_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_pat
         assert b["routing/flip_rate"] == a["routing/flip_rate"]
         assert b["routing_stale/num_tokens"] == a["routing_stale/num_tokens"] > 0
         assert abs(b["actor/grad_norm"] - a["actor/grad_norm"]) <= 1e-3 * a["actor/grad_norm"]
+        _replay_check(group, ReplayMode.R3, 2)
+        _replay_check(group, ReplayMode.R2, 3)
         ckpt = group.save()
         os.kill(group.actor.infos[1].pid, signal.SIGKILL)
         with pytest.raises(ActorGroupError, match=r"actor rank 1 \(pid \d+.*died"):
-            group.step(2)
+            group.step(4)
     finally:
         group.actor.close()
         one.actor.close()

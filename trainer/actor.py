@@ -103,11 +103,12 @@ class TorchActor(RankActor):
     stay equal. The rank-side interface is `lockstep.trainer.rank`."""
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
-                 temperature: float = 1.0, dp_group=None):
+                 temperature: float = 1.0, dp_group=None, device: str | torch.device = "cpu"):
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
         self.cfg, self.temperature = cfg, temperature
-        self.master = model
+        self.device = torch.device(device)
+        self.master = model.to(self.device)
         self.model_cfg = model.cfg
         low = [cfg.dtype, cfg.router_dtype or cfg.dtype, cfg.lm_head_dtype or cfg.dtype]
         if all(d == "fp32" for d in low):
@@ -133,15 +134,17 @@ class TorchActor(RankActor):
     # -- forward -------------------------------------------------------------------------
     def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT):
         """One forward of `batch` -> (logprobs_BT, entropy_BT, ModelOutput)."""
-        model = self.compute
-        out = model(batch.input_ids_BT,
-                    routed_experts_BTLK=routes_BTLK,
-                    replay_mask_BT=replay_mask_BT if routes_BTLK is not None else None,
+        model, dev = self.compute, self.device
+        ids = batch.input_ids_BT.to(dev)  # the micro-batch goes to the actor's device once
+        out = model(ids,
+                    routed_experts_BTLK=None if routes_BTLK is None else routes_BTLK.to(dev),
+                    replay_mask_BT=(replay_mask_BT.to(dev) if routes_BTLK is not None
+                                    and replay_mask_BT is not None else None),
                     compute_logits=False)
         # position t-1's hidden state predicts the token at t
-        cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:]
+        cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:].to(dev)
         lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
-                                   batch.input_ids_BT[:, 1:], temperature=self.temperature,
+                                   ids[:, 1:], temperature=self.temperature,
                                    candidates_NS=cand, chunk_size=self.cfg.logprob_chunk)
         zero = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
@@ -173,10 +176,10 @@ class TorchActor(RankActor):
             t = mb.input_ids_BT.shape[1]
             r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
             lp, ent, out = self._forward(mb, r, m)
-            lp_BT[idx, :t], ent_BT[idx, :t] = lp.float(), ent.float()
-            nat_BTLK[idx, :t] = out.natural_BTLK.to(self._route_store)
+            lp_BT[idx, :t], ent_BT[idx, :t] = lp.float().cpu(), ent.float().cpu()
+            nat_BTLK[idx, :t] = out.natural_BTLK.to(self._route_store).cpu()
             if record:
-                used_BTLK[idx, :t] = out.routes_BTLK.to(self._route_store)
+                used_BTLK[idx, :t] = out.routes_BTLK.to(self._route_store).cpu()
         return LogprobResult(lp_BT, ent_BT, nat_BTLK.view(self.route_dtype),
                              None if used_BTLK is None else used_BTLK.view(self.route_dtype))
 
@@ -252,13 +255,13 @@ class TorchActor(RankActor):
             lp, ent = (torch.nn.functional.pad(x, (0, T - t)) for x in (lp, ent))  # LossFn: [b, T]
             loss, metrics = loss_fn(lp, ent, idx, mini)
             if cfg.aux_loss_coef > 0:
-                aux = self.compute.load_balancing_loss(out, mb.token_mask_BT)
+                aux = self.compute.load_balancing_loss(out, mb.token_mask_BT.to(self.device))
                 loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
                 metrics["actor/aux_loss"] = float(aux) * (len(idx) / mini_size if weighted else 1)
             loss.backward()
             self._accumulate_fp32()
-            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
-            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
+            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store).cpu()
+            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store).cpu()
             if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
                 load_LE += self.compute.expert_loads(out.routes_BTLK, mb.token_mask_BT).cpu()
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
@@ -308,15 +311,15 @@ class TorchActor(RankActor):
         rank touched keeps grad None (AdamW skips it, as in one process); one touched
         elsewhere only gets zeros here before the sum."""
         params = list(self.master.parameters())
-        flat = torch.cat([torch.ones(len(params))] + [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for p in params])
-        flat[:len(params)] = torch.tensor([float(p.grad is not None) for p in params])
-        self._all_reduce(flat)
+        has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+        flat = torch.cat([has] + [(p.grad if p.grad is not None else torch.zeros_like(p))
+                                  .reshape(-1) for p in params])
+        self._all_reduce(flat)  # on the actor's device: NCCL on GPU
+        touched = flat[:len(params)].tolist()
         offset = len(params)
-        for i, p in enumerate(params):
+        for p, t in zip(params, touched):
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone() if flat[i] > 0 else None
+            p.grad = flat[offset:offset + n].view_as(p).clone() if t > 0 else None
             offset += n
 
     @torch.no_grad()

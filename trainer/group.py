@@ -47,20 +47,11 @@ from lockstep.replay import ReplayMode
 from lockstep.trainer.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
 from lockstep.trainer.config import ExperimentConfig
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, UpdateResult, add_stats,
-                                   shuffle_seed)
+                                   resolve_device, shuffle_seed)
 
 
 class ActorGroupError(RuntimeError):
     """An actor rank died or failed; the group is closed."""
-
-
-def resolve_device(device: str) -> str:
-    """cluster.device -> 'cpu' | 'cuda' ('auto' = cuda when this process sees a GPU)."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("cluster.device=cuda but torch sees no CUDA device here")
-    return device
 
 
 class RankWorker:
@@ -108,7 +99,8 @@ class RankWorker:
         else:
             from lockstep.trainer.actor import TorchActor
             self.actor = TorchActor(model, cfg.actor, total_updates, temperature=temperature,
-                                    dp_group=dist.group.WORLD)
+                                    dp_group=dist.group.WORLD,
+                                    device=resolve_device(cfg.cluster.device))
         return self.actor.dp_rank, self.actor.dp_size
 
     def old_logprobs(self, shard: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
@@ -123,10 +115,10 @@ class RankWorker:
 
     def export_weights(self, bucket_bytes: int, send: bool):
         """Every rank runs the export (sharded backends gather in it); only `send` yields.
-        Buckets are copied: a view would ship its whole storage."""
+        Buckets are copied to the CPU: a view would ship its whole storage."""
         for bucket in self.actor.export_weights(bucket_bytes):
             if send:
-                yield [(name, t.detach().clone()) for name, t in bucket]
+                yield [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
 
     def rank_state(self) -> dict:
         return self.actor.rank_state()

@@ -34,7 +34,8 @@ from lockstep.trainer.correction import CorrectionResult, correct, is_split_metr
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
-from lockstep.trainer.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
+from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
+                                   stats_values)
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
@@ -117,7 +118,8 @@ class Trainer:
             self.actor = MegatronActor(model, cfg.actor, total_updates,
                                        temperature=ro.temperature, options=cfg.actor.megatron)
         else:
-            self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature)
+            self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature,
+                                    device=resolve_device(cfg.cluster.device))
         self._weights: tuple[int, dict] | None = None  # (step, last export), for the checkpoint
         if resume:
             self.actor.load_rank_state(trainer_state)

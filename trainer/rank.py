@@ -137,6 +137,20 @@ class UpdateInputs:
         return UpdateInputs(**{k: v[idx] if isinstance(v, torch.Tensor) else v
                                for k, v in parts.items()})
 
+    def to(self, device: torch.device) -> UpdateInputs:
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return UpdateInputs(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                               for k, v in parts.items()})
+
+
+def resolve_device(device: str) -> str:
+    """cluster.device -> 'cpu' | 'cuda' ('auto' = cuda when this process sees a GPU)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("cluster.device=cuda but torch sees no CUDA device here")
+    return device
+
 
 def shuffle_seed(loop_seed: int, step: int) -> int:
     """Seed of step `step`'s mini-batch shuffle (the group plans its shards with it)."""
@@ -183,6 +197,7 @@ class RankActor:
         if steps is None:  # a world of one: the whole schedule
             steps = minibatch_schedule(batch.size, self.cfg.mini_batch_size, self.cfg.epochs,
                                        inputs.shuffle_seed)
+        inputs = inputs.to(self._device())  # once per update, not per micro-batch
         current_BT = torch.zeros_like(inputs.old_logprobs_BT)
         stats, used_BTLK, natural_BTLK = self._train_steps(
             batch, Objective(batch, inputs, current_BT), steps, up.routes_BTLK,
@@ -201,7 +216,7 @@ class RankActor:
         else:
             stats["replay/replayed_fraction"] = (0.0, float(token_BT.sum()))
             stats["replay/mismatch"] = (0.0, first)
-        return UpdateResult(current_BT, stats)
+        return UpdateResult(current_BT.cpu(), stats)
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         """HF-named weights in buckets of at most `bucket_bytes` (views: consume each bucket
@@ -240,7 +255,7 @@ class RankActor:
         return [(t.clamp(min=1), s.clamp(min=1)) for t, s in out]
 
     def _device(self) -> torch.device:
-        return torch.device("cpu")
+        return torch.device(getattr(self, "device", "cpu"))
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -271,6 +286,7 @@ class Objective:
 
     def __init__(self, batch: Batch, inputs: UpdateInputs, current_BT: torch.Tensor):
         self.batch, self.inputs, self.current_BT = batch, inputs, current_BT
+        self.rollout_logprobs_BT = batch.rollout_logprobs_BT.to(current_BT.device)
 
     def __call__(self, lp_BT, ent_BT, rows, norms):
         """Metrics come back weighted, so that adding them over micro-batches and ranks gives
@@ -282,7 +298,7 @@ class Objective:
             x.loss, lp_BT, x.old_logprobs_BT[rows], x.advantages_BT[rows], x.loss_mask_BT[rows],
             is_weights=None if x.is_weights_BT is None else x.is_weights_BT[rows],
             entropy=ent_BT, correction=x.correction,
-            rollout_logprobs=self.batch.rollout_logprobs_BT[rows],
+            rollout_logprobs=self.rollout_logprobs_BT[rows],
             num_tokens=norms[0], num_seqs=norms[1])
-        w = float(x.loss_mask_BT[rows].sum() / norms[0])
+        w = float(x.loss_mask_BT[rows].sum().cpu() / norms[0])
         return out.loss, {k: v if k in SHARE_METRICS else v * w for k, v in out.metrics.items()}
