@@ -83,3 +83,27 @@ def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
                                          r"process.*torchrun\) is not supported yet"):
         trainer(tmp_path, "megatron", "R3", override)
     assert not (tmp_path / "megatron").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["cluster.actor_ranks=4", "actor.megatron.tensor_parallel=2",
+      "actor.megatron.expert_parallel=2"],
+     r"expert_parallel=2 with actor\.megatron\.expert_tensor_parallel=2 and .*alltoall on CPU: "
+     r".*gloo cannot"),
+    (["cluster.actor_ranks=3", "actor.megatron.tensor_parallel=2"],
+     r"tensor_parallel=2 x actor\.megatron\.pipeline_parallel=1 does not divide the 3 actor"),
+    (["cluster.actor_ranks=2", "actor.megatron.pipeline_parallel=2"],
+     r"model\.num_hidden_layers=3 is not divisible by actor\.megatron\.pipeline_parallel=2"),
+])
+def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(sets, msg):
+    from lockstep.moe.config import ConfigError
+    from lockstep.trainer.loop import check_megatron_world
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
+                      ["actor.backend=megatron", *sets])
+    with pytest.raises(ConfigError, match=msg):
+        check_megatron_world(cfg)
+    ok = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
+                     ["actor.backend=megatron", "cluster.actor_ranks=4",
+                      "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
+                      "actor.megatron.token_dispatcher=allgather"])
+    check_megatron_world(ok)  # the same layout with the allgather dispatcher is allowed

@@ -54,11 +54,16 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
 
     if cfg.actor.backend != "megatron":
         return
+    m = cfg.actor.megatron
+    if cfg.cluster.actor_ranks > 1:  # the Ray actor group hosts one megatron rank per member
+        from lockstep.trainer.megatron.model import check_layout
+        check_layout(m, cfg.cluster.actor_ranks, on_gpu=cfg.cluster.device == "cuda" or (
+            cfg.cluster.device == "auto" and torch.cuda.is_available()), cfg=cfg.model)
+        return
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != 1:
         raise ValueError(f"Trainer runs in one process, but torch.distributed has a world of "
                          f"{world}: multi-rank megatron (torchrun) is not supported by the loop")
-    m = cfg.actor.megatron
     big = {k: v for k, v in (("tensor_parallel", m.tensor_parallel),
                              ("expert_parallel", m.expert_parallel),
                              ("expert_tensor_parallel", m.etp),
@@ -67,7 +72,8 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
         raise ValueError(
             f"{', '.join(f'actor.megatron.{k}={v}' for k, v in big.items())}: the RL loop runs "
             "megatron-core in a world of one process, so every parallel size must be 1; "
-            "multi-rank launch (torchrun) is not supported yet (docs/megatron.md)")
+            "multi-rank launch (torchrun) is not supported yet: set cluster.actor_ranks "
+            "(docs/megatron.md)")
 
 
 class Trainer:

@@ -22,6 +22,7 @@ Shapes: B batch rows, T padded time, L MoE layers, K top-k.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 
@@ -137,6 +138,8 @@ class MegatronActor(RankActor):
         self.route_dtype = compact_dtype(mcfg.num_experts)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
+        self.dp_size = self.dp  # the rank interface's names
+        self._sharded = False
         self.tp = self.opts.tensor_parallel
         self.pp = self.opts.pipeline_parallel
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -155,6 +158,8 @@ class MegatronActor(RankActor):
         return lr
 
     def _my_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._sharded:  # the rank interface hands each DP rank its own rows
+            return rows
         return rows.tensor_split(self.dp)[self.dp_rank]
 
     def _pp_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,13 +168,14 @@ class MegatronActor(RankActor):
         return x
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dp > 1:
+        if self.dp > 1 and not self._sharded:
             dist.all_reduce(x, group=self.dp_group)
         return x
 
     def _run(self, batch: Batch, micro: list[torch.Tensor], routes_BTLK, mask_BT, used, nat,
              *, lp_BT=None, ent_BT=None, loss_fn: LossFn | None = None,
-             mini: torch.Tensor | None = None) -> dict[str, float]:
+             mini: torch.Tensor | None = None, mini_size: int | None = None,
+             weighted: bool = False) -> dict[str, float]:
         """Micro-batches `micro` (rows of `batch`) through megatron-core's schedule, on every
         pipeline stage, inside one replay session. Writes this stage's MoE layers of the routes
         run / natural top-k into `used` / `nat` [B, T, L, K]; on the last stage writes the
@@ -180,6 +186,8 @@ class MegatronActor(RankActor):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         train = loss_fn is not None
+        if train and mini_size is None:
+            mini_size = len(mini)
         T = batch.input_ids_BT.shape[1]
         last = is_last_stage(self.gpt)
         metrics: dict[str, float] = {}
@@ -194,7 +202,7 @@ class MegatronActor(RankActor):
                 # the torch actor adds aux_loss_coef * (layer mean) * len(idx) / len(mini); the
                 # schedule and DDP divide what is attached by micro-batches * dp (undone here)
                 self.replay.begin_micro_batch(
-                    mb.token_mask_BT, self.aux_coef / self.num_moe_layers * b / len(mini)
+                    mb.token_mask_BT, self.aux_coef / self.num_moe_layers * b / mini_size
                     * len(micro) * self.dp)
             if routes_BTLK is not None and self.replay.num_layers:
                 self.replay.set_routes(routes_BTLK[idx][:, :, self.moe_slice],
@@ -205,7 +213,7 @@ class MegatronActor(RankActor):
                 used[idx, :, self.moe_slice] = self.replay.used(b, T)
                 nat[idx, :, self.moe_slice] = self.replay.natural(b, T)
             if train and self.aux_coef > 0 and self.replay.num_layers:
-                aux_sum += float(self.replay.aux_loss_sum()) * b / len(mini)
+                aux_sum += float(self.replay.aux_loss_sum()) * b / mini_size
             if not last:
                 return out, None  # hidden states for the next stage; no loss here
             logits = out[:, :-1]
@@ -223,8 +231,8 @@ class MegatronActor(RankActor):
                     return lp.new_zeros(()), {}
                 loss, m = loss_fn(lp, ent, idx, mini)
                 self._update_lp[idx] = lp.detach()
-                for k, v in m.items():  # micro-batch means: weight them by rows
-                    metrics[k] = metrics.get(k, 0.0) + v * b / len(mini)
+                for k, v in m.items():  # micro-batch means (unless weighted): weight by rows
+                    metrics[k] = metrics.get(k, 0.0) + (v if weighted else v * b / mini_size)
                 # megatron-core divides by the micro-batch count and DDP averages over DP
                 # ranks; our loss already is this micro-batch's share of the mini-batch loss
                 return loss * (len(micro) * self.dp), {}
@@ -298,15 +306,18 @@ class MegatronActor(RankActor):
         return metrics, used.to(self.route_dtype), nat.to(self.route_dtype)
 
     def _forward_backward(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor,
-                          routes_BTLK, replay_mask_BT, used, nat) -> dict[str, float]:
+                          routes_BTLK, replay_mask_BT, used, nat, *, sharded: bool = False,
+                          ) -> dict[str, float]:
         """Gradients of one mini-batch (this DP rank's rows, in micro-batches) through
         megatron-core's schedule; metrics are the mini-batch's on every rank. Under PP the
         loss is computed on the last stage; earlier stages then hand `loss_fn` the same
         log-probs (no grad) so its side effects (the loop keeps them) happen on every rank."""
-        micro = self._micro_batches(self._my_rows(mini))
+        micro = self._micro_batches(mini if sharded else self._my_rows(mini))
         self._update_lp = torch.zeros(batch.input_ids_BT.shape)
         metrics = self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat,
-                            loss_fn=loss_fn, mini=mini)
+                            loss_fn=loss_fn, mini=mini,
+                            mini_size=self.cfg.mini_batch_size if sharded else len(mini),
+                            weighted=sharded)
         if self.pp > 1:
             parts: list = [None] * self.pp
             dist.all_gather_object(parts, metrics, group=self.pp_group)
@@ -321,7 +332,70 @@ class MegatronActor(RankActor):
                         loss_fn(lp, torch.zeros_like(lp), idx, mini)
         if self.aux_coef > 0:
             metrics["actor/aux_loss"] /= self.num_moe_layers
-        return self._dp_mean_metrics(metrics)
+        return metrics if sharded else self._dp_mean_metrics(metrics)
+
+    # -- the rank interface (trainer/rank.py): this DP rank's shard of the batch -------------
+    def old_logprobs(self, batch: Batch, mode, step: int):
+        """`RankActor.old_logprobs` on this DP rank's rows (`batch` is the shard; TP / PP
+        peers of a DP rank get the same shard and answer the same; only one of them counts
+        its stats, so the group's sums are not multiplied)."""
+        from lockstep.trainer.rank import OldLogprobs
+        with self._shard():
+            out = super().old_logprobs(batch, mode, step)
+        return OldLogprobs(out.logprobs_BT, self._peer_stats(out.stats))
+
+    def policy_update(self, batch: Batch, inputs, mode, step: int, steps=None):
+        """`RankActor.policy_update` on this DP rank's rows (see `old_logprobs`)."""
+        from lockstep.trainer.rank import UpdateResult
+        with self._shard():
+            out = super().policy_update(batch, inputs, mode, step, steps)
+        return UpdateResult(out.logprobs_BT, self._peer_stats(out.stats))
+
+    def _train_steps(self, batch: Batch, objective, steps: list[torch.Tensor], routes_BTLK,
+                     replay_mask_BT):
+        """One optimiser step per entry of `steps` (this shard's rows of each global
+        mini-batch), the loss normalised by the global mini-batch's counts (`step_norms`)."""
+        from lockstep.trainer.actor import OPTIMIZER_METRICS
+        B, T = batch.input_ids_BT.shape
+        L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
+        used = torch.zeros(B, T, L, K, dtype=torch.int64)
+        nat = torch.zeros(B, T, L, K, dtype=torch.int64)
+        norms = self.step_norms(objective.inputs.loss_mask_BT, steps)
+        sums: dict[str, float] = {}
+        for i, (local, norm) in enumerate(zip(steps, norms)):
+            if not len(local):
+                raise ValueError(f"optimiser step {i}: data-parallel rank {self.dp_rank} has no "
+                                 "rows of this mini-batch (actor.mini_batch_size must be >= "
+                                 f"the data-parallel size {self.dp})")
+            m = self._forward_backward(
+                batch, lambda lp, ent, idx, mini, n=norm: objective(lp, ent, idx, n), local,
+                routes_BTLK, replay_mask_BT, used, nat, sharded=True)
+            m.update(self._optimizer_step())
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+        self._pp_sum(used)
+        self._pp_sum(nat)
+        first = float(self.dp_rank == 0)
+        stats = {k: (v / len(steps), 1.0 if k in OPTIMIZER_METRICS else first)
+                 for k, v in sums.items()}
+        return stats, used.to(self.route_dtype), nat.to(self.route_dtype)
+
+    @contextlib.contextmanager
+    def _shard(self):
+        """Inside: the batch given is this DP rank's shard (no row split, no DP sums)."""
+        self._sharded = True
+        try:
+            yield
+        finally:
+            self._sharded = False
+
+    def _peer_stats(self, stats):
+        """Stats as they are on the DP rank's representative (TP rank 0 of PP stage 0); zero
+        counts and sums on its TP / PP peers."""
+        from megatron.core import parallel_state as ps
+        if ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
+            return stats
+        return {k: (0.0, 0.0) for k in stats}
 
     def gradients(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                   replay_mask_BT: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

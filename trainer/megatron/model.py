@@ -108,6 +108,32 @@ class MegatronOptions:
         return getattr(torch, self.params_dtype)
 
 
+def check_layout(opts: MegatronOptions, world: int, on_gpu: bool,
+                 cfg: ModelConfig | None = None) -> None:
+    """Refuse a layout of `world` ranks that megatron-core 0.16.1 cannot run (or that gloo
+    cannot carry), naming the fields and why. Data parallel = the rest of the world. With the
+    model's `cfg`, also what `transformer_config` would refuse (before any rank starts)."""
+    tp, ep, etp, pp = (opts.tensor_parallel, opts.expert_parallel, opts.etp,
+                       opts.pipeline_parallel)
+    f = "actor.megatron."
+    if cfg is not None:
+        check_supported(cfg)
+        if cfg.num_hidden_layers % pp:
+            raise ConfigError(f"model.num_hidden_layers={cfg.num_hidden_layers} is not divisible "
+                              f"by {f}pipeline_parallel={pp} (stages hold equal layer counts)")
+    if world % (tp * pp):
+        raise ConfigError(f"{f}tensor_parallel={tp} x {f}pipeline_parallel={pp} does not divide "
+                          f"the {world} actor ranks (cluster.actor_ranks)")
+    if world % (etp * ep * pp):
+        raise ConfigError(f"{f}expert_tensor_parallel={etp} x {f}expert_parallel={ep} x "
+                          f"{f}pipeline_parallel={pp} does not divide the {world} actor ranks")
+    if not on_gpu and opts.token_dispatcher == "alltoall" and ep > 1 and etp > 1:
+        raise ConfigError(f"{f}expert_parallel={ep} with {f}expert_tensor_parallel={etp} and "
+                          f"{f}token_dispatcher=alltoall on CPU: the dispatcher all-gathers "
+                          "tensors of unequal sizes over the expert-TP group, which gloo cannot "
+                          f"do; use {f}token_dispatcher=allgather or expert_tensor_parallel=1")
+
+
 def te_available() -> bool:
     """Transformer Engine importable and a GPU present (the TE spec needs both)."""
     if not torch.cuda.is_available():
