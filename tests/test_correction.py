@@ -292,6 +292,10 @@ def test_is_split_metrics():
     assert m["is_split/mismatch_k3"] == approx((1 - L2) / 2)
     assert m["is_split/mismatch_log_var_share"] == approx(0.5)
     assert m["is_split/log_corr"] == approx(-1.0)  # the two parts cancel exactly here
+    pad = torch.tensor([[float("nan")]])  # a padding column of garbage changes nothing
+    padded = is_split_metrics(*(torch.cat([t, pad], 1) for t in (logprobs, old, rollout)),
+                              torch.tensor([[1.0, 1.0, 0.0]]))
+    assert padded == m
     logprobs[0, 1] = float("nan")
     with pytest.raises(ValueError, match="logprobs is nan at row 0, position 1"):
         is_split_metrics(logprobs, old, rollout, torch.ones(1, 2))

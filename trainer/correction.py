@@ -606,29 +606,29 @@ def is_split_metrics(logprobs, old_logprobs, rollout_logprobs, response_mask) ->
     exactly, so `mismatch_log_var_share` = var(log mismatch) / (var(log mismatch) + var(log staleness))
     says which part dominates the spread; `log_corr` is their correlation over valid tokens.
     """
-    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs)):
-        check_logprobs(name, t, response_mask)
-    parts = {"mismatch": old_logprobs - rollout_logprobs, "staleness": logprobs - old_logprobs,
-             "total": logprobs - rollout_logprobs}
-    mask, mask_b = response_mask, response_mask.bool()
+    mk = _Mask(response_mask)
+    lp_z, old_z, roll_z = (_checked_zero_pad(mk, name, t.detach().float(), response_mask) for name, t in
+                           (("logprobs", logprobs), ("old_logprobs", old_logprobs),
+                            ("rollout_logprobs", rollout_logprobs)))
+    parts = {"mismatch": old_z - roll_z, "staleness": lp_z - old_z, "total": lp_z - roll_z}
     m: dict[str, float] = {}
-    var = {}
-    for part, lr in parts.items():
-        lr = lr.detach().float()
-        r = torch.exp(lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-        mu = _masked_mean(lr, mask)
-        var[part] = _masked_mean((lr - mu).square(), mask)
-        m[f"is_split/{part}_mean"] = _masked_mean(r, mask).item()
-        m[f"is_split/{part}_max"] = r.masked_fill(~mask_b, -math.inf).max().item()
-        m[f"is_split/{part}_min"] = r.masked_fill(~mask_b, math.inf).min().item()
+    var, dev = {}, {}
+    for part, lr in parts.items():  # zero-padded, so masked means are sums (`_Mask`)
+        lr_c = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        e = torch.exp(lr_c)  # 1 on padding
+        r_z = e * mk.f
+        mu = mk.mean(lr)
+        dev[part] = (lr - mu).mul_(mk.f)
+        var[part] = mk.mean_sq(dev[part])
+        m[f"is_split/{part}_mean"] = mk.mean(r_z).item()
+        m[f"is_split/{part}_max"] = mk.max(r_z, nonneg=True).item()
+        m[f"is_split/{part}_min"] = mk.min(r_z).item()
         m[f"is_split/{part}_log_mean"] = mu.item()
         m[f"is_split/{part}_log_std"] = var[part].sqrt().item()
-        m[f"is_split/{part}_k3"] = _masked_mean(r - 1 - lr.clamp(-SAFETY_BOUND, SAFETY_BOUND), mask).item()
+        m[f"is_split/{part}_k3"] = mk.mean(e.sub_(1).sub_(lr_c)).item()  # r - 1 - log r: 0 on padding
     denom = var["mismatch"] + var["staleness"]
     m["is_split/mismatch_log_var_share"] = (var["mismatch"] / denom).item() if denom > 0 else 0.0
-    a = parts["mismatch"].detach().float() - _masked_mean(parts["mismatch"].detach().float(), mask)
-    b = parts["staleness"].detach().float() - _masked_mean(parts["staleness"].detach().float(), mask)
-    cov = _masked_mean(a * b, mask)
+    cov = mk.mean(dev["mismatch"] * dev["staleness"])
     sd = (var["mismatch"] * var["staleness"]).sqrt()
     m["is_split/log_corr"] = (cov / sd).item() if sd > 0 else 0.0
     return m
