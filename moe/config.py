@@ -169,6 +169,10 @@ class ModelConfig:
     """MLA: per-head query/key dims with RoPE (the key part is shared by all heads)."""
     v_head_dim: int = 0
     """MLA: per-head value width."""
+    rope_scaling: dict[str, Any] | None = None
+    """YaRN context extension as DeepSeek-V3 / Kimi-K2 release it (deepseek_v3 only):
+    {rope_type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    mscale_all_dim}; None = plain RoPE."""
 
     def __post_init__(self) -> None:
         # Fields left None take the family's value (a YAML `model: {model_type: glm4_moe, ...}`
@@ -343,6 +347,12 @@ class ModelConfig:
                                            "needs both)")
             need(not self.rope_interleave, "rope_interleave is only supported with MLA")
         need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            need(isinstance(rs, dict) and rs.get("rope_type") == "yarn"
+                 and set(rs) <= set(_YARN_KEYS) and rs.get("factor", 0) >= 1,
+                 f"rope_scaling must be a YaRN dict (rope_type 'yarn', factor >= 1, keys from "
+                 f"{list(_YARN_KEYS)}), got {rs!r}")
         bad = [i for i in self.mlp_only_layers
                if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
         need(not bad, f"mlp_only_layers has ids outside [0, {self.num_hidden_layers}): {bad}")
@@ -375,6 +385,15 @@ class ModelConfig:
             raise ConfigError(f"config is missing required MoE field(s) {missing}; a "
                               f"{model_type} config.json has them all")
         rope = d.get("rope_parameters")
+        legacy = d.pop("rope_scaling", None)
+        if isinstance(rope, dict) and rope.get("rope_type", "default") == "yarn":
+            d["rope_scaling"] = {k: v for k, v in rope.items() if k in _YARN_KEYS}
+            rope = {k: v for k, v in rope.items() if k in ("rope_theta", "partial_rotary_factor")}
+        elif isinstance(legacy, dict) and legacy.get("type", legacy.get("rope_type")) == "yarn":
+            d["rope_scaling"] = {**{k: v for k, v in legacy.items() if k in _YARN_KEYS},
+                                 "rope_type": "yarn"}
+        elif legacy:
+            raise ConfigError(f"rope_scaling {legacy!r} is not supported")
         if isinstance(rope, dict):
             if rope.get("rope_type", "default") != "default":
                 raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported")
@@ -384,8 +403,6 @@ class ModelConfig:
                         raise ConfigError(f"inconsistent config: {key}={d[key]} but "
                                           f"rope_parameters.{key}={rope[key]}")
                     d[key] = rope[key]
-        if d.get("rope_scaling"):
-            raise ConfigError(f"rope_scaling {d['rope_scaling']!r} is not supported")
         if d.get("use_sliding_window") or (model_type == "mixtral" and d.get("sliding_window")):
             raise ConfigError("sliding-window attention is not supported")
         if d.get("hidden_act", "silu") != "silu":
@@ -462,6 +479,8 @@ class ModelConfig:
             d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
         if mt == "deepseek_v3":
             d.update(attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc")
+            if d.pop("rope_scaling") is not None:
+                d["rope_parameters"].update(self.rope_scaling)
         return d
 
     @classmethod
@@ -518,7 +537,7 @@ _FAMILY_HF_FIELDS = {
     "deepseek_v3": ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                     "n_shared_experts", "first_k_dense_replace", "rope_interleave",
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                    "v_head_dim"),
+                    "v_head_dim", "rope_scaling"),
 }
 # Values of the fields that tell the families apart: Qwen3-MoE's, then each family's own.
 _BASE_DEFAULTS: dict[str, Any] = dict(
@@ -538,4 +557,7 @@ _ARCH_FIELDS = ("router", "n_group", "topk_group", "routed_scaling_factor", "exp
                 "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace",
                 "attention_bias", "qk_norm", "partial_rotary_factor", "rope_interleave",
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+                "v_head_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                "rope_scaling")
+_YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")

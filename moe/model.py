@@ -11,6 +11,7 @@ Model math knows nothing of process groups; parallelism is applied from outside.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +83,15 @@ def grouped_linear_loop(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.T
                       for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
 
 
-def attention(q, k, v, mask=None) -> torch.Tensor:
-    """Causal (mask None) or masked GQA attention; on CPU low precision runs in fp32 as above."""
+def attention(q, k, v, mask=None, scale=None) -> torch.Tensor:
+    """Causal (mask None) or masked GQA attention; on CPU low precision runs in fp32 as above.
+    `scale` None is 1/sqrt(q's head width)."""
     if _emulated_on_cpu(q):
-        return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+        return attention(q.float(), k.float(), v.float(), mask, scale).to(q.dtype)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                              scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +116,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None, max_position_embeddings: int = 0):
     """cos and signed sin of shape [B, 1, T, Dh] in `dtype` (rotate-half convention).
 
     The sign of rotate_half, (-x2, x1), is folded into sin: sin_signed = (-sin, sin), so a
@@ -123,11 +127,52 @@ def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype:
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
                                              device=positions_BT.device).float() / head_dim))
+    attention_factor = 1.0
+    if scaling is not None:
+        inv_freq, attention_factor = yarn_inv_freq(inv_freq, head_dim, theta, scaling,
+                                                   max_position_embeddings)
     freqs_BTF = positions_BT[..., None].float() * inv_freq
     cos_half, sin_half = freqs_BTF.cos(), freqs_BTF.sin()
+    if attention_factor != 1.0:
+        cos_half, sin_half = cos_half * attention_factor, sin_half * attention_factor
     cos = torch.cat((cos_half, cos_half), dim=-1)[:, None]
     sin_signed = torch.cat((-sin_half, sin_half), dim=-1)[:, None]
     return cos.to(dtype), sin_signed.to(dtype)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(inv_freq_F: torch.Tensor, dim: int, theta: float, s: dict, max_pos: int):
+    """YaRN (arXiv 2309.00071) as DeepSeek-V3 configures it: frequencies between the
+    beta_fast/beta_slow correction dims blend interpolation (1 / factor) and extrapolation;
+    cos/sin are scaled by the attention factor. Returns (inv_freq, attention_factor)."""
+    factor = float(s["factor"])
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = yarn_mscale(factor, s["mscale"]) / \
+                yarn_mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = yarn_mscale(factor)
+    original = s.get("original_max_position_embeddings") or max_pos
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = (1 - ramp).to(inv_freq_F.device)
+    pos_freqs = 1.0 / inv_freq_F
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + \
+        (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -278,6 +323,11 @@ class MLAttention(nn.Module):
         D, H = cfg.hidden_size, cfg.num_attention_heads
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank, self.interleave = cfg.kv_lora_rank, cfg.rope_interleave
+        self.scale = None  # 1/sqrt(dn + dr); YaRN multiplies it by mscale(factor, mscale_all_dim)^2
+        rs = cfg.rope_scaling
+        if rs is not None and rs.get("mscale_all_dim"):
+            m = yarn_mscale(float(rs["factor"]), rs["mscale_all_dim"])
+            self.scale = (self.dn + self.dr) ** -0.5 * m * m
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * (self.dn + self.dr), bias=False)
         else:
@@ -310,10 +360,10 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot_B1TR.expand(B, H, T, self.dr)), dim=-1)
         if cache_rows is None:
-            o = attention(q, k, v)  # scale 1/sqrt(dn + dr), the default
+            o = attention(q, k, v, scale=self.scale)
         else:
             keys, values = cache_rows.write_and_read(self.layer_idx, k, v)
-            o = attention(q, keys, values, cache_rows.mask_B1TM)
+            o = attention(q, keys, values, cache_rows.mask_B1TM, self.scale)
         return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
 
 
@@ -505,7 +555,8 @@ class MoEModel(nn.Module):
             raise RouteError("replay_mask given without routed_experts")
 
         x = self.embed_tokens(input_ids_BT).to(self.compute_dtype)
-        cos, sin_signed = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        cos, sin_signed = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta, x.dtype,
+                                       cfg.rope_scaling, cfg.max_position_embeddings)
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
         routes, natural, router_logits = [], [], []

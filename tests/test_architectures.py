@@ -139,8 +139,47 @@ def test_family_defaults_and_config_errors(tmp_path):
         ModelConfig(model_type="glm4_moe", num_experts=8, n_group=2, topk_group=3)
     d = ModelConfig.from_json(write_hf_folder("deepseek_v3", tmp_path / "ds")).to_hf_dict()
     with pytest.raises(ConfigError, match="rope_scaling"):
-        ModelConfig.from_hf_dict({**d, "rope_scaling": {"type": "yarn", "factor": 40}})
+        ModelConfig.from_hf_dict({**d, "rope_scaling": {"type": "linear", "factor": 4}})
     with pytest.raises(ConfigError, match="topk_method='group_limited_greedy'"):
         ModelConfig.from_hf_dict({**d, "topk_method": "group_limited_greedy"})
     with pytest.raises(ConfigError, match=r"unknown config keys \['kv_rank'\].*deepseek_v3"):
         ModelConfig.from_hf_dict({**d, "kv_rank": 3})
+
+
+def test_deepseek_yarn_rope_matches_transformers(tmp_path):
+    """DeepSeek-V3 / Kimi-K2 ship YaRN (rope_scaling): frequencies, cos/sin attention factor
+    and MLA's mscale^2 softmax scale, against transformers."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+            "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 0.7}
+    folder = write_hf_folder("deepseek_v3", tmp_path / "ds", rope_parameters=yarn)
+    ours = load_hf(folder).eval()
+    assert ours.cfg.rope_scaling["factor"] == 8.0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    _compare(ours, hf, ids)
+    save_hf(ours, tmp_path / "ours")
+    assert ModelConfig.from_json(tmp_path / "ours") == ours.cfg
+    _compare(ours, transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", dtype=torch.float32).eval(), ids)
+
+
+def test_yarn_frequencies_at_deepseek_v3_scale():
+    """The released DeepSeek-V3 YaRN setting (rope dims 64, factor 40, 4096 original
+    positions), where the interpolation ramp covers real dims: inv_freq and attention factor as
+    transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lockstep.moe.model import yarn_inv_freq
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096}
+    hf_cfg = transformers.DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=163840,
+                                           rope_parameters=dict(yarn))
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    base = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    got, factor = yarn_inv_freq(base, 64, 10000.0, yarn, 163840)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(want_factor)
+    assert 0 < int((got < base / 39).sum()) < 32  # the ramp is inside the rotary dims
