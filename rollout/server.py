@@ -117,12 +117,22 @@ class EngineWorker:
     def _busy(self) -> bool:
         return bool(self.engine.running or (self.engine.waiting and not self.hold))
 
-    async def drain(self) -> None:
-        """Stop admitting queued requests and wait until no sample runs; `hold` stays set
-        until the caller clears it (and calls `wake`)."""
+    async def when_idle(self, fn, *args):
+        """Stop admitting queued requests, then run `fn` on the engine thread once no sample
+        is running (checked on that thread, so a step in flight cannot admit one in between).
+        Admission resumes afterwards."""
         self.hold = True
-        while self.engine.running:
-            await asyncio.sleep(0.002)
+        try:
+            while True:
+                done, out = await self.call(self._if_idle, fn, *args)
+                if done:
+                    return out
+                await asyncio.sleep(0.002)
+        finally:
+            self.wake()
+
+    def _if_idle(self, fn, *args):
+        return (False, None) if self.engine.running else (True, fn(*args))
 
     def wake(self) -> None:
         self.hold = False
@@ -420,12 +430,8 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             aborted = await worker.abort(None) if _flag(body, "abort_all_requests") else 0
             # As SGLang: the swap waits for running samples to finish and holds queued ones,
             # so no sample mixes two weight versions.
-            try:
-                await worker.drain()
-                paused = len(engine.waiting)
-                new = await worker.call(engine.swap_weights, new_sd, version)
-            finally:
-                worker.wake()
+            paused = len(engine.waiting)
+            new = await worker.when_idle(engine.swap_weights, new_sd, version)
         return web.json_response({"success": True, "message": f"weights loaded from "
                                   f"{path}; weight_version={new}"
                                   + (f"; aborted {aborted} requests" if aborted else ""),
