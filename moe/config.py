@@ -173,6 +173,10 @@ class ModelConfig:
     """YaRN context extension as DeepSeek-V3 / Kimi-K2 release it (deepseek_v3 only):
     {rope_type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
     mscale_all_dim}; None = plain RoPE."""
+    path: str | None = None
+    """Experiment configs only (never in config.json): an HF folder (config, safetensors,
+    tokenizer) whose weights are the initial policy; the fields above then come from its
+    config.json."""
 
     def __post_init__(self) -> None:
         # Fields left None take the family's value (a YAML `model: {model_type: glm4_moe, ...}`

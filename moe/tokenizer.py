@@ -34,6 +34,9 @@ def build_char_tokenizer(chars: str, specials: tuple[str, ...] = (PAD, BOS, EOS)
 def save_tokenizer(tok: Tokenizer, folder: str | Path, cfg=None) -> None:
     """Write tokenizer.json plus the small config files transformers/SGLang look for."""
     folder = Path(folder)
+    if hasattr(tok, "save_pretrained"):  # a transformers tokenizer (model.path): its own files
+        tok.save_pretrained(str(folder))
+        return
     tok.save(str(folder / "tokenizer.json"))
     vocab = tok.get_vocab()
     specials = {name: t for name, t in (("pad_token", PAD), ("bos_token", BOS),

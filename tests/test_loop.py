@@ -28,8 +28,8 @@ def _trainer(tmp_path, mode, *extra):
 
 
 def _rollout(tr, step=1):
-    problems = tr.task.problems(tr.cfg.loop.seed, 0, tr.cfg.rollout.prompts_per_step)
-    results = tr.rollout.generate(tr.requests(problems, step))
+    prompts = tr.source.prompts(0, tr.cfg.rollout.prompts_per_step)
+    results = tr.rollout.generate(tr.requests(prompts, step))
     return collate(results, tr.task.pad_id, *tr._route_shape())
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.losses import (LossConfig, agg_loss, grpo_advantages, gspo_loss, kl_penalty, policy_loss,
+from lockstep.trainer.losses import (KL_ESTIMATORS, LossConfig, agg_loss, grpo_advantages, gspo_loss, kl_penalty, policy_loss,
                                      ppo_clip_loss)
 
 # shared PPO case: ratio r = pi/pi_old = [1.5, .5, .5, 5], advantages [1, 1, -1, -1]
@@ -76,8 +76,25 @@ def test_kl_estimators():
     assert kl_penalty(lp, ref, "k3").item() == approx(0.5 + math.log(2) - 1)  # e^{-ln2} - (-ln2) - 1
     # clamps: log ratio -30 -> -20, e^-20 + 20 - 1 = 19 -> capped at 10
     assert kl_penalty(torch.tensor([0.0]), torch.tensor([-30.0]), "k3").item() == approx(10.0)
-    with pytest.raises(ValueError, match="valid: k1, k2, k3"):
+    with pytest.raises(ValueError, match="valid: kl, k1, abs, mse, k2, low_var_kl, k3"):
         kl_penalty(lp, ref, "low_var")
+
+
+def test_kl_loss_types_match_verl_kl_penalty():
+    """Every verl 0.9.1 name (and its "+" straight-through form) gives verl's value and grad."""
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(3, 5, generator=g)
+    for name in KL_ESTIMATORS:
+        ours_lp = (ref + torch.randn(3, 5, generator=g)).requires_grad_()
+        theirs_lp = ours_lp.detach().clone().requires_grad_()
+        ours = kl_penalty(ours_lp, ref, name)
+        theirs = core_algos.kl_penalty(theirs_lp, ref, name)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+        ours.sum().backward()
+        theirs.sum().backward()
+        torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, rtol=0, atol=0, msg=name)
+    assert kl_penalty(torch.tensor([0.0]), torch.tensor([-1.0]), "abs").item() == approx(1.0)
 
 
 def test_gspo_sequence_ratio_value_and_per_token_gradient():
@@ -98,7 +115,7 @@ def test_policy_loss_with_kl_and_entropy():
     lp, old, adv, mask = ppo_case()
     ref = lp.detach() - 0.1  # k1 = 0.1 everywhere
     ent = torch.full((1, 4), 2.0)
-    out = policy_loss(LossConfig(kl_coef=0.5, kl_estimator="k1", entropy_coef=0.01), lp, old, adv, mask,
+    out = policy_loss(LossConfig(kl_coef=0.5, kl_loss_type="k1", entropy_coef=0.01), lp, old, adv, mask,
                       ref_logprobs=ref, entropy=ent)
     pg = (-1.2 - 0.5 + 0.8 + 3.0) / 4
     assert out.loss.item() == approx(pg + 0.5 * 0.1 - 0.01 * 2.0)

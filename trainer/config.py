@@ -5,8 +5,9 @@ choices); unknown keys are rejected with the list of valid ones, naming the dott
 
     cfg = load_config("configs/toy_r3.yaml", overrides=["actor.lr=1e-4", "replay.mode=off"])
 
-Sections: `model` (HF Qwen3-MoE fields), `task`, `rollout` (engine), `actor`, `replay`,
-`correction` (rollout correction, verl semantics), `advantage`, `loss`, `warmstart`, `loop`.
+Sections: `model` (HF Qwen3-MoE fields, or `path` to an HF folder), `task`, `data` (prompt data
+sets), `reward`, `rollout` (engine), `actor`, `replay`, `correction` (rollout correction, verl
+semantics), `advantage`, `loss`, `warmstart`, `loop`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import yaml
 
 from lockstep.moe.config import ModelConfig, need
 from lockstep.replay import ReplayMode
+from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.correction import CorrectionConfig
+from lockstep.trainer.data import DataConfig
 from lockstep.trainer.losses import LossConfig
 from lockstep.trainer.megatron.model import MegatronOptions  # no megatron-core import
 
@@ -294,9 +297,12 @@ class LoopConfig:
     dump_every: int = 0
     """Write every N-th step's samples to out_dir/dumps/step_<n>.safetensors (0 = never);
     `lockstep diagnose --dump FILE` reads them (docs/diagnose.md)."""
+    val_every: int = 0
+    """Score data.val_files every N steps, logged as val/... (0 = never), in [0, 2^31)."""
 
     def __post_init__(self) -> None:
         _in("loop", self, "steps", 1)
+        _in("loop", self, "val_every", 0, 2**31 - 1)
         _in("loop", self, "seed", 0, 2**31 - 1)
         _in("loop", self, "checkpoint_every", 0)
         _in("loop", self, "keep_checkpoints", 0)
@@ -340,7 +346,11 @@ class ExperimentConfig:
     """Policy architecture (HF config.json fields; `model_type` picks the family, docs/model.md);
     random init under loop.seed."""
     task: TaskConfig = field(default_factory=TaskConfig)
-    """The synthetic verifiable task."""
+    """The synthetic verifiable task (unused when data.train_files is set)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data sets (verl columns) instead of the synthetic task: lockstep.trainer.data."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function of data-set samples: lockstep.rollout.rewards."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout engine and sampling."""
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -370,6 +380,18 @@ class ExperimentConfig:
         _need(B % self.actor.mini_batch_size == 0,
               f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
               f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
+        _need(self.loss.kl_coef == 0 or self.cluster.actor_ranks == 1,
+              f"loss.kl_coef={self.loss.kl_coef} with cluster.actor_ranks="
+              f"{self.cluster.actor_ranks}: the reference policy runs only next to an "
+              "in-process actor so far; set cluster.actor_ranks=1 or loss.kl_coef=0")
+        _need(self.loop.val_every == 0 or bool(self.data.val_files),
+              f"loop.val_every={self.loop.val_every} needs data.val_files")
+        if self.data.enabled:
+            self._check_data()
+            return
+        _need(self.reward == RewardConfig(),
+              "the reward section applies to data sets (data.train_files); the synthetic task "
+              "keeps its own exact-match reward")
         task = Task(self.task)
         _need(self.model.vocab_size >= task.vocab_size,
               f"model.vocab_size={self.model.vocab_size} is smaller than the task tokenizer's "
@@ -378,6 +400,24 @@ class ExperimentConfig:
                            ("bos_token_id", task.bos_id)):
             _need(getattr(self.model, name) == want,
                   f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
+
+    def _check_data(self) -> None:
+        """A data-set run: a pretrained folder with its tokenizer, no synthetic warm start."""
+        _need(bool(self.model.path),
+              "data.train_files needs model.path: an HF folder whose tokenizer (and chat "
+              "template) tokenises the prompts")
+        _need(not self.warmstart.enabled,
+              "warmstart.enabled=true: the warm start trains on the synthetic task's "
+              "demonstrations, not on data.train_files; set warmstart.enabled=false (the "
+              "policy starts from model.path)")
+        _need(self.rollout.max_new_tokens is not None,
+              "data.train_files needs rollout.max_new_tokens (the response length cap)")
+        _need(self.model.eos_token_id is not None,
+              f"{self.model.path}: config.json has no eos_token_id (generation must stop)")
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        _need(longest <= self.model.max_position_embeddings,
+              f"data.max_prompt_length + rollout.max_new_tokens = {longest} exceeds the model's "
+              f"max_position_embeddings={self.model.max_position_embeddings}")
 
     def to_dict(self) -> dict[str, Any]:
         """Every section; a default `cluster` (one in-process actor) is left out, so saved
@@ -401,6 +441,11 @@ class ExperimentConfig:
         # itself was a (null) config field keep their hash
         d["rollout"].pop("api_key_file")
         d["rollout"]["api_key"] = None
+        if self.model.path is None:
+            d["model"].pop("path")
+        for name, default in (("data", DataConfig()), ("reward", RewardConfig())):
+            if getattr(self, name) == default:
+                d.pop(name)
         d = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -600,6 +645,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             _refuse_secrets({"rollout": {"api_key": value or "?"}}, None)
         _apply_override(data, key, value, ExperimentConfig)
     _refuse_secrets(data, path)
+    if isinstance(data.get("model"), dict) and data["model"].get("path") is not None:
+        data["model"] = _model_from_folder(data["model"])
     try:
         return build(ExperimentConfig, data)
     except ExperimentConfigError as e:
@@ -634,6 +681,26 @@ def rollout_api_key(ro: RolloutConfig) -> str | None:
               f"rollout.api_key_file={ro.api_key_file!r} is empty")
         return key[0].strip()
     return os.environ.get("LOCKSTEP_API_KEY") or None
+
+
+def _model_from_folder(section: dict[str, Any]) -> dict[str, Any]:
+    """The `model` section of `model.path: DIR`: the fields of DIR/config.json; fields given
+    next to `path` must equal the folder's (a saved config repeats them all)."""
+    path = section["path"]
+    _need(isinstance(path, str), f"model.path must be a string, got {path!r}")
+    try:
+        folder = dataclasses.asdict(ModelConfig.from_json(Path(path).expanduser()))
+    except ValueError as e:
+        raise ExperimentConfigError(f"model.path={path!r}: {e}") from None
+    differ = [f"model.{k}={v!r} (the folder has {folder[k]!r})" for k, v in section.items()
+              if k != "path" and k in folder and _plain(v) != _plain(folder[k])]
+    _need(not differ, f"model.path={path!r} gives the architecture, but {', '.join(differ)}; "
+                      "drop those keys")
+    return {**section, **{k: v for k, v in folder.items() if k != "path"}}
+
+
+def _plain(v: Any) -> Any:
+    return json.loads(json.dumps(v))
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
@@ -31,11 +32,13 @@ from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_late
 from lockstep.trainer.config import ExperimentConfig, rollout_api_key, save_config
 from lockstep.trainer.divergence import check_step, check_weights, from_step_error
 from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
+from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
                                    stats_values)
+from lockstep.trainer.reference import ReferencePolicy
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
@@ -77,13 +80,15 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
 
 
 class Trainer:
-    """Owns the engine, the actor, the task stream and the run directory."""
+    """Owns the engine, the actor, the prompt source (task or data set) and the run directory."""
 
     def __init__(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool = False,
                  progress: bool = True, log: Callable[[str], None] = print):
         check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
+        self.source = (DatasetSource(cfg.data, cfg.reward, cfg.model.path, cfg.loop.seed, log)
+                       if cfg.data.enabled else TaskSource(self.task, cfg.loop.seed))
         self.mode = cfg.replay.mode
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None
@@ -99,12 +104,14 @@ class Trainer:
                 raise ValueError(f"--resume: {ckpt} was written by a run with another config "
                                  f"(hash {state.config_hash} != {run_hash(cfg)}); only "
                                  f"loop.steps and the output settings may change on resume")
+            check_data_on_resume(self.source, self.out, fresh=False)
             log(f"resuming from {ckpt} (step {state.step})")
         else:
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / "config.yaml")
             torch.manual_seed(cfg.loop.seed)
-            model = MoEModel(cfg.model)
+            model = load_hf(cfg.model.path) if cfg.model.path else MoEModel(cfg.model)
+            check_data_on_resume(self.source, self.out, fresh=True)
             state = LoopState(step=0, cursor=0, config_hash=run_hash(cfg), weight_version="0")
             if cfg.warmstart.enabled:
                 self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed,
@@ -112,6 +119,9 @@ class Trainer:
                 (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
         self.state = state
         model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
+        reference = (ReferencePolicy.for_run(cfg, self.out, None if resume else model,
+                                             device=resolve_device(cfg.cluster.device))
+                     if cfg.loss.kl_coef > 0 else None)
         ro = cfg.rollout
         self.rollout = self.make_backend(model, state.weight_version)
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
@@ -126,6 +136,8 @@ class Trainer:
         else:
             self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature,
                                     device=resolve_device(cfg.cluster.device))
+        if reference is not None:  # pi_ref next to the actor: it replays the update's routes
+            self.actor.set_reference(reference)
         self._weights: tuple[int, dict] | None = None  # (step, last export), for the checkpoint
         if resume:
             self.actor.load_rank_state(trainer_state)
@@ -144,7 +156,7 @@ class Trainer:
             return backend
         engine_cfg = EngineConfig(
             dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
-            max_running=ro.batch_size, max_len=self.task.prompt_len + self.max_new_tokens,
+            max_running=ro.batch_size, max_len=self.source.max_prompt_len + self.max_new_tokens,
             seed=self.cfg.loop.seed)
         if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
             from lockstep.rollout.ray_backend import RayBackend
@@ -155,12 +167,12 @@ class Trainer:
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, t = self.cfg, _Timer()
-        problems = self.task.problems(cfg.loop.seed, self.state.cursor, cfg.rollout.prompts_per_step)
-        results = self.rollout.generate(self.requests(problems, step))                 # generate
-        batch = collate(results, self.task.pad_id, *self._route_shape(),
+        prompts = self.source.prompts(self.state.cursor, cfg.rollout.prompts_per_step)
+        results = self.rollout.generate(self.requests(prompts, step))                  # generate
+        batch = collate(results, self.source.pad_id, *self._route_shape(),
                         sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
-        rewards_B = torch.tensor([self.task.reward(problems[i // cfg.rollout.samples_per_prompt],
-                                                   r.output_ids) for i, r in enumerate(results)])
+        rewards_B, reward_m = self.source.rewards(                                     # rewards
+            [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
         t.lap("generate")
         old = self.actor.old_logprobs(batch, self.mode, step)  # pi_old; R2 routes stay on ranks
         t.lap("old_logprob")
@@ -175,24 +187,24 @@ class Trainer:
         t.lap("update")
         self.state.weight_version = self.sync_weights(step)                            # sync
         t.lap("sync")
-        self.state.step, self.state.cursor = step, self.state.cursor + len(problems)
+        self.state.step, self.state.cursor = step, self.state.cursor + len(prompts)
         split = is_split_metrics(upd.logprobs_BT, old.logprobs_BT, batch.rollout_logprobs_BT,
                                  mask_BT)
-        return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **corr.metrics,
-                **split, "replay/mode": self.mode.value, **stats_values(old.stats),
+        return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **reward_m,
+                **corr.metrics, **split, "replay/mode": self.mode.value, **stats_values(old.stats),
                 **stats_values(upd.stats), **t.metrics()}
 
     # -- pieces of the step ----------------------------------------------------------------
-    def requests(self, problems, step: int) -> list[GenerateRequest]:
+    def requests(self, prompts, step: int) -> list[GenerateRequest]:
         """One request per prompt, n samples each; seeds are a function of (seed, step).
         With sampling-mask replay each request also asks for the kept candidate sets."""
         ro, n = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
         base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24)
-        return [GenerateRequest(self.task.prompt_ids(p), SamplingParams(
+        return [GenerateRequest(list(p.ids), SamplingParams(
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n), rid=f"s{step}p{i}",
             return_sampling_mask=ro.mask_replay)
-            for i, p in enumerate(problems)]
+            for i, p in enumerate(prompts)]
 
     def update_inputs(self, batch: Batch, old: OldLogprobs, adv_BT: torch.Tensor,
                       corr: CorrectionResult, step: int) -> UpdateInputs:
@@ -243,6 +255,8 @@ class Trainer:
                     m = self.step(step)
                 except (ValueError, RuntimeError, FloatingPointError) as e:  # NaN checks inside
                     raise from_step_error(step, e, self.cfg, latest_checkpoint(self.out)) or e
+                if cfg.val_every and step % cfg.val_every == 0:
+                    m.update(self.validate(step))
                 self.metrics.log(m)
                 # NaN/Inf stops the run here, before a checkpoint could keep the broken model
                 check_step(step, m, self.cfg, latest_checkpoint(self.out))
@@ -254,6 +268,7 @@ class Trainer:
             self.metrics.close()
             self.rollout.close()
             self.actor.close()
+            self.source.close()
         if cfg.plots:
             write_plots(self.out)
         summary = summarize(read_metrics(self.out / "metrics.jsonl"))
@@ -265,6 +280,16 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
+    def validate(self, step: int) -> dict:
+        """val/... metrics of data.val_files under the current weights (greedy, or
+        data.val_samples samples per prompt seeded by (loop.seed, step))."""
+        n, ro = self.cfg.data.val_samples, self.cfg.rollout
+        base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24) + (1 << 23)
+        params = [SamplingParams(temperature=0.0 if n == 1 else ro.temperature,
+                                 max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n)
+                  for i in range(len(self.source.val))]
+        return self.source.validate(self.rollout, params)
+
     def save(self) -> Path:
         if self._weights is not None and self._weights[0] == self.state.step:
             weights = self._weights[1]  # this step's export: no second gather
@@ -275,7 +300,7 @@ class Trainer:
                        for name, t in bucket}
         check_weights(self.state.step, weights.items(), self.cfg, latest_checkpoint(self.out))
         return save_checkpoint(self.out, weights, self.actor.rank_state(), self.state,
-                               tokenizer=self.task.tokenizer, keep=self.cfg.loop.keep_checkpoints,
+                               tokenizer=self.source.tokenizer, keep=self.cfg.loop.keep_checkpoints,
                                model_cfg=self.cfg.model)
 
 

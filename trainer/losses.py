@@ -18,7 +18,11 @@ from lockstep.moe.config import strict_kwargs
 from lockstep.trainer.correction import CorrectionConfig, correct
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# verl 0.9.1 `kl_penalty` names: kl/k1 = log(pi/ref), abs = |log(pi/ref)|, mse/k2 = half its square,
+# low_var_kl/k3 = exp(ref - pi) - (ref - pi) - 1; a "+" suffix (e.g. "k3+") keeps the value but
+# takes k2's gradient (straight-through), which is the unbiased gradient of KL.
+KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_ESTIMATORS = KL_LOSS_TYPES + tuple(k + "+" for k in KL_LOSS_TYPES if k not in ("mse", "k2"))
 RATIO_LEVELS = ("token", "sequence")  # sequence = GSPO
 
 
@@ -36,7 +40,7 @@ class LossConfig:
     ratio_level: str = "token"  # "token" (PPO) | "sequence" (GSPO length-normalised sequence ratio)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = off, ref_logprobs not needed)
-    kl_estimator: str = "k3"  # k1 = log pi/ref, k2 = (log pi/ref)^2/2, k3 = low-variance (clamped)
+    kl_loss_type: str = "low_var_kl"  # verl's names: kl/k1, abs, mse/k2, low_var_kl/k3; "+" = k2 grad
     entropy_coef: float = 0.0  # subtract entropy_coef * aggregated entropy from the loss
 
     def __post_init__(self):
@@ -47,7 +51,7 @@ class LossConfig:
             raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {self.clip_ratio_c}")
         for name, val, valid in (("ratio_level", self.ratio_level, RATIO_LEVELS),
                                  ("loss_agg_mode", self.loss_agg_mode, AGG_MODES),
-                                 ("kl_estimator", self.kl_estimator, KL_ESTIMATORS)):
+                                 ("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)):
             if val not in valid:
                 raise ValueError(f"unknown {name} {val!r}; valid: {', '.join(valid)}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
@@ -111,16 +115,25 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate. k3 = exp(ref - pi) - (ref - pi) - 1 with the log ratio clamped
-    to +-20 and the result to [-10, 10] (verl's low_var_kl)."""
-    if estimator == "k1":
-        return logprobs - ref_logprobs
-    if estimator == "k2":
-        return 0.5 * (logprobs - ref_logprobs).square()
-    if estimator == "k3":
+    """Per-token KL(pi || ref) estimate under verl's `kl_penalty` names (KL_ESTIMATORS).
+    low_var_kl/k3 = exp(ref - pi) - (ref - pi) - 1 with the log ratio clamped to +-20 and the
+    result to [-10, 10]. A "+" suffix returns the same value with k2's gradient."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    base = estimator.rstrip("+")
+    if base in ("kl", "k1"):
+        value = logprobs - ref_logprobs
+    elif base == "abs":
+        value = (logprobs - ref_logprobs).abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * (logprobs - ref_logprobs).square()
+    else:
         d = (ref_logprobs - logprobs).clamp(-20, 20)
-        return (torch.exp(d) - d - 1).clamp(-10, 10)
-    raise ValueError(f"unknown kl estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+        value = (torch.exp(d) - d - 1).clamp(-10, 10)
+    if not estimator.endswith("+"):
+        return value
+    k2 = 0.5 * (logprobs - ref_logprobs).square()
+    return k2 - k2.detach() + value.detach()
 
 
 def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
@@ -228,7 +241,7 @@ def _finish(cfg, pg_loss, metrics, logprobs, ref_logprobs, entropy, mask, num_to
     if cfg.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = agg_loss(kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), mask, cfg.loss_agg_mode, **agg)
+        kl = agg_loss(kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg)
         metrics["actor/kl_loss"], metrics["actor/kl_coef"] = kl.item(), cfg.kl_coef
         loss = loss + cfg.kl_coef * kl
     if entropy is not None:

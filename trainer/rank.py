@@ -48,6 +48,7 @@ Shapes: B global batch rows, b this rank's rows, t its padded time, L MoE layers
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -131,6 +132,8 @@ class UpdateInputs:
     shuffle_seed: int | None         # mini-batch shuffle of the global batch
     loss: LossConfig
     correction: CorrectionConfig
+    ref_logprobs_BT: torch.Tensor | None = None  # fp32 pi_ref (loss.kl_coef > 0): set on the
+    # rank by policy_update, whose reference replays the update's routes
 
     def rows(self, idx: torch.Tensor) -> UpdateInputs:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -165,6 +168,7 @@ class RankActor:
 
     dp_rank: int = 0
     dp_size: int = 1
+    reference = None  # a ReferencePolicy once set_reference was called (loss.kl_coef > 0)
 
     def _kept_routes(self) -> dict:
         if not hasattr(self, "_kept"):
@@ -194,6 +198,9 @@ class RankActor:
         recorded_BTLK, old_natural_BTLK = kept.pop(step)
         up = update_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
                          recorded_routes_BTLK=recorded_BTLK, recorded_valid_BT=batch.token_mask_BT)
+        if self.reference is not None:  # pi_ref on the update's routes: no routing flips
+            inputs = dataclasses.replace(inputs, ref_logprobs_BT=self.reference.logprobs(
+                batch, up.routes_BTLK, up.replay_mask_BT))
         if steps is None:  # a world of one: the whole schedule
             steps = minibatch_schedule(batch.size, self.cfg.mini_batch_size, self.cfg.epochs,
                                        inputs.shuffle_seed)
@@ -217,6 +224,11 @@ class RankActor:
             stats["replay/replayed_fraction"] = (0.0, float(token_BT.sum()))
             stats["replay/mismatch"] = (0.0, first)
         return UpdateResult(current_BT.cpu(), stats)
+
+    def set_reference(self, reference) -> None:
+        """Use `reference` (`trainer.reference.ReferencePolicy`: `logprobs(batch, routes,
+        mask)`) for the KL loss; policy_update then computes pi_ref of the rank's rows."""
+        self.reference = reference
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         """HF-named weights in buckets of at most `bucket_bytes` (views: consume each bucket
@@ -299,6 +311,7 @@ class Objective:
             is_weights=None if x.is_weights_BT is None else x.is_weights_BT[rows],
             entropy=ent_BT, correction=x.correction,
             rollout_logprobs=self.rollout_logprobs_BT[rows],
+            ref_logprobs=None if x.ref_logprobs_BT is None else x.ref_logprobs_BT[rows],
             num_tokens=norms[0], num_seqs=norms[1])
         w = float(x.loss_mask_BT[rows].sum().cpu() / norms[0])
         return out.loss, {k: v if k in SHARE_METRICS else v * w for k, v in out.metrics.items()}

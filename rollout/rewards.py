@@ -1,0 +1,280 @@
+"""Reward functions for prompt data sets: verl's `compute_score` signature, run in worker
+processes with a per-call timeout, so a reward that raises, hangs or returns garbage costs one
+sample's score (`RewardConfig.error_score`) and a count in the metrics, never the run.
+
+    reward:
+      function: rewards/my_math.py:compute_score    # or a built-in: exact_match, math_verify
+      timeout_s: 5
+
+The function is called as verl's reward managers call it, with keywords:
+`compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)`, and returns
+a finite number (bool counts as 0/1) or a dict with a finite number under "score" (other keys are
+ignored). Anything else is a `bad_value` error.
+
+Workers are fresh `python -m lockstep.rollout.rewards` processes (no fork of a process holding
+torch threads, no re-import of the caller's main module) that load the function once and take
+one call at a time over a socket; a call past its deadline gets its worker killed and replaced.
+Error kinds: `raised`, `timeout`, `bad_value`, `crashed` (the worker died).
+
+This module imports only the standard library, so a worker starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+BUILTINS = ("exact_match", "math_verify")
+ERROR_KINDS = ("raised", "timeout", "bad_value", "crashed")
+
+
+@dataclass
+class RewardConfig:
+    """How data-set samples are scored (the synthetic tasks keep their own exact-match reward)."""
+
+    function: str = "exact_match"
+    """`path/to/file.py:name` (verl's compute_score signature; a relative path is taken from
+    the working directory), or a built-in: `exact_match` (stripped response == ground truth),
+    `math_verify` (math answer equivalence with the `math-verify` package, extra 'data')."""
+    timeout_s: float = 10.0
+    """Seconds one call may take, in (0, 3600]; a slower call is killed and scored error_score."""
+    error_score: float = 0.0
+    """Score of a sample whose reward call raised, timed out or returned garbage."""
+    num_workers: int = 2
+    """Reward worker processes, in [1, 256]."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.function, str) and (self.function in BUILTINS
+                                                    or ":" in self.function)):
+            raise ValueError(f"reward.function={self.function!r} must be 'path/to/file.py:name' "
+                             f"or one of the built-ins {list(BUILTINS)}")
+        if not 0 < self.timeout_s <= 3600:
+            raise ValueError(f"reward.timeout_s={self.timeout_s!r} is outside (0, 3600]")
+        if not math.isfinite(self.error_score):
+            raise ValueError(f"reward.error_score={self.error_score!r} must be finite")
+        if not 1 <= self.num_workers <= 256:
+            raise ValueError(f"reward.num_workers={self.num_workers!r} is outside [1, 256]")
+
+
+# -- built-ins -----------------------------------------------------------------------------
+def exact_match(data_source: str, solution_str: str, ground_truth: Any,
+                extra_info: dict | None = None) -> float:
+    """1.0 iff the response, stripped of surrounding whitespace, equals the ground truth."""
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+def math_verify(data_source: str, solution_str: str, ground_truth: Any,
+                extra_info: dict | None = None) -> float:
+    """1.0 iff math-verify finds the response's final answer equal to the ground truth
+    (LaTeX or plain expressions; `\\boxed{}` is preferred when present)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError("reward.function=math_verify needs the 'math-verify' package "
+                          "(pip install 'lockstep[data]')") from None
+    gold = parse(str(ground_truth))
+    answer = parse(solution_str)
+    return 1.0 if gold and answer and verify(gold, answer) else 0.0
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The callable named by `spec` (a built-in name or `path/to/file.py:name`)."""
+    if spec in BUILTINS:
+        return globals()[spec]
+    path, _, name = spec.rpartition(":")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"reward.function={spec!r}: no file {file}")
+    mod_spec = importlib.util.spec_from_file_location(f"lockstep_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ImportError(f"reward.function={spec!r}: importing {file} failed: "
+                          f"{type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"reward.function={spec!r}: {file} has no callable {name!r}")
+    return fn
+
+
+def check_score(out: Any) -> float:
+    """The float score of a compute_score result; ValueError for anything else."""
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError(f"dict without a 'score' key (keys {sorted(out)[:8]})")
+        out = out["score"]
+    if isinstance(out, bool):
+        return float(out)
+    if not isinstance(out, (int, float)) or isinstance(out, complex):
+        raise ValueError(f"returned {type(out).__name__} {str(out)[:80]!r}, not a number")
+    if not math.isfinite(out):
+        raise ValueError(f"returned the non-finite score {out!r}")
+    return float(out)
+
+
+# -- worker processes ----------------------------------------------------------------------
+def _worker(spec: str, conn: Connection) -> None:
+    """Load the function, then answer (i, kwargs) with (i, kind, score-or-message)."""
+    fn = load_function(spec)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        i, kwargs = msg
+        try:
+            out = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - the user's code may raise anything
+            reply = (i, "raised", f"{type(e).__name__}: {e}")
+        else:
+            try:
+                reply = (i, "ok", check_score(out))
+            except ValueError as e:
+                reply = (i, "bad_value", str(e))
+        conn.send(reply)
+
+
+@dataclass
+class RewardCall:
+    """One sample to score (verl's compute_score keywords)."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Scores:
+    """Scores of a list of calls, with error counts by kind and the first messages."""
+
+    scores: list[float]
+    errors: Counter
+    messages: list[str]
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        m = {f"{prefix}/errors": float(sum(self.errors.values()))}
+        m.update({f"{prefix}/errors_{k}": float(self.errors[k]) for k in ERROR_KINDS})
+        return m
+
+
+class RewardPool:
+    """`num_workers` processes running one reward function, each call under a deadline."""
+
+    def __init__(self, cfg: RewardConfig, log: Callable[[str], None] = print,
+                 max_logged_errors: int = 5):
+        load_function(cfg.function)  # fail here, in the parent, on a bad path or name
+        self.cfg, self.log = cfg, log
+        self.max_logged, self.logged = max_logged_errors, 0
+        self.workers: list[tuple[subprocess.Popen, Connection]] = [
+            self._start() for _ in range(cfg.num_workers)]
+
+    def _start(self) -> tuple[subprocess.Popen, Connection]:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), self.cfg.function],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        return proc, Connection(ours.detach())
+
+    def _replace(self, w: int) -> None:
+        proc, conn = self.workers[w]
+        proc.kill()
+        proc.wait()
+        conn.close()
+        self.workers[w] = self._start()
+
+    def score(self, calls: Sequence[RewardCall]) -> Scores:
+        """Score every call (order kept); errors become `error_score` and are counted."""
+        scores = [self.cfg.error_score] * len(calls)
+        errors: Counter = Counter()
+        messages: list[str] = []
+        todo = list(range(len(calls)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (call index, deadline)
+
+        def fail(i: int, kind: str, msg: str) -> None:
+            errors[kind] += 1
+            text = f"reward call for sample {i} ({calls[i].data_source!r}): {kind}: {msg}"
+            messages.append(text)
+            if self.logged < self.max_logged:
+                self.logged += 1
+                more = ("; further reward errors are only counted in reward/errors"
+                        if self.logged == self.max_logged else "")
+                self.log(text + more)
+
+        while todo or busy:
+            for w in range(len(self.workers)):
+                if w not in busy and todo:
+                    i = todo.pop()
+                    try:
+                        self.workers[w][1].send((i, vars(calls[i])))
+                    except Exception as e:  # unpicklable inputs, or a dead worker
+                        fail(i, "crashed", f"could not send the call: {type(e).__name__}: {e}")
+                        self._replace(w)
+                        continue
+                    busy[w] = (i, time.monotonic() + self.cfg.timeout_s)
+            if not busy:
+                continue
+            now = time.monotonic()
+            conns = {self.workers[w][1]: w for w in busy}
+            ready = wait(list(conns), timeout=max(0.0, min(d for _, d in busy.values()) - now))
+            for conn in ready:
+                w = conns[conn]
+                i, _ = busy.pop(w)
+                try:
+                    j, kind, value = conn.recv()
+                except (EOFError, OSError):
+                    code = self.workers[w][0].wait()
+                    fail(i, "crashed", f"worker exited (code {code})")
+                    self._replace(w)
+                    continue
+                if kind == "ok":
+                    scores[j] = value
+                else:
+                    fail(j, kind, value)
+            now = time.monotonic()
+            for w, (i, deadline) in list(busy.items()):
+                if now >= deadline:
+                    del busy[w]
+                    fail(i, "timeout", f"no result within reward.timeout_s={self.cfg.timeout_s}")
+                    self._replace(w)
+        return Scores(scores, errors, messages)
+
+    def close(self) -> None:
+        for proc, conn in self.workers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            conn.close()
+        for proc, _ in self.workers:
+            try:
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.workers = []
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+
+if __name__ == "__main__":  # a worker: python -m lockstep.rollout.rewards FD SPEC
+    _worker(sys.argv[2], Connection(int(sys.argv[1])))
