@@ -36,6 +36,7 @@ from typing import Any
 
 BUILTINS = ("exact_match", "math_verify")
 ERROR_KINDS = ("raised", "timeout", "bad_value", "crashed")
+STARTUP_TIMEOUT_S = 120.0  # a worker's python start and import of the function file
 
 
 @dataclass
@@ -125,8 +126,9 @@ def check_score(out: Any) -> float:
 
 # -- worker processes ----------------------------------------------------------------------
 def _worker(spec: str, conn: Connection) -> None:
-    """Load the function, then answer (i, kwargs) with (i, kind, score-or-message)."""
+    """Load the function, say "ready", then answer (i, kwargs) with (i, kind, score-or-message)."""
     fn = load_function(spec)
+    conn.send("ready")
     while True:
         try:
             msg = conn.recv()
@@ -188,7 +190,17 @@ class RewardPool:
             proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno()), self.cfg.function],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-        return proc, Connection(ours.detach())
+        conn = Connection(ours.detach())
+        # the deadline of a call starts once the worker has loaded the function
+        try:
+            ready = conn.poll(STARTUP_TIMEOUT_S) and conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            proc.kill()
+            raise RuntimeError(f"reward worker for {self.cfg.function!r} did not start within "
+                               f"{STARTUP_TIMEOUT_S}s (exit code {proc.poll()})")
+        return proc, conn
 
     def _replace(self, w: int) -> None:
         proc, conn = self.workers[w]
