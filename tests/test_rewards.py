@@ -1,0 +1,84 @@
+"""The reward pool: verl's compute_score results, and every way a reward function can fail
+(raise, hang, garbage, dying worker) counted and scored `error_score`, never an exception."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.rollout.rewards import (RewardCall, RewardConfig, RewardPool, check_score,
+                                      exact_match)
+
+MISBEHAVING = '''
+import os
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    kind = extra_info["kind"]
+    if kind == "raise":
+        raise KeyError("no answer")
+    if kind == "hang":
+        time.sleep(600)
+    if kind == "garbage":
+        return "seven"
+    if kind == "nan":
+        return float("nan")
+    if kind == "nodict":
+        return {"acc": 1.0}
+    if kind == "die":
+        os._exit(7)
+    if kind == "dict":
+        return {"score": 0.25, "acc": True}
+    if kind == "bool":
+        return True
+    return float(solution_str == ground_truth)
+'''
+
+
+def _calls(*kinds):
+    return [RewardCall("src", "7", "7", {"kind": k}) for k in kinds]
+
+
+def test_every_failure_is_counted_and_scored_error_score(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text(MISBEHAVING)
+    logged = []
+    cfg = RewardConfig(function=f"{f}:compute_score", timeout_s=1.0, error_score=-2.0,
+                       num_workers=2)
+    with RewardPool(cfg, log=logged.append, max_logged_errors=3) as pool:
+        kinds = ["ok", "raise", "dict", "hang", "garbage", "bool", "nan", "nodict", "die", "ok"]
+        out = pool.score(_calls(*kinds))
+        assert out.scores == [1.0, -2.0, 0.25, -2.0, -2.0, 1.0, -2.0, -2.0, -2.0, 1.0]
+        assert dict(out.errors) == {"raised": 1, "timeout": 1, "bad_value": 3, "crashed": 1}
+        m = out.metrics()
+        assert m["reward/errors"] == 6 and m["reward/errors_bad_value"] == 3
+        assert any("KeyError: 'no answer'" in s for s in out.messages)
+        assert any("returned str 'seven'" in s for s in out.messages)
+        assert len(logged) == 3 and "only counted" in logged[-1]
+        # the pool recovered: killed and dead workers were replaced
+        assert pool.score(_calls("ok", "ok", "ok")).scores == [1.0, 1.0, 1.0]
+
+
+def test_bad_reward_specs_fail_at_construction(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no file"):
+        RewardPool(RewardConfig(function=f"{tmp_path}/missing.py:f"))
+    f = tmp_path / "r.py"
+    f.write_text("x = 1\n")
+    with pytest.raises(AttributeError, match="has no callable 'compute_score'"):
+        RewardPool(RewardConfig(function=f"{f}:compute_score"))
+    with pytest.raises(ValueError, match="must be 'path/to/file.py:name' or one of"):
+        RewardConfig(function="mystery")
+    with pytest.raises(ValueError, match=r"reward.timeout_s=0 is outside \(0, 3600\]"):
+        RewardConfig(timeout_s=0)
+
+
+def test_builtins():
+    assert exact_match("s", " 42\n", 42) == 1.0 and exact_match("s", "4 2", "42") == 0.0
+    assert check_score({"score": 1}) == 1.0 and check_score(False) == 0.0
+    with pytest.raises(ValueError, match="not a number"):
+        check_score([1.0])
+    pytest.importorskip("math_verify")
+    with RewardPool(RewardConfig(function="math_verify", num_workers=1)) as pool:
+        out = pool.score([RewardCall("m", r"so it is $\boxed{\frac{1}{2}}$", "0.5"),
+                          RewardCall("m", r"$\boxed{3}$", "4")])
+    assert out.scores == [1.0, 0.0] and not out.errors
