@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lockstep.launch import compare, diagnose, serve, train
+from lockstep.launch import compare, diagnose, example, serve, train
 
 # Optional packages -> the extra that installs them.
 EXTRAS = {"ray": "ray", "megatron": "megatron", "transformer_engine": "gpu", "sglang": "gpu",
-          "flash_attn": "gpu", "hypothesis": "test", "transformers": "test"}
+          "flash_attn": "gpu", "hypothesis": "test", "transformers": "data",
+          "pyarrow": "data", "math_verify": "data"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     compare.add_parser(sub)
     diagnose.add_parser(sub)
+    example.add_parser(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show Python tracebacks instead of one-line errors")
