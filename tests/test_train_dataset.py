@@ -1,6 +1,8 @@
-"""`lockstep train` from a pretrained HF folder on a JSONL prompt set with a reward file: R3 with
-the KL loss (exactly 0 at the first on-policy update, positive after), validation, exact resume
-of the data cursor across an epoch boundary; R2 with a reward that raises and hangs."""
+"""`lockstep train` from a pretrained HF folder (a tiny DeepSeek-V3: MLA, sigmoid router with
+expert bias, group-limited top-k, dense first layer) on a JSONL prompt set with a reward file:
+R3 with the KL loss (exactly 0 at the first on-policy update, positive after), validation,
+exact resume of the data cursor across an epoch boundary; R2 with a reward that raises and
+hangs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import yaml
 
 from data_fixtures import build_model_folder, word_problems, write_jsonl
 from lockstep.launch.cli import main
+from lockstep.trainer.config import load_config
 from lockstep.trainer.metrics import read_metrics
 
 pytest.importorskip("transformers")
@@ -82,6 +85,8 @@ def test_r3_with_kl_validation_and_exact_resume(setup, tmp_path, capsys):
     _train(cfg, "--out", str(tmp_path / "full"))
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")
     assert [r["step"] for r in full] == [1, 2, 3]
+    model = load_config(tmp_path / "full" / "config.yaml").model  # from the folder's config.json
+    assert model.model_type == "deepseek_v3" and model.is_mla and model.router == "sigmoid"
     assert "dropped 1 longer than data.max_prompt_length=64" in capsys.readouterr().err
     # the KL term: exactly 0 at the first (on-policy) update, positive once the policy moved
     assert full[0]["actor/kl_loss"] == 0.0
