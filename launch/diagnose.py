@@ -130,6 +130,7 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     from lockstep.rollout.types import GenerateRequest
     from lockstep.trainer.actor import TorchActor, collate
     from lockstep.trainer.dump import record_step, run_header
+    from lockstep.trainer.data import TaskSource
     from lockstep.trainer.loop import Trainer
 
     task = Task(cfg.task)
@@ -137,17 +138,19 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     if ro.backend != "local" and url is None:
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(ro, backend="local"))
     # the loop's own request and engine builders, so the samples are the run's
-    loop = SimpleNamespace(cfg=cfg, task=task, out=None,
+    source = TaskSource(task, cfg.loop.seed)
+    loop = SimpleNamespace(cfg=cfg, task=task, source=source, out=None,
                            max_new_tokens=ro.max_new_tokens or task.max_new_tokens)
     n = ro.samples_per_prompt
     prompts = ro.prompts_per_step if samples is None else max(1, math.ceil(samples / n))
     if data is None:
-        problems = task.problems(cfg.loop.seed, (step - 1) * ro.prompts_per_step, prompts)
-        requests = Trainer.requests(loop, problems, step)
+        drawn = source.prompts((step - 1) * ro.prompts_per_step, prompts)
+        problems = [p.ground_truth for p in drawn]
+        requests = Trainer.requests(loop, drawn, step)
     else:
         rows = read_data(data, task)[:prompts]
         problems = [p for _, p in rows]
-        template = Trainer.requests(loop, [task.problem(0, 0)] * len(rows), step)
+        template = Trainer.requests(loop, source.prompts(0, 1) * len(rows), step)
         requests = [GenerateRequest(ids, r.sampling, rid=r.rid,
                                     return_sampling_mask=r.return_sampling_mask)
                     for (ids, _), r in zip(rows, template)]
