@@ -147,6 +147,9 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             acc = greedy_accuracy(model, task, eval_set)
             bar.set_postfix(greedy_acc=f"{acc:.3f}", target=cfg.target_accuracy)
+            if not progress and step % (4 * cfg.eval_every) == 0:  # no bar: a line now and then
+                log(f"warm start: step {step}/{cfg.max_steps}, greedy accuracy {acc:.3f} "
+                    f"(target {cfg.target_accuracy}), {time.perf_counter() - t0:.0f}s")
             if acc >= cfg.target_accuracy:
                 break
     bar.close()
