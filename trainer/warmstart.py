@@ -165,6 +165,8 @@ def warm_start(model: MoEModel, task: Task, cfg: WarmstartConfig, seed: int, key
 
 def _load(model: MoEModel, cache: Path) -> WarmstartResult:
     """Load a cache entry into `model` after checking it against its manifest."""
+    if not (cache / "manifest.json").exists():
+        raise CheckpointError("it has no checksum manifest (written by an older lockstep)")
     verify_manifest(cache)
     raw = json.loads((cache / RESULT_FILE).read_text())
     res = WarmstartResult(**{k: raw[k] for k in raw if k != "cached"})
