@@ -206,8 +206,8 @@ def trim(x: torch.Tensor, rows_b: torch.Tensor, t: int) -> torch.Tensor:
     if x.dim() >= 2:
         x = x[:, :t]
     if x.dtype == torch.uint16:  # indexing kernels are missing for uint16: move the same bits
-        return x.view(torch.int16)[rows_b].view(torch.uint16)
-    return x[rows_b]
+        return x.view(torch.int16).index_select(0, rows_b).view(torch.uint16)
+    return x.index_select(0, rows_b)  # ~2x faster than x[rows_b] on [B, T, L, K] routes
 
 
 def trim_batch(batch: Batch, rows_b: torch.Tensor) -> Batch:
