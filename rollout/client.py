@@ -200,10 +200,10 @@ class HTTPBackend(RolloutBackend):
         sem = asyncio.Semaphore(self.max_concurrency)
         conn = aiohttp.TCPConnector(limit=self.max_concurrency)
         async with aiohttp.ClientSession(timeout=self.timeout, connector=conn) as session:
-            async def one(i: int, req: GenerateRequest) -> list[GenerationResult]:
+            async def one(i: int, req: GenerateRequest, j0: int = 0) -> list[GenerationResult]:
                 if req.return_sampling_mask and req.sampling.n > 1:
                     subs = self._fan_out(req)
-                    parts = await asyncio.gather(*(one(i, sub) for sub in subs))
+                    parts = await asyncio.gather(*(one(i, sub, j) for j, sub in enumerate(subs)))
                     return [dataclasses.replace(r[0], index=j, rid=req.rid or r[0].rid)
                             for j, r in enumerate(parts)]
                 body = self.request_body(req)  # refuses before sending what SGLang refuses
@@ -213,7 +213,7 @@ class HTTPBackend(RolloutBackend):
                 if len(items) != req.sampling.n:
                     raise RolloutError(f"request {i}: asked n={req.sampling.n}, server answered "
                                        f"{len(items)} results")
-                return [self.parse(item, req, i, j) for j, item in enumerate(items)]
+                return [self.parse(item, req, i, j0 + j) for j, item in enumerate(items)]
             per_req = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         return [res for group in per_req for res in group]
 
