@@ -67,9 +67,11 @@ class _Mask:
             raise ValueError("response_mask must hold only 0 and 1")
         self.n_pad = mask.numel() - self.count
         self.n_row = self.f.sum(-1)              # [B]
+        # fill values as 0-d tensors: torch.where with a Python scalar is ~10x slower
+        self.zero, self.inf = (torch.tensor(x, dtype=self.f.dtype) for x in (0.0, math.inf))
 
     def zero_pad(self, v: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.b, v, 0.0)
+        return torch.where(self.b, v, self.zero)
 
     def mean(self, v_z: torch.Tensor) -> torch.Tensor:
         """verl's masked mean of a zero-padded tensor."""
@@ -89,14 +91,14 @@ class _Mask:
         return k.to(self.n.dtype) / (self.n + 1e-8)
 
     def max(self, v_z: torch.Tensor, nonneg: bool = False) -> torch.Tensor:
-        return v_z.max() if nonneg else torch.where(self.b, v_z, -math.inf).max()
+        return v_z.max() if nonneg else torch.where(self.b, v_z, -self.inf).max()
 
     def min(self, v_z: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.b, v_z, math.inf).min()
+        return torch.where(self.b, v_z, self.inf).min()
 
     def row_max(self, v: torch.Tensor) -> torch.Tensor:
         """Per-row max over valid tokens (-inf for an empty row)."""
-        return torch.where(self.b, v, -math.inf).max(-1).values
+        return torch.where(self.b, v, -self.inf).max(-1).values
 
 
 # ---------------------------------------------------------------- threshold parsing
@@ -210,7 +212,7 @@ def _is_weights(mk: _Mask, lr_z, level, upper, lower, normalize, rho_z=None):
     if lower is None:
         weights = raw.clamp(max=upper)
     else:  # IcePop: both bounds inclusive
-        weights = torch.where((raw >= lower) & (raw <= upper), raw, 0.0)
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, mk.zero)
     metrics, mean_w, seq_w = _is_metrics(mk, weights, weights, raw, lr_m, level, upper, lower, nonneg=True)
     if lower is not None:
         metrics["rollout_is_oob_ratio"] = mk.fraction((raw < lower) | (raw > upper), at_padding=True).item()
