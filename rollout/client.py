@@ -109,7 +109,8 @@ class HTTPBackend(RolloutBackend):
     def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
                  max_concurrency: int = 64, timeout_s: float = 600.0, retries: int = 3,
                  backoff_s: float = 0.5, compact_routes: bool = True,
-                 weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096):
+                 weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096,
+                 fan_out_samples: bool = False):
         self.url = url.rstrip("/")
         self.cfg = model_cfg
         self.api_key = api_key
@@ -118,6 +119,9 @@ class HTTPBackend(RolloutBackend):
         self.retries, self.backoff_s = retries, backoff_s
         self.compact_routes = compact_routes
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        # SGLang with --enable-deterministic-inference gives all n samples of one request the
+        # same seed (identical samples): fan every n > 1 request out, not only mask requests.
+        self.fan_out_samples = fan_out_samples
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.weight_version = "unknown"  # until a response or update_weights names it
         self._pushed_version: str | None = None  # what results must carry after update_weights
@@ -201,7 +205,7 @@ class HTTPBackend(RolloutBackend):
         conn = aiohttp.TCPConnector(limit=self.max_concurrency)
         async with aiohttp.ClientSession(timeout=self.timeout, connector=conn) as session:
             async def one(i: int, req: GenerateRequest, j0: int = 0) -> list[GenerationResult]:
-                if req.return_sampling_mask and req.sampling.n > 1:
+                if req.sampling.n > 1 and (req.return_sampling_mask or self.fan_out_samples):
                     subs = self._fan_out(req)
                     parts = await asyncio.gather(*(one(i, sub, j) for j, sub in enumerate(subs)))
                     return [dataclasses.replace(r[0], index=j, rid=req.rid or r[0].rid)

@@ -53,6 +53,32 @@ def test_top_p_mask_requests_match_the_engine(server, model, n):
     _same(got, want)
 
 
+def test_fan_out_samples_gives_the_engine_samples(server, model):
+    """fan_out_samples=True (for SGLang with deterministic inference, which seeds all n samples
+    of a request alike) sends plain n > 1 requests as n seeded single requests too."""
+    def reqs():
+        return [GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=5, n=3, seed=7),
+                                rid="f")]
+    from aiohttp import web
+
+    from lockstep.rollout.server import ServerThread
+    seen = []
+
+    @web.middleware
+    async def count(request, handler):
+        if request.path == "/generate":
+            seen.append((await request.json())["sampling_params"])
+        return await handler(request)
+    srv = ServerThread(Engine.from_model(model, ENGINE))
+    srv.app.middlewares.append(count)
+    with srv:
+        got = HTTPBackend(srv.url, model.cfg, fan_out_samples=True).generate(reqs())
+    assert [(sp["n"], sp["sampling_seed"]) for sp in seen] == [(1, 7), (1, 8), (1, 9)]
+    want = LocalBackend(Engine.from_model(model, ENGINE)).generate(reqs())
+    assert [(g.rid, g.index, g.output_ids) for g in got] == \
+        [(w.rid, w.index, w.output_ids) for w in want]
+
+
 def test_mask_request_the_server_cannot_take_is_refused_before_sending(model):
     with socket.socket() as s:  # nothing listens there: a sent request would fail to connect
         s.bind(("127.0.0.1", 0))
