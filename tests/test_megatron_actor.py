@@ -215,3 +215,35 @@ def test_no_torch_copy_and_export_in_bounded_buckets():
         size = sum(t.numel() * t.element_size() for _, t in b)
         assert size <= limit or len(b) == 1, (size, [k for k, _ in b])
     assert len(buckets) > 3
+
+
+@pytest.mark.parametrize("mask_replay", [False, True])
+def test_chunked_logprobs_equal_the_full_logits_path(mask_replay):
+    """TP=1: log-probs from hidden states with the chunked kernel (no [tokens, V] logits) equal
+    megatron's full-logits path, also over sampling-mask candidate sets, and so do gradients."""
+    cfg, model, batch, adv_B = setup(seed=7)
+    _, ma = actors(model, logprob_chunk=3)  # several chunks per row
+    assert ma.chunked_logprobs
+    if mask_replay:
+        g = torch.Generator().manual_seed(8)
+        B, T = batch.input_ids_BT.shape
+        cand = torch.rand(B, T, cfg.vocab_size, generator=g).argsort(-1)[..., :5]
+        cand[..., 0] = batch.input_ids_BT
+        cand[:, :3] = -1  # prompt positions: whole vocabulary
+        batch.candidates_BTS = cand.to(torch.int16)
+    r, v = batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT
+    out, grads, widths = {}, {}, []
+    ma.gpt.output_layer.register_forward_hook(lambda m, a, o: widths.append(o[0].shape[-1]))
+    for chunked in (True, False):
+        ma.chunked_logprobs = chunked
+        out[chunked] = ma.logprobs(batch, r, v)
+        grads[chunked] = ma.gradients(batch, make_loss(batch, adv_B), r, v)
+        # chunked: the output layer passes hidden states [.., D] on; else logits [.., V]
+        assert set(widths) == {cfg.hidden_size if chunked else cfg.vocab_size}, widths
+        widths.clear()
+    s = scored(batch)
+    for f in ("logprobs_BT", "entropy_BT"):
+        a, b = getattr(out[True], f), getattr(out[False], f)
+        assert (a - b)[s].abs().max() <= 1e-5, f
+    scale = max(x.abs().max() for x in grads[False].values())
+    assert max((grads[True][k] - grads[False][k]).abs().max() for k in grads[False]) <= 1e-5 * scale

@@ -29,6 +29,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
@@ -103,6 +104,22 @@ def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.
     return logits_BTV.float().masked_fill(~keep_BTV, -1e30)
 
 
+@contextlib.contextmanager
+def _hidden_out(gpt, on: bool):
+    """While `on`: the GPTModel's output layer passes its input through, so the model returns
+    its final (normed) hidden states [B, S, D] instead of logits (the log-prob kernel applies
+    the output layer's weight itself, chunk by chunk)."""
+    if not on:
+        yield
+        return
+    layer = gpt.output_layer
+    layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
 class MegatronActor(RankActor):
     """Policy log-probs and updates on megatron-core (the only copy of the weights)."""
 
@@ -148,6 +165,9 @@ class MegatronActor(RankActor):
         first = sum(1 for i in range(moe_ids[0]) if mcfg.is_moe_layer(i)) if moe_ids else 0
         self.moe_slice = slice(first, first + len(moe_ids))
         self._update_lp = torch.zeros(0)
+        # log-probs from the final hidden states with the chunked kernel (no [tokens, V]
+        # logits); under TP the vocabulary-parallel path over megatron's logit shards
+        self.chunked_logprobs = self.tp == 1
         self._set_lr()
 
     # -- helpers -------------------------------------------------------------------------
@@ -208,7 +228,7 @@ class MegatronActor(RankActor):
                 self.replay.set_routes(routes_BTLK[idx][:, :, self.moe_slice],
                                        None if mask_BT is None else mask_BT[idx])
             ids = mb.input_ids_BT.to(self.device)
-            out = self.replay.backward_replays(forward_logits(model, ids))
+            out = self.replay.backward_replays(forward_logits(model, ids))  # hidden if chunked
             if self.replay.num_layers:
                 used[idx, :, self.moe_slice] = self.replay.used(b, T)
                 nat[idx, :, self.moe_slice] = self.replay.natural(b, T)
@@ -216,10 +236,16 @@ class MegatronActor(RankActor):
                 aux_sum += float(self.replay.aux_loss_sum()) * b / mini_size
             if not last:
                 return out, None  # hidden states for the next stage; no loss here
-            logits = out[:, :-1]
-            if mb.candidates_BTS is not None:  # sampling-mask replay: softmax over kept ids
-                logits = _keep_candidates(logits, mb.candidates_BTS[:, 1:].to(self.device))
-            lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
+            cand = None if mb.candidates_BTS is None else mb.candidates_BTS[:, 1:].to(self.device)
+            if chunked:  # position t-1's hidden state predicts the token at t
+                lp, ent = chunked_logprobs(out[:, :-1], self._lm_head_weight(), ids[:, 1:],
+                                           temperature=self.temperature, candidates_NS=cand,
+                                           chunk_size=self.cfg.logprob_chunk)
+            else:
+                logits = out[:, :-1]
+                if cand is not None:  # sampling-mask replay: softmax over kept ids
+                    logits = _keep_candidates(logits, cand)
+                lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
             zero = lp.new_zeros(b, 1)
             # results live on the CPU like the batch the loss function indexes (a
             # differentiable copy: the backward pass still reaches the model on its device)
@@ -240,7 +266,8 @@ class MegatronActor(RankActor):
 
         self.ddp.train(train)
         mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
-        with self.replay.session(mode):
+        chunked = last and self.chunked_logprobs
+        with self.replay.session(mode), _hidden_out(self.gpt, chunked):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
                 num_microbatches=len(micro), seq_length=padded_length(T, self.tp),
@@ -248,6 +275,10 @@ class MegatronActor(RankActor):
         if train and self.aux_coef > 0:
             metrics["actor/aux_loss"] = aux_sum
         return metrics
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.gpt.shared_embedding_or_output_weight() \
+            if self.model_cfg.tie_word_embeddings else self.gpt.output_layer.weight
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.micro_batch_size))
