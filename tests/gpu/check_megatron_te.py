@@ -131,6 +131,35 @@ def main() -> int:
             refused.append(field)
     report["refused"] = refused
     ok &= len(refused) == 2
+
+    # the actor on CUDA (TE spec where installed): chunked R3 log-probs, routes run, one update
+    # with the torch actor's load-balancing loss, and the bucketed HF export
+    from lockstep.trainer.actor import Batch
+    from lockstep.trainer.config import ActorConfig
+    from lockstep.trainer.megatron.actor import MegatronActor
+    actor = MegatronActor(ref, ActorConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2,
+                                           aux_loss_coef=0.01), total_updates=2)
+    lens = torch.full((B,), T)
+    batch = Batch(ids, torch.arange(T)[None].expand(B, T) >= 4, torch.zeros(B, T), lens,
+                  routes.to(torch.uint8), torch.ones(B, T, dtype=torch.bool))
+    got = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
+                         record=True)
+    err = float((got.logprobs_BT[:, 1:] - ref_r3).abs().max())
+    same_routes = bool(torch.equal(got.routes_BTLK.long(), routes))
+    mask = batch.response_mask_BT.float()
+
+    def loss_fn(lp, ent, rows, mini):
+        return -(lp * mask[rows]).sum() / mask[mini].sum(), {}
+    metrics, used, _ = actor.update(batch, loss_fn, batch.rollout_routes_BTLK,
+                                    batch.rollout_routes_valid_BT, shuffle_seed=0)
+    exported = {k for bucket in actor.export_weights(1 << 20) for k, _ in bucket}
+    report["actor"] = {"chunked": actor.chunked_logprobs, "r3_maxabs_vs_torch": err,
+                       "routes_run_equal_given": same_routes,
+                       "grad_norm": metrics["actor/grad_norm"],
+                       "aux_loss": metrics.get("actor/aux_loss"),
+                       "export_keys_equal": exported == set(sd)}
+    ok &= err <= 1e-4 and same_routes and exported == set(sd) and bool(
+        torch.isfinite(torch.tensor(metrics["actor/grad_norm"])))
     report["ok"] = bool(ok)
     print(json.dumps(report))
     return 0 if ok else 1
