@@ -93,9 +93,10 @@ class RankWorker:
             self.actor = MegatronActor(model, cfg.actor, total_updates, temperature=temperature,
                                        options=cfg.actor.megatron)
             if type(self.actor)._train_steps is RankActor._train_steps:
-                raise NotImplementedError(
-                    "actor.backend=megatron with cluster.actor_ranks > 1 needs MegatronActor's "
-                    "own multi-rank policy_update (the rank interface, trainer/rank.py)")
+                # NOTE: MegatronActor splits rows over its own DP group inside `logprobs` /
+                # `update` and sums the results, so until it implements the sharded rank
+                # interface every rank gets the whole batch (one "DP rank" to the driver).
+                return 0, 1
         else:
             from lockstep.trainer.actor import TorchActor
             self.actor = TorchActor(model, cfg.actor, total_updates, temperature=temperature,
@@ -216,7 +217,7 @@ class ActorGroup:
             w.old_logprobs.remote(plan.batch(self.dp_rank[r], batch), mode, step)
             for r, w in enumerate(self.workers)])
         lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
-        return OldLogprobs(lp_BT, add_stats([g.stats for g in got]))
+        return OldLogprobs(lp_BT, add_stats(self._by_dp(g.stats for g in got)))
 
     def policy_update(self, batch: Batch, inputs: UpdateInputs, mode: ReplayMode,
                       step: int) -> UpdateResult:
@@ -228,7 +229,7 @@ class ActorGroup:
                                    step, plan.steps[self.dp_rank[r]])
             for r, w in enumerate(self.workers)])
         lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
-        return UpdateResult(lp_BT, add_stats([g.stats for g in got]))
+        return UpdateResult(lp_BT, add_stats(self._by_dp(g.stats for g in got)))
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._check_open()
@@ -285,9 +286,9 @@ class ActorGroup:
             out[rows_b, :part.shape[1]] = part
         return out
 
-    def _by_dp(self, per_rank) -> list[torch.Tensor]:
+    def _by_dp(self, per_rank) -> list:
         """One answer per DP rank (the first rank of each DP index; TP/PP peers agree)."""
-        out: dict[int, torch.Tensor] = {}
+        out: dict[int, Any] = {}
         for dp, x in zip(self.dp_rank, per_rank):
             out.setdefault(dp, x)
         return [out[d] for d in range(self.dp_size)]
