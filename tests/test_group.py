@@ -176,3 +176,24 @@ def test_replay_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_path):
     model, state, loop = load_checkpoint(ckpt)
     assert loop.step == 1 and len(state["ranks"]) == 2
     assert all(set(r) == {"optimizer", "scheduler"} for r in state["ranks"])
+
+
+@pytest.mark.megatron
+def test_megatron_tp2_on_the_group_equals_one_process(tmp_path):
+    """`--set actor.backend=megatron --set actor.megatron.tensor_parallel=2` on two Ray ranks:
+    the same metrics and pushed weights as the one-process megatron run (docs/cluster.md)."""
+    pytest.importorskip("megatron.core")
+    cache = tmp_path / "cache"
+    mg = ["actor.backend=megatron", "loop.steps=2", "warmstart.enabled=false",
+          "loss.entropy_coef=0.05"]
+    _run(tmp_path / "one", cache, *mg)
+    _run(tmp_path / "tp2", cache, *mg, "cluster.actor_ranks=2",
+         "actor.megatron.tensor_parallel=2")
+    one, tp2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "tp2")
+    assert [r["step"] for r in tp2] == [1, 2]
+    for a, b in zip(one, tp2):
+        for k, (rtol, atol) in TOLERANCE.items():
+            assert abs(a[k] - b[k]) <= rtol * abs(a[k]) + atol, (a["step"], k, a[k], b[k])
+        assert b["replay/mismatch"] == 0.0
+    w1, w2 = _weights(tmp_path / "one", 2), _weights(tmp_path / "tp2", 2)
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) <= LR / 10
