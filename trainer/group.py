@@ -217,7 +217,7 @@ class ActorGroup:
             w.old_logprobs.remote(plan.batch(self.dp_rank[r], batch), mode, step)
             for r, w in enumerate(self.workers)])
         lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
-        return OldLogprobs(lp_BT, add_stats(self._by_dp(g.stats for g in got)))
+        return OldLogprobs(lp_BT, add_stats([g.stats for g in got]))
 
     def policy_update(self, batch: Batch, inputs: UpdateInputs, mode: ReplayMode,
                       step: int) -> UpdateResult:
@@ -229,7 +229,7 @@ class ActorGroup:
                                    step, plan.steps[self.dp_rank[r]])
             for r, w in enumerate(self.workers)])
         lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
-        return UpdateResult(lp_BT, add_stats(self._by_dp(g.stats for g in got)))
+        return UpdateResult(lp_BT, add_stats([g.stats for g in got]))
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._check_open()
@@ -287,7 +287,8 @@ class ActorGroup:
         return out
 
     def _by_dp(self, per_rank) -> list:
-        """One answer per DP rank (the first rank of each DP index; TP/PP peers agree)."""
+        """One answer per DP rank (the first rank of each DP index; TP/PP peers agree). Stats
+        are added over every rank instead: a rank interface zeroes its peers' counts."""
         out: dict[int, Any] = {}
         for dp, x in zip(self.dp_rank, per_rank):
             out.setdefault(dp, x)
