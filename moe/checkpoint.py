@@ -141,7 +141,9 @@ def save_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
     if tmp.exists():
         _rmtree(tmp)
     tmp.mkdir(parents=True)
-    sd = {k: (v.detach().to(dtype) if dtype else v.detach()).contiguous().cpu()
+    # The selection bias stays fp32 whatever `dtype` (as transformers keeps it).
+    sd = {k: (v.detach().to(dtype) if dtype and not k.endswith("e_score_correction_bias")
+              else v.detach()).contiguous().cpu()
           for k, v in weights.items()}
     cfg.save_json(tmp / "config.json")
     shards: list[dict[str, torch.Tensor]] = [{}]

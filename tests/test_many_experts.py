@@ -41,6 +41,9 @@ def test_384_experts_train_with_r3(tmp_path):
     assert all(not torch.equal(a, b) for a, b in zip(before, gates))
     # the expert bias moved (aux-loss-free balancing on the routes that ran)
     assert all(b.e_score_correction_bias.abs().sum() > 0 for b in tr.actor.master.moe_blocks)
+    # ... and reached the engine with the weights (the bias stays fp32 in the bf16 engine)
+    for ours, engine in zip(tr.actor.master.moe_blocks, tr.rollout.engine.model.moe_blocks):
+        assert torch.equal(ours.e_score_correction_bias, engine.e_score_correction_bias)
     # experts beyond id 255 did run (uint16 matters)
     assert int(tr.rollout.engine.routes_SMLK.view(torch.uint16).int().max()) > 255
 

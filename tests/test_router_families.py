@@ -226,3 +226,15 @@ def test_dp_ranks_apply_the_same_bias_update_from_the_global_load(tmp_path):
     for x, y, old in zip(b0, b1, before):
         assert torch.equal(x, y)
         torch.testing.assert_close(x - old, torch.tensor([-0.01] * 4 + [0.01] * 4))
+
+
+def test_bf16_save_keeps_the_expert_bias_fp32(tmp_path):
+    from lockstep.moe.checkpoint import read_hf_state_dict, save_hf
+
+    model = make("glm_sigmoid_groups")
+    save_hf(model, tmp_path / "ck", dtype=torch.bfloat16)
+    sd = read_hf_state_dict(tmp_path / "ck")
+    bias = sd["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias, model.moe_blocks[0].e_score_correction_bias)
+    assert sd["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
