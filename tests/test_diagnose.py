@@ -124,6 +124,18 @@ def test_cli_writes_report_and_rejects_bad_input(run_dir, tmp_path, capsys):
     assert cli.main(["diagnose", str(run_dir / "checkpoints" / "step_1"), "--out", str(out),
                      "--set", "rollout.dtyp=fp32"]) == 2
     assert "dtyp" in capsys.readouterr().err
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "07+45=", "answer": "52"}\n{"input_ids": [1, 4, 5, 13, 6, 7, 14]}\n')
+    assert cli.main(["diagnose", str(run_dir / "checkpoints" / "step_1"), "--out", str(out),
+                     "--data", str(data), "--samples", "6"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["metrics"]["diagnose/num_samples"] == 6
+    assert {t["context"].split(" | ")[0] for t in report["top_tokens"]} <= {"<bos>07+45=",
+                                                                           "<bos>12+34="}
+    data.write_text('{"text": "x"}\n')
+    assert cli.main(["diagnose", str(run_dir / "checkpoints" / "step_1"), "--out", str(out),
+                     "--data", str(data)]) == 2
+    assert "prompts.jsonl:1: needs 'prompt'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

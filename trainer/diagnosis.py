@@ -138,7 +138,7 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
         "diagnose/icepop_bounds": [ice_lo, ice_hi],
         "diagnose/icepop_mask_fraction":
             float(((w_N < ice_lo) | (w_N > ice_hi)).double().mean()) if len(w_N) else 0.0,
-        "diagnose/reward_mean": float(t["rewards"].mean()),
+        "diagnose/reward_mean": float(t["rewards"].nanmean()),  # NaN: a prompt without answer
     })
 
     # -- per layer: flips, overlap, margins of flipped vs kept routes ------------------
