@@ -132,9 +132,11 @@ def plots(out: Path, runs: dict) -> None:
 
     for key, name, ylabel, log in (("reward_curve", "study_reward.png", "reward/mean", False),
                                    ("k3_curve", "study_k3.png", "rollout_corr/k3_kl", True)):
-        fig, axes = plt.subplots(1, len(CORRECTIONS), figsize=(5 * len(CORRECTIONS), 3.6),
-                                 sharey=True)
-        for ax, corr in zip(axes, CORRECTIONS):
+        corrs = [c for c in CORRECTIONS if any(k[1] == c for k in runs)]
+        fig, axes = plt.subplots(1, len(corrs), figsize=(5 * len(corrs), 3.6), sharey=True,
+                                 squeeze=False)
+        axes = axes[0]
+        for ax, corr in zip(axes, corrs):
             for i, mode in enumerate(MODES):
                 for (m, c, s), r in runs.items():
                     if m == mode and c == corr:
