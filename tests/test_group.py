@@ -134,8 +134,8 @@ def _replay_check(tr: Trainer, mode: ReplayMode, step: int) -> None:
     """Through the group's interface: the first optimiser step runs before any weight change,
     so where routes are replayed its forwards must give pi_old again (a one-position shift
     between routes and tokens on any rank, or routes replayed on the wrong rows, would not)."""
-    problems = tr.task.problems(tr.cfg.loop.seed, 0, tr.cfg.rollout.prompts_per_step)
-    batch = collate(tr.rollout.generate(tr.requests(problems, step)), tr.task.pad_id,
+    prompts = tr.source.prompts(0, tr.cfg.rollout.prompts_per_step)
+    batch = collate(tr.rollout.generate(tr.requests(prompts, step)), tr.source.pad_id,
                     *tr._route_shape())
     old = tr.actor.old_logprobs(batch, mode, step)
     mask_BT = batch.response_mask_BT.float()
