@@ -257,7 +257,7 @@ class TorchActor(RankActor):
             if cfg.aux_loss_coef > 0:
                 aux = self.compute.load_balancing_loss(out, mb.token_mask_BT.to(self.device))
                 loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
-                metrics["actor/aux_loss"] = float(aux) * (len(idx) / mini_size if weighted else 1)
+                metrics["actor/aux_loss"] = float(aux.detach()) * (len(idx) / mini_size if weighted else 1)
             loss.backward()
             self._accumulate_fp32()
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store).cpu()
