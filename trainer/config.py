@@ -372,11 +372,10 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         B = self.rollout.batch_size
-        # NOTE: trainer/megatron maps Qwen3-MoE only so far; another family would build a
-        # megatron model with the wrong router and attention, silently.
-        _need(self.actor.backend != "megatron" or self.model.model_type == "qwen3_moe",
-              f"actor.backend=megatron supports model.model_type=qwen3_moe only (got "
-              f"{self.model.model_type!r}); use actor.backend=torch")
+        if self.actor.backend == "megatron":
+            # refuses the model fields trainer/megatron does not map (naming each)
+            from lockstep.trainer.megatron.model import check_supported
+            check_supported(self.model)
         _need(B % self.actor.mini_batch_size == 0,
               f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
               f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")

@@ -1,4 +1,7 @@
-"""Exact HF (Qwen3-MoE) <-> megatron-core weight conversion, whole or TP/EP-sharded.
+"""Exact HF <-> megatron-core weight conversion, whole or TP/EP-sharded: Qwen3-MoE and the
+GQA families trainer/megatron/model.py maps (GLM-4.5: q/k/v biases, no q/k norm, sigmoid
+router with `e_score_correction_bias` = megatron's `router.expert_bias`, shared experts =
+`mlp.shared_experts.linear_fc1/2` split under TP like a dense MLP).
 
 Shapes: V vocab, D model dim, H query heads, G key/value groups, hd head dim, I MLP width
 (expert width for experts), E experts; `tp`, `ep`, `etp` parallel sizes, `r` a rank.
@@ -64,12 +67,14 @@ def _split(x: Tensor, n: int, r: int, dim: int, what: str) -> Tensor:
 
 
 def _attn_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig, tp: int, r: int) -> Tensor:
-    G, hd, D = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    q_G = q.view(G, -1, D)          # [G, H/G*hd, D]
-    k_G = k.view(G, hd, D)
-    v_G = v.view(G, hd, D)
+    """Weights [., D] or biases [.] (then D is a unit trailing dim) in megatron's grouped order."""
+    G, hd = cfg.num_key_value_heads, cfg.head_dim
+    tail = q.shape[1:]
+    q_G = q.view(G, -1, *tail)          # [G, H/G*hd, D]
+    k_G = k.view(G, hd, *tail)
+    v_G = v.view(G, hd, *tail)
     qkv_G = torch.cat([q_G, k_G, v_G], dim=1)
-    return _split(qkv_G, tp, r, 0, "linear_qkv").reshape(-1, D)
+    return _split(qkv_G, tp, r, 0, "linear_qkv").reshape(-1, *tail)
 
 
 def _fc1(gate: Tensor, up: Tensor, n: int, r: int, what: str) -> Tensor:
@@ -106,12 +111,27 @@ def hf_to_megatron(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Lay
             hf[f"{h}.self_attn.v_proj.weight"], cfg, tp, r)
         out[f"{a}.linear_proj.weight"] = _split(hf[f"{h}.self_attn.o_proj.weight"], tp, r, 1,
                                                 f"layer {i} linear_proj")
-        out[f"{a}.q_layernorm.weight"] = hf[f"{h}.self_attn.q_norm.weight"]
-        out[f"{a}.k_layernorm.weight"] = hf[f"{h}.self_attn.k_norm.weight"]
+        if cfg.attention_bias:
+            out[f"{a}.linear_qkv.bias"] = _attn_qkv(
+                hf[f"{h}.self_attn.q_proj.bias"], hf[f"{h}.self_attn.k_proj.bias"],
+                hf[f"{h}.self_attn.v_proj.bias"], cfg, tp, r)
+        if cfg.qk_norm:
+            out[f"{a}.q_layernorm.weight"] = hf[f"{h}.self_attn.q_norm.weight"]
+            out[f"{a}.k_layernorm.weight"] = hf[f"{h}.self_attn.k_norm.weight"]
         post_norm = hf[f"{h}.post_attention_layernorm.weight"]
         if cfg.is_moe_layer(i):
             out[f"{m}.pre_mlp_layernorm.weight"] = post_norm
             out[f"{m}.mlp.router.weight"] = hf[f"{h}.mlp.gate.weight"]
+            if cfg.expert_bias:
+                out[f"{m}.mlp.router.expert_bias"] = \
+                    hf[f"{h}.mlp.gate.e_score_correction_bias"].float()
+            if cfg.n_shared_experts:  # a dense MLP, TP-split like one
+                x = f"{h}.mlp.shared_experts"
+                out[f"{m}.mlp.shared_experts.linear_fc1.weight"] = _fc1(
+                    hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"], tp, r,
+                    f"layer {i} shared_experts linear_fc1")
+                out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = _split(
+                    hf[f"{x}.down_proj.weight"], tp, r, 1, f"layer {i} shared_experts linear_fc2")
             per_rank = cfg.num_experts // lay.ep
             for j in range(per_rank):
                 e = ep_rank * per_rank + j
@@ -178,17 +198,27 @@ def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
         in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
             else f"{m}.input_layernorm.weight"
         hf[f"{h}.input_layernorm.weight"] = s0[in_norm]
-        qkv_G = cat_tp(f"{a}.linear_qkv.weight", 0).view(G, (qpg + 2) * hd, D)
-        q_G, k_G, v_G = qkv_G.split([qpg * hd, hd, hd], dim=1)
-        hf[f"{h}.self_attn.q_proj.weight"] = q_G.reshape(-1, D)
-        hf[f"{h}.self_attn.k_proj.weight"] = k_G.reshape(-1, D)
-        hf[f"{h}.self_attn.v_proj.weight"] = v_G.reshape(-1, D)
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            tail = (D,) if kind == "weight" else ()
+            qkv_G = cat_tp(f"{a}.linear_qkv.{kind}", 0).view(G, (qpg + 2) * hd, *tail)
+            q_G, k_G, v_G = qkv_G.split([qpg * hd, hd, hd], dim=1)
+            hf[f"{h}.self_attn.q_proj.{kind}"] = q_G.reshape(-1, *tail)
+            hf[f"{h}.self_attn.k_proj.{kind}"] = k_G.reshape(-1, *tail)
+            hf[f"{h}.self_attn.v_proj.{kind}"] = v_G.reshape(-1, *tail)
         hf[f"{h}.self_attn.o_proj.weight"] = cat_tp(f"{a}.linear_proj.weight", 1)
-        hf[f"{h}.self_attn.q_norm.weight"] = s0[f"{a}.q_layernorm.weight"]
-        hf[f"{h}.self_attn.k_norm.weight"] = s0[f"{a}.k_layernorm.weight"]
+        if cfg.qk_norm:
+            hf[f"{h}.self_attn.q_norm.weight"] = s0[f"{a}.q_layernorm.weight"]
+            hf[f"{h}.self_attn.k_norm.weight"] = s0[f"{a}.k_layernorm.weight"]
         if cfg.is_moe_layer(i):
             hf[f"{h}.post_attention_layernorm.weight"] = s0[f"{m}.pre_mlp_layernorm.weight"]
             hf[f"{h}.mlp.gate.weight"] = s0[f"{m}.mlp.router.weight"]
+            if cfg.expert_bias:
+                hf[f"{h}.mlp.gate.e_score_correction_bias"] = s0[f"{m}.mlp.router.expert_bias"]
+            if cfg.n_shared_experts:
+                x = f"{h}.mlp.shared_experts"
+                hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"] = unfc1(
+                    [s[f"{m}.mlp.shared_experts.linear_fc1.weight"] for s in tps])
+                hf[f"{x}.down_proj.weight"] = cat_tp(f"{m}.mlp.shared_experts.linear_fc2.weight", 1)
             per_rank = cfg.num_experts // lay.ep
             for e in range(cfg.num_experts):
                 fc1, fc2 = _expert_names(f"{m}.mlp", e % per_rank, lay)
@@ -214,10 +244,18 @@ def expected_hf_keys(cfg: ModelConfig) -> set[str]:
     for i in range(cfg.num_hidden_layers):
         h = f"model.layers.{i}"
         keys |= {f"{h}.input_layernorm.weight", f"{h}.post_attention_layernorm.weight"}
-        keys |= {f"{h}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                        "q_norm", "k_norm")}
+        keys |= {f"{h}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if cfg.qk_norm:
+            keys |= {f"{h}.self_attn.q_norm.weight", f"{h}.self_attn.k_norm.weight"}
+        if cfg.attention_bias:
+            keys |= {f"{h}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
         if cfg.is_moe_layer(i):
             keys.add(f"{h}.mlp.gate.weight")
+            if cfg.expert_bias:
+                keys.add(f"{h}.mlp.gate.e_score_correction_bias")
+            if cfg.n_shared_experts:
+                keys |= {f"{h}.mlp.shared_experts.{p}.weight"
+                         for p in ("gate_proj", "up_proj", "down_proj")}
             keys |= {f"{h}.mlp.experts.{e}.{p}.weight" for e in range(cfg.num_experts)
                      for p in ("gate_proj", "up_proj", "down_proj")}
         else:

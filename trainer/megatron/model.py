@@ -145,27 +145,46 @@ def te_available() -> bool:
     return True
 
 
-# ModelConfig fields whose non-Qwen3 values the megatron mapping does not cover (yet):
-# field -> the value it must have
-_QWEN3_ONLY = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, expert_bias=False,
-                   n_shared_experts=0, shared_expert_intermediate_size=0, attention_bias=False,
-                   qk_norm=True, partial_rotary_factor=1.0, rope_interleave=False,
-                   kv_lora_rank=None, q_lora_rank=None)
+# ModelConfig fields whose non-default values the megatron mapping does not cover (yet):
+# field -> the value it must have (MLA, DeepSeek's interleaved RoPE, Qwen2-MoE's gated shared
+# expert)
+_UNMAPPED = dict(shared_expert_intermediate_size=0, rope_interleave=False,
+                 kv_lora_rank=None, q_lora_rank=None)
 
 
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse model features the megatron mapping does not build (it would otherwise build a
-    Qwen3-MoE-shaped model and fail or, worse, differ from the torch model)."""
-    bad = {k: getattr(cfg, k) for k, v in _QWEN3_ONLY.items() if getattr(cfg, k) != v}
-    if cfg.router not in ("softmax_topk", "topk_softmax"):
-        bad["router"] = cfg.router
+    different model and fail or, worse, differ from the torch model silently). Mapped: the
+    softmax routers (Qwen3-MoE, Mixtral-style top-k softmax) and the sigmoid router with
+    expert bias, group-limited top-k and scaling factor (GLM-4.5), shared experts, dense first
+    layers, q/k/v biases, q/k norm or none, partial RoPE."""
+    bad = {k: getattr(cfg, k) for k, v in _UNMAPPED.items() if getattr(cfg, k) != v}
+    why = []
     if bad:
+        why.append(", ".join(f"{k}={v!r} (megatron needs {_UNMAPPED[k]!r})"
+                             for k, v in bad.items()))
+    if cfg.router not in ("softmax_topk", "topk_softmax", "sigmoid"):
+        why.append(f"router={cfg.router!r}")
+    K = cfg.num_experts_per_tok
+    if cfg.router == "sigmoid" and bool(cfg.norm_topk_prob) != (K > 1):
+        # megatron-core normalises sigmoid gates exactly when topk > 1
+        why.append(f"router='sigmoid' with norm_topk_prob={cfg.norm_topk_prob} and "
+                   f"num_experts_per_tok={K} (megatron-core normalises the sigmoid gates "
+                   "if and only if num_experts_per_tok > 1)")
+    if cfg.expert_bias and cfg.router != "sigmoid":
+        why.append(f"expert_bias=True with router={cfg.router!r} (megatron-core: sigmoid only)")
+    if cfg.n_group > 1 and (cfg.router != "sigmoid" or K // cfg.topk_group != 2):
+        # a group ranks by the sum of its 2 best scores (ours, DeepSeek's); megatron-core sums
+        # the best num_experts_per_tok // topk_group
+        why.append(f"n_group={cfg.n_group} with router={cfg.router!r}, num_experts_per_tok={K}, "
+                   f"topk_group={cfg.topk_group} (megatron-core ranks groups by their best "
+                   "num_experts_per_tok // topk_group scores: mapped only for the sigmoid "
+                   "router where that is 2)")
+    if why:
         raise ConfigError(
-            f"actor.backend=megatron maps Qwen3-MoE-style models (softmax routers, q/k norm, "
-            f"no shared experts / biases / MLA); model_type={cfg.model_type!r} has "
-            + ", ".join(f"{k}={v!r}" for k, v in bad.items())
-            + f" (megatron needs {', '.join(f'{k}={_QWEN3_ONLY.get(k)!r}' for k in bad)}); use "
-            "actor.backend=torch for this architecture")
+            f"actor.backend=megatron cannot build model_type={cfg.model_type!r} as the torch "
+            "model runs it: " + "; ".join(why) + "; use actor.backend=torch for this "
+            "architecture")
 
 
 def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
@@ -215,11 +234,11 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         ffn_hidden_size=cfg.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=cfg.qk_norm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=cfg.attention_bias,
         rotary_interleaved=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -229,10 +248,22 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_router_topk=cfg.num_experts_per_tok,
         moe_layer_freq=[1 if cfg.is_moe_layer(i) else 0 for i in range(cfg.num_hidden_layers)],
-        moe_router_score_function="softmax",
+        moe_router_score_function=cfg.score_function,
+        # sigmoid router (GLM-4.5): selection by scores + bias within the best groups; gate
+        # weights are the unbiased scores, normalised, times the factor (as moe/router.py)
+        moe_router_enable_expert_bias=bool(cfg.expert_bias),
+        # the bias changes only as the torch actor's expert_bias_update_rate (0 here: the
+        # config refuses a rate with this backend); megatron-core's own update is off
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=cfg.n_group if cfg.n_group > 1 else None,
+        moe_router_group_topk=cfg.topk_group if cfg.n_group > 1 else None,
+        moe_router_topk_scaling_factor=(cfg.routed_scaling_factor
+                                        if cfg.routed_scaling_factor != 1.0 else None),
+        moe_shared_expert_intermediate_size=cfg.shared_expert_width or None,
         # norm_topk_prob: softmax over the K chosen logits == renormalised top-k of the full
         # softmax; without it, the plain top-k of the full softmax.
-        moe_router_pre_softmax=not cfg.norm_topk_prob and cfg.router == "softmax_topk",
+        moe_router_pre_softmax=(not cfg.norm_topk_prob and cfg.router == "softmax_topk"
+                                if cfg.router != "sigmoid" else False),
         # the load-balancing loss is the torch model's, added by replay.RouteReplay (its own
         # counts natural routes under replay and sums layers): megatron-core's is off
         moe_router_load_balancing_type="none",
@@ -285,8 +316,6 @@ def check_replay_compatible(tc) -> None:
     if tc.moe_expert_capacity_factor is not None:
         raise ReplayBypassError(f"moe_expert_capacity_factor={tc.moe_expert_capacity_factor}: "
                                 "token dropping runs after replay and drops replayed routes")
-    if tc.moe_router_group_topk or tc.moe_router_num_groups:
-        raise ReplayBypassError("group-limited routing is not part of Qwen3-MoE")
 
 
 def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc=None):
@@ -315,6 +344,7 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         position_embedding_type="rope",
+        rotary_percent=cfg.partial_rotary_factor,
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=True,

@@ -1,0 +1,152 @@
+"""megatron-core GPTModel vs lockstep's torch model for non-Qwen3 families on CPU (gloo, world
+size 1, in this process): GLM-4.5-style (sigmoid router + expert bias + group-limited top-k +
+scaling factor + shared expert, q/k/v biases, partial RoPE, a dense first layer). Log-probs with
+and without R3 replay, natural routes, replayed routes, the bias outside replayed weights.
+
+Shapes: B batch, T tokens, L MoE layers, K top-k, E experts.
+"""
+
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+
+from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
+from lockstep.moe.config import ConfigError, ModelConfig  # noqa: E402
+from lockstep.moe.model import MoEModel  # noqa: E402
+from lockstep.trainer.megatron import convert  # noqa: E402
+from lockstep.trainer.megatron.model import (  # noqa: E402
+    MegatronOptions, build_gpt_model, check_supported, forward_logits, initialize_parallel,
+    token_logprobs)
+from lockstep.trainer.megatron.replay import Mode, RouteReplay  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+TOL = 1e-4
+
+
+def glm_cfg(**kw) -> ModelConfig:
+    """Tiny GLM-4.5-style config: 8 experts in 2 groups (1 allowed), top-2, factor 2.5, one
+    shared expert, layer 0 dense, q/k/v biases, RoPE on half of each head, no q/k norm."""
+    base = dict(model_type="glm4_moe", vocab_size=40, hidden_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, n_group=2,
+                topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                attention_bias=True, rope_theta=500.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def random_torch_model(cfg: ModelConfig, seed: int) -> MoEModel:
+    """Our torch model with every weight random (norms around 1, routers wide enough that
+    routes are not decided by rounding, expert biases that change the choice)."""
+    torch.manual_seed(seed)
+    model = MoEModel(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.5 if n.endswith("mlp.gate.weight") else 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def world1():
+    created = False
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        created = True
+    initialize_parallel(MegatronOptions())
+    yield
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def shifted_logprobs(logits_BTV, ids_BT):
+    return torch.log_softmax(logits_BTV.float(), -1)[:, :-1].gather(-1, ids_BT[:, 1:, None])[..., 0]
+
+
+def mg_logprobs(model, ids):
+    return token_logprobs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_glm_megatron_matches_torch_model_natural_and_replayed(world1, qk_norm):
+    cfg = glm_cfg(qk_norm=qk_norm)
+    torch_model = random_torch_model(cfg, seed=11)
+    sd = hf_state_dict(torch_model)
+    model = build_gpt_model(cfg, MegatronOptions()).eval()
+    convert.load_hf_into_megatron(model, sd, cfg)
+    back = convert.megatron_to_hf_state_dict(model, cfg)  # the conversion is exact both ways
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+    B, T, L, K, E = 3, 9, cfg.num_moe_layers, cfg.num_experts_per_tok, cfg.num_experts
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    replay = RouteReplay(model, E)
+    assert replay.num_layers == L == 2
+    with torch.no_grad():
+        ref = torch_model(ids)
+        with replay.session(Mode.RECORD):
+            lp_nat = mg_logprobs(model, ids)
+            rec = replay.recorded(B, T)
+    err_nat = (lp_nat - shifted_logprobs(ref.logits_BTV, ids)).abs().max().item()
+    assert err_nat <= TOL, err_nat
+    assert torch.equal(rec.sort(-1).values, ref.natural_BTLK.sort(-1).values)
+
+    # R3: random distinct experts per (token, layer), mostly breaking the group limit
+    routes = torch.rand(B, T, L, E, generator=g).argsort(-1)[..., :K]
+    ref_rep = torch_model(ids, routed_experts_BTLK=routes)
+    want = shifted_logprobs(ref_rep.logits_BTV, ids)
+    assert (want - shifted_logprobs(ref.logits_BTV, ids)).abs().max() > 10 * TOL
+    with replay.session(Mode.REPLAY):
+        replay.set_routes(routes)
+        lp_rep = mg_logprobs(model, ids)
+        used = replay.used(B, T)
+        lp_rep.sum().backward()
+    err_rep = (lp_rep.detach() - want).abs().max().item()
+    assert err_rep <= TOL, err_rep
+    assert torch.equal(used, routes)
+    routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    assert all(r.weight.grad.abs().sum() > 0 for r in routers)
+    print(f"glm qk_norm={qk_norm}: natural max|dlp| {err_nat:.2e}, replayed {err_rep:.2e}")
+
+    # the expert bias steers the natural choice only: another bias, the same replayed log-probs
+    with torch.no_grad():
+        for r in routers:
+            r.expert_bias.copy_(torch.linspace(-1, 1, E)[torch.randperm(E, generator=g)])
+        with replay.session(Mode.REPLAY):
+            replay.set_routes(routes)
+            lp_rep2 = mg_logprobs(model, ids)
+            natural2 = replay.natural(B, T)
+    assert torch.equal(lp_rep2, lp_rep.detach())
+    assert not torch.equal(natural2.sort(-1).values, rec.sort(-1).values)
+
+
+def test_megatron_refuses_what_it_does_not_map_naming_the_field():
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        check_supported(ModelConfig(model_type="deepseek_v3", num_experts=8, n_group=4,
+                                    topk_group=2, q_lora_rank=24, kv_lora_rank=16,
+                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12))
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
+        check_supported(ModelConfig(model_type="qwen2_moe", shared_expert_intermediate_size=24))
+    # megatron-core ranks groups by their best K // topk_group scores, we by the best 2
+    with pytest.raises(ConfigError, match="topk_group"):
+        check_supported(glm_cfg(num_experts_per_tok=4, topk_group=1))
+    with pytest.raises(ConfigError, match="norm_topk_prob"):
+        check_supported(glm_cfg(norm_topk_prob=False))
+    check_supported(glm_cfg())  # mapped
