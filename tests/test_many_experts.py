@@ -55,6 +55,6 @@ def test_family_from_experiment_yaml_keys_and_megatron_refusal():
     assert (m.router, m.expert_bias, m.partial_rotary_factor, m.first_k_dense_replace) == \
         ("sigmoid", True, 0.5, 1)
     from lockstep.trainer.config import ExperimentConfigError
-    with pytest.raises(ExperimentConfigError, match="megatron supports model.model_type=qwen3"):
+    with pytest.raises(ExperimentConfigError, match="actor.backend=megatron cannot build model_type='mixtral'"):
         load_config(CONFIGS / "toy_r3.yaml", ["model.model_type=mixtral", "actor.backend=megatron",
                                               "model.intermediate_size=96"])

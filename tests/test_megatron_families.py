@@ -149,4 +149,6 @@ def test_megatron_refuses_what_it_does_not_map_naming_the_field():
         check_supported(glm_cfg(num_experts_per_tok=4, topk_group=1))
     with pytest.raises(ConfigError, match="norm_topk_prob"):
         check_supported(glm_cfg(norm_topk_prob=False))
+    with pytest.raises(ConfigError, match="model_type='mixtral' has not been checked"):
+        check_supported(ModelConfig(model_type="mixtral", intermediate_size=96))
     check_supported(glm_cfg())  # mapped

@@ -374,8 +374,12 @@ class ExperimentConfig:
         B = self.rollout.batch_size
         if self.actor.backend == "megatron":
             # refuses the model fields trainer/megatron does not map (naming each)
+            from lockstep.moe.config import ConfigError
             from lockstep.trainer.megatron.model import check_supported
-            check_supported(self.model)
+            try:
+                check_supported(self.model)
+            except ConfigError as e:
+                _need(False, str(e))
         _need(B % self.actor.mini_batch_size == 0,
               f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
               f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")

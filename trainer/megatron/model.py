@@ -3,7 +3,7 @@
 Shapes: B batch, T time (tokens per row), S = T padded to a multiple of TP (megatron-core
 runs sequence-first, [S, B, D]), D model dim, V vocab (V/TP per tensor-parallel rank).
 
-Mapping (Qwen3-MoE -> megatron-core `TransformerConfig`): GQA = `num_query_groups`; q/k norm =
+Mapping (Qwen3-MoE, GLM-4.5: docs/megatron.md "Supported families" -> megatron-core `TransformerConfig`): GQA = `num_query_groups`; q/k norm =
 `qk_layernorm` with RMSNorm; RoPE = `position_embedding_type="rope"`, `rotary_base`,
 non-interleaved halves (HF `rotate_half`); softmax router top-k with `norm_topk_prob` =
 softmax over the K selected logits (`moe_router_pre_softmax=False`), without it = softmax over
@@ -152,6 +152,11 @@ _UNMAPPED = dict(shared_expert_intermediate_size=0, rope_interleave=False,
                  kv_lora_rank=None, q_lora_rank=None)
 
 
+# families whose megatron log-probs and routes were compared with the torch model
+# (tests/test_megatron_parity.py, tests/test_megatron_families.py)
+_CHECKED_FAMILIES = ("qwen3_moe", "glm4_moe")
+
+
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse model features the megatron mapping does not build (it would otherwise build a
     different model and fail or, worse, differ from the torch model silently). Mapped: the
@@ -160,6 +165,9 @@ def check_supported(cfg: ModelConfig) -> None:
     layers, q/k/v biases, q/k norm or none, partial RoPE."""
     bad = {k: getattr(cfg, k) for k, v in _UNMAPPED.items() if getattr(cfg, k) != v}
     why = []
+    if cfg.model_type not in _CHECKED_FAMILIES:
+        why.append(f"model_type={cfg.model_type!r} has not been checked against the torch "
+                   f"model (checked: {', '.join(_CHECKED_FAMILIES)})")
     if bad:
         why.append(", ".join(f"{k}={v!r} (megatron needs {_UNMAPPED[k]!r})"
                              for k, v in bad.items()))
