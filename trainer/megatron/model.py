@@ -1,9 +1,10 @@
-"""Build a megatron-core MoE `GPTModel` equivalent to our Qwen3-MoE `ModelConfig`.
+"""Build a megatron-core MoE `GPTModel` equivalent to our `ModelConfig` (Qwen3-MoE and
+GLM-4.5-style: docs/megatron.md "Supported families"; `check_supported` refuses the rest).
 
 Shapes: B batch, T time (tokens per row), S = T padded to a multiple of TP (megatron-core
 runs sequence-first, [S, B, D]), D model dim, V vocab (V/TP per tensor-parallel rank).
 
-Mapping (Qwen3-MoE, GLM-4.5: docs/megatron.md "Supported families" -> megatron-core `TransformerConfig`): GQA = `num_query_groups`; q/k norm =
+Mapping (Qwen3-MoE -> megatron-core `TransformerConfig`): GQA = `num_query_groups`; q/k norm =
 `qk_layernorm` with RMSNorm; RoPE = `position_embedding_type="rope"`, `rotary_base`,
 non-interleaved halves (HF `rotate_half`); softmax router top-k with `norm_topk_prob` =
 softmax over the K selected logits (`moe_router_pre_softmax=False`), without it = softmax over
