@@ -130,14 +130,14 @@ def test_replay_ids_keep_given_routes_and_placeholders_elsewhere():
 
 
 @pytest.mark.parametrize("family,field", [("mixtral", "has not been checked"),
-                                          ("deepseek_v3", "kv_lora_rank="),
+                                          ("deepseek_v3", "rms_norm_eps="),
                                           ("qwen2_moe", "shared_expert_intermediate_size=")])
 def test_transformer_config_refuses_unmapped_families(family, field):
     from lockstep.moe.config import ConfigError
     from lockstep.trainer.megatron.model import MegatronOptions, transformer_config
 
     kw = dict(kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
-              v_head_dim=8) if family == "deepseek_v3" else \
+              v_head_dim=8, rms_norm_eps=1e-5) if family == "deepseek_v3" else \
         dict(shared_expert_intermediate_size=16) if family == "qwen2_moe" else \
         dict(intermediate_size=96) if family == "mixtral" else {}
     cfg = ModelConfig.for_architecture(family, **kw)

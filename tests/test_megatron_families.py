@@ -1,6 +1,7 @@
 """megatron-core GPTModel vs lockstep's torch model for non-Qwen3 families on CPU (gloo, world
 size 1, in this process): GLM-4.5-style (sigmoid router + expert bias + group-limited top-k +
-scaling factor + shared expert, q/k/v biases, partial RoPE, a dense first layer). Log-probs with
+scaling factor + shared expert, q/k/v biases, partial RoPE, a dense first layer) and
+DeepSeek-V3-style (the same router and MoE, with MLA attention). Log-probs with
 and without R3 replay, natural routes, replayed routes, the bias outside replayed weights.
 
 Shapes: B batch, T tokens, L MoE layers, K top-k, E experts.
@@ -39,6 +40,25 @@ def glm_cfg(**kw) -> ModelConfig:
                 attention_bias=True, rope_theta=500.0)
     base.update(kw)
     return ModelConfig(**base)
+
+
+def deepseek_cfg(**kw) -> ModelConfig:
+    """Tiny DeepSeek-V3-style config: MLA (q/kv latents, interleaved RoPE on the shared rope
+    key), 8 experts in 4 groups (1 allowed: megatron ranks a group by its best K // topk_group
+    = 2 scores, as we do), top-2, factor 2.5, a shared expert, layer 0 dense."""
+    base = dict(model_type="deepseek_v3", vocab_size=40, hidden_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+                moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, n_group=4,
+                topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                v_head_dim=12, rope_theta=500.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+FAMILIES = {"glm": lambda: glm_cfg(), "glm_qk_norm": lambda: glm_cfg(qk_norm=True),
+            "deepseek_mla": lambda: deepseek_cfg(),
+            "deepseek_mla_plain_q": lambda: deepseek_cfg(q_lora_rank=None)}
 
 
 def random_torch_model(cfg: ModelConfig, seed: int) -> MoEModel:
@@ -84,9 +104,9 @@ def mg_logprobs(model, ids):
     return token_logprobs(forward_logits(model, ids)[:, :-1], ids[:, 1:])
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_glm_megatron_matches_torch_model_natural_and_replayed(world1, qk_norm):
-    cfg = glm_cfg(qk_norm=qk_norm)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_megatron_matches_torch_model_natural_and_replayed(world1, family):
+    cfg = FAMILIES[family]()
     torch_model = random_torch_model(cfg, seed=11)
     sd = hf_state_dict(torch_model)
     model = build_gpt_model(cfg, MegatronOptions()).eval()
@@ -123,7 +143,7 @@ def test_glm_megatron_matches_torch_model_natural_and_replayed(world1, qk_norm):
     assert torch.equal(used, routes)
     routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
     assert all(r.weight.grad.abs().sum() > 0 for r in routers)
-    print(f"glm qk_norm={qk_norm}: natural max|dlp| {err_nat:.2e}, replayed {err_rep:.2e}")
+    print(f"{family}: natural max|dlp| {err_nat:.2e}, replayed {err_rep:.2e}")
 
     # the expert bias steers the natural choice only: another bias, the same replayed log-probs
     with torch.no_grad():
@@ -138,10 +158,14 @@ def test_glm_megatron_matches_torch_model_natural_and_replayed(world1, qk_norm):
 
 
 def test_megatron_refuses_what_it_does_not_map_naming_the_field():
-    with pytest.raises(ConfigError, match="kv_lora_rank"):
-        check_supported(ModelConfig(model_type="deepseek_v3", num_experts=8, n_group=4,
-                                    topk_group=2, q_lora_rank=24, kv_lora_rank=16,
-                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12))
+    with pytest.raises(ConfigError, match="rope_interleave=False"):
+        check_supported(deepseek_cfg(rope_interleave=False))
+    with pytest.raises(ConfigError, match="rms_norm_eps=1e-05"):
+        check_supported(deepseek_cfg(rms_norm_eps=1e-5))
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        check_supported(deepseek_cfg(rope_scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
+            beta_slow=1, mscale=1.0, mscale_all_dim=1.0)))
     with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
         check_supported(ModelConfig(model_type="qwen2_moe", shared_expert_intermediate_size=24))
     # megatron-core ranks groups by their best K // topk_group scores, we by the best 2

@@ -88,6 +88,20 @@ def _expert_names(prefix: str, j: int, lay: Layout) -> tuple[str, str]:
             f"{prefix}.experts.local_experts.{j}.linear_fc2.weight")
 
 
+def _mla_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    """MLA (DeepSeek-V3) attention: (HF name, megatron name, TP split dim or None when
+    replicated). Per-head up-projections split by rows (heads), the output by columns; the
+    down-projections and latent norms are replicated."""
+    q = [("q_proj.weight", "linear_q_proj.weight", 0)] if cfg.q_lora_rank is None else [
+        ("q_a_proj.weight", "linear_q_down_proj.weight", None),
+        ("q_a_layernorm.weight", "q_layernorm.weight", None),
+        ("q_b_proj.weight", "linear_q_up_proj.weight", 0)]
+    return q + [("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight", None),
+                ("kv_a_layernorm.weight", "kv_layernorm.weight", None),
+                ("kv_b_proj.weight", "linear_kv_up_proj.weight", 0),
+                ("o_proj.weight", "linear_proj.weight", 1)]
+
+
 def hf_to_megatron(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Layout(), *,
                    tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> dict[str, Tensor]:
     """The megatron-core state dict of one shard (tp_rank, ep_rank, etp_rank) from HF weights."""
@@ -106,18 +120,24 @@ def hf_to_megatron(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Lay
         in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
             else f"{m}.input_layernorm.weight"
         out[in_norm] = hf[f"{h}.input_layernorm.weight"]
-        out[f"{a}.linear_qkv.weight"] = _attn_qkv(
-            hf[f"{h}.self_attn.q_proj.weight"], hf[f"{h}.self_attn.k_proj.weight"],
-            hf[f"{h}.self_attn.v_proj.weight"], cfg, tp, r)
-        out[f"{a}.linear_proj.weight"] = _split(hf[f"{h}.self_attn.o_proj.weight"], tp, r, 1,
-                                                f"layer {i} linear_proj")
-        if cfg.attention_bias:
-            out[f"{a}.linear_qkv.bias"] = _attn_qkv(
-                hf[f"{h}.self_attn.q_proj.bias"], hf[f"{h}.self_attn.k_proj.bias"],
-                hf[f"{h}.self_attn.v_proj.bias"], cfg, tp, r)
-        if cfg.qk_norm:
-            out[f"{a}.q_layernorm.weight"] = hf[f"{h}.self_attn.q_norm.weight"]
-            out[f"{a}.k_layernorm.weight"] = hf[f"{h}.self_attn.k_norm.weight"]
+        if cfg.is_mla:
+            for hf_name, mg_name, dim in _mla_names(cfg):
+                x = hf[f"{h}.self_attn.{hf_name}"]
+                out[f"{a}.{mg_name}"] = x if dim is None else _split(
+                    x, tp, r, dim, f"layer {i} {mg_name}")
+        else:
+            out[f"{a}.linear_qkv.weight"] = _attn_qkv(
+                hf[f"{h}.self_attn.q_proj.weight"], hf[f"{h}.self_attn.k_proj.weight"],
+                hf[f"{h}.self_attn.v_proj.weight"], cfg, tp, r)
+            out[f"{a}.linear_proj.weight"] = _split(hf[f"{h}.self_attn.o_proj.weight"], tp, r, 1,
+                                                    f"layer {i} linear_proj")
+            if cfg.attention_bias:
+                out[f"{a}.linear_qkv.bias"] = _attn_qkv(
+                    hf[f"{h}.self_attn.q_proj.bias"], hf[f"{h}.self_attn.k_proj.bias"],
+                    hf[f"{h}.self_attn.v_proj.bias"], cfg, tp, r)
+            if cfg.qk_norm:
+                out[f"{a}.q_layernorm.weight"] = hf[f"{h}.self_attn.q_norm.weight"]
+                out[f"{a}.k_layernorm.weight"] = hf[f"{h}.self_attn.k_norm.weight"]
         post_norm = hf[f"{h}.post_attention_layernorm.weight"]
         if cfg.is_moe_layer(i):
             out[f"{m}.pre_mlp_layernorm.weight"] = post_norm
@@ -198,17 +218,22 @@ def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
         in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
             else f"{m}.input_layernorm.weight"
         hf[f"{h}.input_layernorm.weight"] = s0[in_norm]
-        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-            tail = (D,) if kind == "weight" else ()
-            qkv_G = cat_tp(f"{a}.linear_qkv.{kind}", 0).view(G, (qpg + 2) * hd, *tail)
-            q_G, k_G, v_G = qkv_G.split([qpg * hd, hd, hd], dim=1)
-            hf[f"{h}.self_attn.q_proj.{kind}"] = q_G.reshape(-1, *tail)
-            hf[f"{h}.self_attn.k_proj.{kind}"] = k_G.reshape(-1, *tail)
-            hf[f"{h}.self_attn.v_proj.{kind}"] = v_G.reshape(-1, *tail)
-        hf[f"{h}.self_attn.o_proj.weight"] = cat_tp(f"{a}.linear_proj.weight", 1)
-        if cfg.qk_norm:
-            hf[f"{h}.self_attn.q_norm.weight"] = s0[f"{a}.q_layernorm.weight"]
-            hf[f"{h}.self_attn.k_norm.weight"] = s0[f"{a}.k_layernorm.weight"]
+        if cfg.is_mla:
+            for hf_name, mg_name, dim in _mla_names(cfg):
+                hf[f"{h}.self_attn.{hf_name}"] = s0[f"{a}.{mg_name}"] if dim is None \
+                    else cat_tp(f"{a}.{mg_name}", dim)
+        else:
+            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                tail = (D,) if kind == "weight" else ()
+                qkv_G = cat_tp(f"{a}.linear_qkv.{kind}", 0).view(G, (qpg + 2) * hd, *tail)
+                q_G, k_G, v_G = qkv_G.split([qpg * hd, hd, hd], dim=1)
+                hf[f"{h}.self_attn.q_proj.{kind}"] = q_G.reshape(-1, *tail)
+                hf[f"{h}.self_attn.k_proj.{kind}"] = k_G.reshape(-1, *tail)
+                hf[f"{h}.self_attn.v_proj.{kind}"] = v_G.reshape(-1, *tail)
+            hf[f"{h}.self_attn.o_proj.weight"] = cat_tp(f"{a}.linear_proj.weight", 1)
+            if cfg.qk_norm:
+                hf[f"{h}.self_attn.q_norm.weight"] = s0[f"{a}.q_layernorm.weight"]
+                hf[f"{h}.self_attn.k_norm.weight"] = s0[f"{a}.k_layernorm.weight"]
         if cfg.is_moe_layer(i):
             hf[f"{h}.post_attention_layernorm.weight"] = s0[f"{m}.pre_mlp_layernorm.weight"]
             hf[f"{h}.mlp.gate.weight"] = s0[f"{m}.mlp.router.weight"]
@@ -244,7 +269,11 @@ def expected_hf_keys(cfg: ModelConfig) -> set[str]:
     for i in range(cfg.num_hidden_layers):
         h = f"model.layers.{i}"
         keys |= {f"{h}.input_layernorm.weight", f"{h}.post_attention_layernorm.weight"}
-        keys |= {f"{h}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if cfg.is_mla:
+            keys |= {f"{h}.self_attn.{n}" for n, _, _ in _mla_names(cfg)}
+        else:
+            keys |= {f"{h}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj",
+                                                            "o_proj")}
         if cfg.qk_norm:
             keys |= {f"{h}.self_attn.q_norm.weight", f"{h}.self_attn.k_norm.weight"}
         if cfg.attention_bias:

@@ -149,13 +149,12 @@ def te_available() -> bool:
 # ModelConfig fields whose non-default values the megatron mapping does not cover (yet):
 # field -> the value it must have (MLA, DeepSeek's interleaved RoPE, Qwen2-MoE's gated shared
 # expert)
-_UNMAPPED = dict(shared_expert_intermediate_size=0, rope_interleave=False,
-                 kv_lora_rank=None, q_lora_rank=None)
+_UNMAPPED = dict(shared_expert_intermediate_size=0, rope_scaling=None)
 
 
 # families whose megatron log-probs and routes were compared with the torch model
 # (tests/test_megatron_parity.py, tests/test_megatron_families.py)
-_CHECKED_FAMILIES = ("qwen3_moe", "glm4_moe")
+_CHECKED_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -174,6 +173,16 @@ def check_supported(cfg: ModelConfig) -> None:
                              for k, v in bad.items()))
     if cfg.router not in ("softmax_topk", "topk_softmax", "sigmoid"):
         why.append(f"router={cfg.router!r}")
+    if cfg.is_mla and not cfg.rope_interleave:
+        # megatron-core's MLA always lays the rotary dims out evens-then-odds (DeepSeek's)
+        why.append("MLA with rope_interleave=False (megatron-core MLA rotates interleaved "
+                   "pairs only)")
+    if cfg.rope_interleave and not cfg.is_mla:
+        why.append("rope_interleave=True without MLA (kv_lora_rank=None)")
+    if cfg.is_mla and cfg.rms_norm_eps != 1e-6:
+        # our q_a / kv_a norms use 1e-6 (as DeepSeek's code); megatron's use layernorm_epsilon
+        why.append(f"MLA with rms_norm_eps={cfg.rms_norm_eps} (megatron-core's q/kv latent "
+                   "norms use rms_norm_eps, ours 1e-6: mapped only when they agree)")
     K = cfg.num_experts_per_tok
     if cfg.router == "sigmoid" and bool(cfg.norm_topk_prob) != (K > 1):
         # megatron-core normalises sigmoid gates exactly when topk > 1
@@ -234,21 +243,31 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
                           f"tensor_parallel={opts.tensor_parallel} (no vocabulary padding: "
                           "padded rows would add zero logits to the softmax)")
     dtype = opts.torch_dtype
-    return TransformerConfig(
+    config_cls, mla = TransformerConfig, {}
+    if cfg.is_mla:  # DeepSeek-V3 multi-head latent attention (q_lora_rank None: a plain q)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        config_cls = MLATransformerConfig
+        mla = dict(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank,
+                   kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
+                   qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                   rope_type="rope", rotary_base=cfg.rope_theta, rotary_scaling_factor=1.0,
+                   mscale=1.0, mscale_all_dim=0.0)
+    return config_cls(
+        **mla,
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads,
-        kv_channels=cfg.head_dim,
+        kv_channels=None if cfg.is_mla else cfg.head_dim,
         ffn_hidden_size=cfg.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
-        qk_layernorm=cfg.qk_norm,
+        qk_layernorm=cfg.qk_norm or cfg.is_mla,  # MLA: the q / kv latent norms
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.attention_bias,
-        rotary_interleaved=False,
+        rotary_interleaved=False,  # MLA: its evens-then-odds layout is implied
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -343,6 +362,8 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
                                      else opts.use_transformer_engine)
     from megatron.core import parallel_state as ps
 
+    if getattr(tc, "multi_latent_attention", False) and not use_te:
+        _patch_local_mla()
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=use_te, normalization="RMSNorm")
     pp = tc.pipeline_model_parallel_size > 1
     return GPTModel(
@@ -358,6 +379,32 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=True,
     )
+
+
+def _patch_local_mla() -> None:
+    """megatron-core 0.16.1's local spec cannot build MLA as shipped (REFERENCE.md): the local
+    `DotProductAttention` does not take the `k_channels` / `v_channels` MLA passes (its output
+    width must be heads * v_channels), and without Transformer Engine MLA's
+    `isinstance(linear_proj, TELinear)` meets a placeholder. Idempotent."""
+    from megatron.core.transformer import dot_product_attention as dpa
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        mla.HAVE_TE = False
+    cls = dpa.DotProductAttention
+    if getattr(cls.__init__, "_lockstep_mla", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    __init__._lockstep_mla = True
+    cls.__init__ = __init__
 
 
 def initialize_parallel(opts: MegatronOptions) -> None:
