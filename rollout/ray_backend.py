@@ -228,17 +228,8 @@ class RayBackend(RolloutBackend):
         if self.closed:
             return
         self.closed = True
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # already dead: nothing left to free
-                pass
-        self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
-        if self._owns_ray:
-            ray.shutdown()
+        release(self.workers, self.pg, self._owns_ray)
+        self.workers, self.pg = [], None
 
     def __enter__(self) -> "RayBackend":
         return self
@@ -279,6 +270,24 @@ class RayBackend(RolloutBackend):
                 self._fail(RolloutError(f"{info} failed in {what}: "
                                         f"{type(e.cause).__name__}: {e.cause}"))
         return [got[ref] for ref in refs]
+
+
+def release(workers: list, pg: PlacementGroup | None, owns_ray: bool) -> None:
+    """Tear down what a group of Ray actors holds: kill the actors, remove their placement
+    group, and shut Ray down if the caller started it. Safe when actors are already dead or
+    another owner (the rollout backend, the actor group) has already shut Ray down."""
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # already dead: nothing left to free
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # Ray already shut down by its other user
+            pass
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
 
 
 def _reason(e: RayActorError) -> str:

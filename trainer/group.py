@@ -259,22 +259,9 @@ class ActorGroup:
         if self.closed:
             return
         self.closed = True
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # already dead: nothing left to free
-                pass
-        self.workers = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # Ray already shut down (e.g. by the rollout backend)
-                pass
-            self.pg = None
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
+        from lockstep.rollout.ray_backend import release  # the extra 'ray' is imported lazily
+        release(self.workers, self.pg, self._owns_ray)
+        self.workers, self.pg = [], None
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
