@@ -16,3 +16,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A private local Ray cluster for one test module (2 CPUs, one torch thread per worker);
+    address="local" so a `ray start` cluster or a stale address on this machine is never joined."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()

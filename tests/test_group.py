@@ -113,14 +113,6 @@ def test_dp2_equals_one_process_and_resumes_after_sigkill(tmp_path):
     assert _metrics(tmp_path / "run") == dp2
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    # address="local": a private cluster even where `ray start` runs (or left a stale address)
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
-
 
 def _trainer(tmp_path, name: str, *sets: str) -> Trainer:
     cfg = load_config(CONFIGS / "toy_r3.yaml", [

@@ -19,13 +19,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
-
 
 def _trainer(tmp_path, name: str, *sets: str) -> Trainer:
     cfg = load_config(CONFIGS / "toy_r3.yaml", [

@@ -30,14 +30,6 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    # address="local": a private cluster even where `ray start` runs (or left a stale address)
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
-
 
 @pytest.fixture(scope="module")
 def model():
