@@ -1,4 +1,5 @@
 import os
+import socket
 
 # One torch thread per process: small CPU matmuls crawl when processes fight over cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -27,3 +28,26 @@ def cluster():
              log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def world1():
+    """A gloo world of one process with megatron-core's parallel state at TP=EP=PP=1 (created
+    here unless the module already has a process group), torn down after the module."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from lockstep.trainer.megatron.model import MegatronOptions, initialize_parallel
+    created = not dist.is_initialized()
+    if created:  # gloo even where CUDA is present: these are CPU tests
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+    initialize_parallel(MegatronOptions())
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()

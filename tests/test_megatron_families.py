@@ -7,21 +7,19 @@ and without R3 replay, natural routes, replayed routes, the bias outside replaye
 Shapes: B batch, T tokens, L MoE layers, K top-k, E experts.
 """
 
-import socket
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
 
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
 from lockstep.moe.config import ConfigError, ModelConfig  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.trainer.megatron import convert  # noqa: E402
 from lockstep.trainer.megatron.model import (  # noqa: E402
-    MegatronOptions, build_gpt_model, check_supported, forward_logits, initialize_parallel,
+    MegatronOptions, build_gpt_model, check_supported, forward_logits,
     token_logprobs)
 from lockstep.trainer.megatron.replay import Mode, RouteReplay  # noqa: E402
 
@@ -77,23 +75,6 @@ def random_torch_model(cfg: ModelConfig, seed: int) -> MoEModel:
                 b.uniform_(-0.3, 0.3)
     return model
 
-
-@pytest.fixture(scope="module")
-def world1():
-    created = False
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        created = True
-    initialize_parallel(MegatronOptions())
-    yield
-    from megatron.core import parallel_state
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def shifted_logprobs(logits_BTV, ids_BT):

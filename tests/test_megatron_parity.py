@@ -5,7 +5,6 @@ Shapes: B batch, T tokens, L MoE layers, K top-k, E experts, V vocab.
 """
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
-import torch.distributed as dist  # noqa: E402
 
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
 from lockstep.moe.config import ModelConfig  # noqa: E402
@@ -62,23 +60,6 @@ def random_hf(cfg: ModelConfig, seed: int = 0):
             sd[k] = v.clone()
     return hf, sd
 
-
-@pytest.fixture(scope="module")
-def world1():
-    created = False
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        created = True
-    initialize_parallel(MegatronOptions())
-    yield
-    from megatron.core import parallel_state
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def megatron_from_hf(cfg, sd, **opts):
