@@ -28,6 +28,7 @@ import yaml
 from lockstep.moe.config import ModelConfig, need
 from lockstep.replay import ReplayMode
 from lockstep.rollout.rewards import RewardConfig
+from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.data import DataConfig
@@ -98,6 +99,9 @@ class RolloutConfig:
     this file, else the LOCKSTEP_API_KEY environment variable (`rollout_api_key`)."""
     weights_dir: str | None = None
     """http backend: folder shared with the server for weight pushes (None = out_dir/weights)."""
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
+    rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
 
     def __post_init__(self) -> None:
         _need(self.backend != "http" or bool(self.url),
@@ -326,11 +330,30 @@ class ClusterConfig:
     weight_bucket_mb: float = 256.0
     """Weights travel from the actor to the rollout engine and to checkpoints in buckets of
     at most this many MiB (one larger tensor is a bucket of its own)."""
+    nodes: int = 1
+    """Machines of the cluster (`lockstep plan` lays the actor ranks and engines over them)."""
+    gpus_per_node: int = 0
+    """GPUs per machine; 0 = no GPUs (every rank and engine on CPU bundles)."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU in GiB (e.g. 79.6 for an 80 GB H100, 140 for an H200); `lockstep
+    plan` refuses layouts whose estimate exceeds it; None = not checked."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: rollout engines on GPUs of their own; colocated: engines share the actor
+    ranks' GPUs (the engines release their memory while the actor trains)."""
+    gpus_per_engine: int | None = None
+    """GPUs of one rollout engine; None = rollout.sglang.tp_size with rollout.backend=sglang,
+    else 1."""
 
     def __post_init__(self) -> None:
         _in("cluster", self, "actor_ranks", 1, 4096)
         _in("cluster", self, "threads_per_rank", 1, 1024)
         _in("cluster", self, "weight_bucket_mb", 0.0, lo_open=True)
+        _in("cluster", self, "nodes", 1, 4096)
+        _in("cluster", self, "gpus_per_node", 0, 64)
+        if self.gpu_memory_gib is not None:
+            _in("cluster", self, "gpu_memory_gib", 0.0, 1 << 20, lo_open=True)
+        if self.gpus_per_engine is not None:
+            _in("cluster", self, "gpus_per_engine", 1, 1024)
 
     @property
     def weight_bucket_bytes(self) -> int:
@@ -387,6 +410,10 @@ class ExperimentConfig:
               f"loss.kl_coef={self.loss.kl_coef} with cluster.actor_ranks="
               f"{self.cluster.actor_ranks}: the reference policy runs only next to an "
               "in-process actor so far; set cluster.actor_ranks=1 or loss.kl_coef=0")
+        c, sg = self.cluster, self.rollout.sglang
+        _need(c.gpus_per_engine in (None, sg.tp_size) or self.rollout.backend != "sglang",
+              f"cluster.gpus_per_engine={c.gpus_per_engine} but an SGLang server takes "
+              f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
         _need(self.loop.val_every == 0 or bool(self.data.val_files),
               f"loop.val_every={self.loop.val_every} needs data.val_files")
         if self.data.enabled:
@@ -428,6 +455,12 @@ class ExperimentConfig:
         d = dataclasses.asdict(self)
         if self.cluster == ClusterConfig():
             d.pop("cluster")
+        else:  # the plan's keys at their defaults: as before they existed (runs resume)
+            for k in _PLAN_KEYS:
+                if d["cluster"][k] == getattr(ClusterConfig, k):
+                    d["cluster"].pop(k)
+        if self.rollout.sglang == SGLangOptions():
+            d["rollout"].pop("sglang")
         return d
 
     def hash(self, *sections: str) -> str:
@@ -451,6 +484,10 @@ class ExperimentConfig:
                 d.pop(name)
         d = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
+_PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine")
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -571,7 +608,8 @@ def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
     unknown = sorted(str(k) for k in data if k not in names)
     prefix = f"{where}." if where else ""
     _need(not unknown, f"unknown key(s) {[prefix + k for k in unknown]}; valid keys"
-                       f"{' in ' + where if where else ''} are {names}")
+                       f"{' in ' + where if where else ''} are {names}"
+                       f"{_closest(unknown, names, prefix)}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -595,6 +633,14 @@ def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
         raise ExperimentConfigError(f"{where or cls.__name__}: {e}") from None
 
 
+def _closest(unknown: list[str], names: list[str], prefix: str) -> str:
+    """'; did you mean 'a.b'?' for the valid key closest to each unknown one (none: '')."""
+    import difflib
+
+    near = [m[0] for k in unknown if (m := difflib.get_close_matches(k, names, n=1, cutoff=0.6))]
+    return f"; did you mean {', '.join(repr(prefix + m) for m in near)}?" if near else ""
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a', 'b', 'c'], YAML-parsed value)."""
     key, sep, raw = text.partition("=")
@@ -611,7 +657,8 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any, cls: type
     for i, part in enumerate(path):
         names = [f.name for f in dataclasses.fields(tp)] if _is_dataclass_type(tp) else []
         _need(part in names, f"override key {'.'.join(path)!r}: {part!r} is not a valid key of "
-                             f"{'.'.join(path[:i]) or 'the config'}; valid keys are {names}")
+                             f"{'.'.join(path[:i]) or 'the config'}; valid keys are {names}"
+                             f"{_closest([part], names, '.'.join(path[:i] + ['']))}")
         if i == len(path) - 1:
             node[part] = value
             return

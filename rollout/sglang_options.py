@@ -1,0 +1,117 @@
+"""The `rollout.sglang` config section: how every SGLang server of the rollout fleet is
+launched, mapped onto `lockstep.rollout.sglang.SGLangConfig` (whose `command()` is the argv).
+
+    rollout:
+      dtype: bf16                # -> --dtype bfloat16 (one knob for every engine kind)
+      lm_head_dtype: fp32        # -> --enable-fp32-lm-head
+      num_engines: 2
+      sglang:
+        tp_size: 4               # -> --tp-size 4: GPUs per server
+        ep_size: 4               # -> --ep-size 4 (divides tp_size)
+        mem_fraction_static: 0.85
+        deterministic_inference: false
+
+`--skip-tokenizer-init` and `--enable-return-routed-experts` are always passed (lockstep sends
+token ids and needs the routes of every token); the server's seed is `loop.seed`. Nothing here
+imports SGLang: `sglang_server_config(cfg, i, ...)` is what the fleet launches and what
+`lockstep plan` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep.moe.config import need as _need
+from lockstep.rollout.sglang import SGLangConfig
+
+# lockstep's dtype names -> SGLang's --dtype values
+SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _check(cond: bool, msg: str) -> None:
+    _need(cond, msg, ValueError)
+
+
+@dataclass
+class SGLangOptions:
+    """Launch options of each SGLang server (rollout.backend=sglang; `lockstep plan` prints
+    the commands). dtype and the fp32 LM head come from rollout.dtype / rollout.lm_head_dtype."""
+
+    tp_size: int = 1
+    """--tp-size: tensor-parallel GPUs per server (the GPUs one engine takes)."""
+    ep_size: int = 1
+    """--ep-size: expert-parallel size inside those GPUs; must divide tp_size."""
+    mem_fraction_static: float | None = None
+    """--mem-fraction-static: share of each GPU's memory for weights + KV cache, in (0, 1);
+    None = SGLang's default (0.9). Colocated with the actor it must leave the actor's room."""
+    context_length: int | None = None
+    """--context-length: longest prompt + response a server accepts; None = the model's
+    max_position_embeddings."""
+    deterministic_inference: bool = False
+    """--enable-deterministic-inference: batch-invariant kernels (slower); without it runs over
+    SGLang are not bit-reproducible and per-request seeds are ignored."""
+    sampling_mask_max_tokens: int | None = None
+    """--sampling-mask-max-tokens: largest kept candidate set returned for sampling-mask replay
+    (SGLang's default 4096); truncated sampling needs rollout.top_k at most this."""
+    port: int = 30000
+    """HTTP port of a node's first server; the i-th server on a node listens on port + i."""
+    python: str | None = None
+    """Interpreter that has sglang installed; None = the one running lockstep."""
+    extra_args: list[str] = field(default_factory=list)
+    """Appended verbatim to every server's command line (e.g. ["--cuda-graph-max-bs", "256"])."""
+
+    def __post_init__(self) -> None:
+        p = "rollout.sglang."
+        for name in ("tp_size", "ep_size"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and 1 <= v <= 1024,
+                   f"{p}{name}={v!r} must be an integer in [1, 1024]")
+        _check(self.tp_size % self.ep_size == 0,
+               f"{p}ep_size={self.ep_size} must divide {p}tp_size={self.tp_size} (SGLang lays "
+               "expert parallelism inside the tensor-parallel GPUs)")
+        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+               f"{p}mem_fraction_static={self.mem_fraction_static!r} must be in (0, 1)")
+        for name in ("context_length", "sampling_mask_max_tokens"):
+            v = getattr(self, name)
+            _check(v is None or v >= 1, f"{p}{name}={v!r} must be a positive integer or null")
+        _check(1 <= self.port <= 65535, f"{p}port={self.port} is outside [1, 65535]")
+        _check(self.python is None or bool(self.python.strip()),
+               f"{p}python must be an interpreter path or null, got {self.python!r}")
+        bad = [a for a in self.extra_args if a in _OWN_FLAGS]
+        _check(not bad, f"{p}extra_args {bad}: set by lockstep from the config "
+                        f"({', '.join(_OWN_FLAGS[a] for a in bad)}); drop them")
+
+
+# Flags the command builder sets itself, with the config key each comes from.
+_OWN_FLAGS = {"--model-path": "model.path", "--tp-size": "rollout.sglang.tp_size",
+              "--tp": "rollout.sglang.tp_size", "--ep-size": "rollout.sglang.ep_size",
+              "--ep": "rollout.sglang.ep_size", "--dtype": "rollout.dtype",
+              "--port": "rollout.sglang.port", "--host": "the fleet",
+              "--mem-fraction-static": "rollout.sglang.mem_fraction_static",
+              "--random-seed": "loop.seed",
+              "--enable-fp32-lm-head": "rollout.lm_head_dtype: fp32",
+              "--enable-deterministic-inference": "rollout.sglang.deterministic_inference"}
+
+
+def sglang_server_config(cfg: Any, local_index: int = 0, *, host: str = "127.0.0.1",
+                         model_path: str | None = None, api_key: str | None = None,
+                         weight_version: str | None = None) -> SGLangConfig:
+    """The `SGLangConfig` of the `local_index`-th server on its node for the experiment `cfg`
+    (an `ExperimentConfig`): its `command()` is the exact argv to run."""
+    ro, sg = cfg.rollout, cfg.rollout.sglang
+    path = model_path or cfg.model.path
+    _check(bool(path), "rollout.sglang: SGLang loads the policy from an HF folder; set "
+                       "model.path (the fleet pushes lockstep's weights after the launch)")
+    _check(ro.lm_head_dtype in (None, "fp32", ro.dtype),
+           f"rollout.lm_head_dtype={ro.lm_head_dtype!r}: SGLang computes the LM head in "
+           f"rollout.dtype={ro.dtype!r} or in fp32 (--enable-fp32-lm-head), nothing else")
+    kw: dict[str, Any] = {} if sg.python is None else {"python": sg.python}
+    return SGLangConfig(
+        model_path=str(path), host=host, port=sg.port + local_index,
+        tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=SGLANG_DTYPES[ro.dtype],
+        mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length,
+        enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
+        enable_deterministic_inference=sg.deterministic_inference,
+        sampling_mask_max_tokens=sg.sampling_mask_max_tokens, random_seed=cfg.loop.seed,
+        api_key=api_key, weight_version=weight_version, extra_args=list(sg.extra_args), **kw)
