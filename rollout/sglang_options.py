@@ -56,6 +56,8 @@ class SGLangOptions:
     (SGLang's default 4096); truncated sampling needs rollout.top_k at most this."""
     port: int = 30000
     """HTTP port of a node's first server; the i-th server on a node listens on port + i."""
+    startup_timeout_s: float = 900.0
+    """Seconds a server may take to load the model and answer /health."""
     python: str | None = None
     """Interpreter that has sglang installed; None = the one running lockstep."""
     extra_args: list[str] = field(default_factory=list)
@@ -76,6 +78,8 @@ class SGLangOptions:
             v = getattr(self, name)
             _check(v is None or v >= 1, f"{p}{name}={v!r} must be a positive integer or null")
         _check(1 <= self.port <= 65535, f"{p}port={self.port} is outside [1, 65535]")
+        _check(self.startup_timeout_s > 0,
+               f"{p}startup_timeout_s={self.startup_timeout_s} must be > 0")
         _check(self.python is None or bool(self.python.strip()),
                f"{p}python must be an interpreter path or null, got {self.python!r}")
         bad = [a for a in self.extra_args if a in _OWN_FLAGS]
@@ -94,24 +98,38 @@ _OWN_FLAGS = {"--model-path": "model.path", "--tp-size": "rollout.sglang.tp_size
               "--enable-deterministic-inference": "rollout.sglang.deterministic_inference"}
 
 
-def sglang_server_config(cfg: Any, local_index: int = 0, *, host: str = "127.0.0.1",
-                         model_path: str | None = None, api_key: str | None = None,
-                         weight_version: str | None = None) -> SGLangConfig:
-    """The `SGLangConfig` of the `local_index`-th server on its node for the experiment `cfg`
-    (an `ExperimentConfig`): its `command()` is the exact argv to run."""
+def sglang_options_dict(cfg: Any) -> dict[str, Any]:
+    """`rollout.sglang` of the experiment `cfg` as `SGLangConfig` keyword arguments, without
+    what is chosen per server (model_path, host, port, api_key, weight_version), plus
+    `startup_timeout_s`: the options every server of the fleet is launched with."""
     ro, sg = cfg.rollout, cfg.rollout.sglang
-    path = model_path or cfg.model.path
-    _check(bool(path), "rollout.sglang: SGLang loads the policy from an HF folder; set "
-                       "model.path (the fleet pushes lockstep's weights after the launch)")
     _check(ro.lm_head_dtype in (None, "fp32", ro.dtype),
            f"rollout.lm_head_dtype={ro.lm_head_dtype!r}: SGLang computes the LM head in "
            f"rollout.dtype={ro.dtype!r} or in fp32 (--enable-fp32-lm-head), nothing else")
-    kw: dict[str, Any] = {} if sg.python is None else {"python": sg.python}
-    return SGLangConfig(
-        model_path=str(path), host=host, port=sg.port + local_index,
+    d: dict[str, Any] = dict(
         tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=SGLANG_DTYPES[ro.dtype],
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length,
         enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
         enable_deterministic_inference=sg.deterministic_inference,
         sampling_mask_max_tokens=sg.sampling_mask_max_tokens, random_seed=cfg.loop.seed,
-        api_key=api_key, weight_version=weight_version, extra_args=list(sg.extra_args), **kw)
+        extra_args=list(sg.extra_args), startup_timeout_s=sg.startup_timeout_s)
+    if sg.python is not None:
+        d["python"] = sg.python
+    return d
+
+
+def sglang_server_config(cfg: Any, local_index: int = 0, *, host: str = "127.0.0.1",
+                         port: int | None = None, model_path: str | None = None,
+                         api_key: str | None = None,
+                         weight_version: str | None = None) -> SGLangConfig:
+    """The `SGLangConfig` of the `local_index`-th server on its node for the experiment `cfg`
+    (an `ExperimentConfig`; port None = rollout.sglang.port + local_index): its `command()` is
+    the exact argv to run."""
+    path = model_path or cfg.model.path
+    _check(bool(path), "rollout.sglang: SGLang loads the policy from an HF folder; set "
+                       "model.path (the fleet pushes lockstep's weights after the launch)")
+    d = sglang_options_dict(cfg)
+    d.pop("startup_timeout_s")
+    return SGLangConfig(model_path=str(path), host=host,
+                        port=cfg.rollout.sglang.port + local_index if port is None else port,
+                        api_key=api_key, weight_version=weight_version, **d)
