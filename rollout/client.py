@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import random
 import shutil
+import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -20,9 +21,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from ..moe.checkpoint import save_hf, save_hf_state_dict
 from ..moe.config import ModelConfig
-from ..moe.model import MoEModel
 from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
                             decode_routes, routes_encoding)
 from ..replay.trace import RouteError
@@ -104,13 +103,30 @@ class HTTPBackend(RolloutBackend):
     Every response must carry the `weight_version` that produced it. After `update_weights`
     the client expects exactly the version it pushed: results of any other version are
     refused naming both, as are weight updates the server reports under another version.
+
+    `weight_sync` says how `update_weights` moves weights (docs/rollout.md, "Weight sync"):
+    `disk` saves an HF folder under `weights_dir` and calls /update_weights_from_disk;
+    `distributed` broadcasts buckets over a process group the server joins
+    (/init_weights_update_group + /update_weights_from_distributed; `rollout.weight_sync`);
+    `tensor` POSTs each bucket as base64 safetensors to /update_weights_from_tensor (lockstep
+    serve only); `auto` tries `distributed` on the first push and falls back to `disk`.
     """
+
+    WEIGHT_SYNC = ("auto", "distributed", "tensor", "disk")
 
     def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
                  max_concurrency: int = 64, timeout_s: float = 600.0, retries: int = 3,
                  backoff_s: float = 0.5, compact_routes: bool = True,
                  weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096,
-                 fan_out_samples: bool = False):
+                 fan_out_samples: bool = False, weight_sync: str = "disk",
+                 bucket_bytes: int = 256 << 20, log=None):
+        if weight_sync not in self.WEIGHT_SYNC:
+            raise ValueError(f"HTTPBackend: weight_sync={weight_sync!r}; valid: "
+                             f"{list(self.WEIGHT_SYNC)}")
+        self.weight_sync, self.bucket_bytes = weight_sync, bucket_bytes
+        self._sync = None  # the DistributedWeightSync, joined on the first push
+        self._log = log or (lambda s: None)
+        self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
         self.url = url.rstrip("/")
         self.cfg = model_cfg
         self.api_key = api_key
@@ -288,18 +304,104 @@ class HTTPBackend(RolloutBackend):
 
     # -- weights ------------------------------------------------------------------------------
     async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
-        """`source`: an HF folder path the server can read, or a model (or its HF-named
-        tensors), which is first saved under `weights_dir/<version>` (a filesystem the server
-        shares)."""
-        written = None
-        if isinstance(source, (MoEModel, dict)):  # a model or its HF-named tensors
-            if self.weights_dir is None:
-                raise RolloutError("pushing a model over HTTP needs weights_dir (a folder the "
-                                   "server can read)")
-            weight_version = weight_version or uuid.uuid4().hex[:8]
-            folder = self.weights_dir / f"weights_{weight_version}"
-            source = written = (save_hf(source, folder) if isinstance(source, MoEModel) else
-                                save_hf_state_dict(source, self.cfg, folder))
+        """`source`: an HF folder path the server can read; or a model, its HF-named tensors
+        or an iterable of weight buckets (consumed once), sent as `weight_sync` says (class
+        docstring): with `disk` first saved under `weights_dir/<version>` (a filesystem the
+        server shares)."""
+        if isinstance(source, (str, Path)):
+            return await self._from_disk(source, weight_version, None)
+        from .weight_sync import as_buckets  # noqa: PLC0415 (weight_sync imports this module)
+        weight_version = weight_version or uuid.uuid4().hex[:8]
+        buckets = as_buckets(source, self.bucket_bytes)
+        if self.weight_sync in ("auto", "distributed") and self._join():
+            return await asyncio.to_thread(self._push_distributed, buckets, weight_version)
+        if self.weight_sync == "tensor":
+            return await self._push_tensor(buckets, weight_version)
+        return await self._push_disk(source, buckets, weight_version)
+
+    def _join(self) -> bool:
+        """Join the server in a weight-update group (once); False when `auto` cannot."""
+        if self._sync is not None:
+            return True
+        from .weight_sync import DistributedWeightSync  # noqa: PLC0415
+        auto = self.weight_sync == "auto"
+        try:
+            self._sync = DistributedWeightSync(
+                [self.url], api_key=self.api_key,
+                timeout_s=min(self.timeout.total, 60.0) if auto else self.timeout.total)
+        except RolloutError as e:
+            if not auto:
+                raise
+            self._log(f"rollout.weight_sync=auto: {e}; pushing weights through disk instead")
+            self.weight_sync = "disk"
+            return False
+        if auto:
+            self._sync.timeout_s = self.timeout.total
+        self._log(f"rollout.weight_sync: joined {self.url} in weight group "
+                  f"{self._sync.group_name!r} (distributed)")
+        return True
+
+    def _push_distributed(self, buckets, weight_version: str) -> str:
+        stats = self._sync.push(buckets, weight_version)
+        self.last_push = {"mode": "distributed", **stats}
+        return self._check_version(self._get_sync("/model_info"), weight_version,
+                                   "update_weights_from_distributed")
+
+    async def _push_tensor(self, buckets, weight_version: str) -> str:
+        """Each bucket as base64 safetensors (our server's safe format; real SGLang's
+        formats are pickled and refused by ours), the last one flushing with the version."""
+        from .weight_sync import tensor_payload  # noqa: PLC0415
+        t0, total, count = time.perf_counter(), 0, 0
+        async with aiohttp.ClientSession(timeout=self.timeout) as s:
+            it = iter(buckets)
+            cur = next(it, None)
+            while cur is not None:
+                nxt = next(it, None)
+                body, n = tensor_payload(cur, nxt is None, weight_version)
+                resp = await self._post(s, "/update_weights_from_tensor", body)
+                if not isinstance(resp, dict) or resp.get("success") is not True:
+                    raise RolloutError(f"update_weights_from_tensor (bucket {count}) failed: "
+                                       f"{resp!r}"[:800])
+                total, count, cur = total + n, count + 1, nxt
+        self.last_push = {"mode": "tensor", "bytes": total, "buckets": count,
+                          "seconds": time.perf_counter() - t0}
+        return self._check_version(await self.get("/model_info"), weight_version,
+                                   "update_weights_from_tensor")
+
+    async def _push_disk(self, source, buckets, weight_version: str) -> str:
+        from .weight_sync import write_hf_buckets  # noqa: PLC0415
+        if self.weights_dir is None:
+            raise RolloutError("pushing weights through disk needs weights_dir (a folder the "
+                               "server can read)")
+        t0 = time.perf_counter()
+        folder = self.weights_dir / f"weights_{weight_version}"
+        written, nbytes, count = await asyncio.to_thread(write_hf_buckets, buckets, self.cfg,
+                                                         folder)
+        now = await self._from_disk(written, weight_version, written)
+        self.last_push = {"mode": "disk", "bytes": nbytes, "buckets": count,
+                          "seconds": time.perf_counter() - t0}
+        return now
+
+    def _get_sync(self, path: str) -> Any:
+        return asyncio.run(self.get(path))
+
+    def _check_version(self, info: Any, weight_version: str, what: str) -> str:
+        if not isinstance(info, dict) or info.get("weight_version") is None:
+            raise RolloutError(f"/model_info after {what} has no weight_version: {info!r}")
+        now = str(info["weight_version"])
+        if now != str(weight_version):
+            raise RolloutError(f"{what}: pushed weight version {str(weight_version)!r}, the "
+                               f"server reports {now!r}")
+        self.weight_version = self._pushed_version = now
+        return now
+
+    def close(self) -> None:
+        """Leave the weight-update group (the server destroys its side)."""
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    async def _from_disk(self, source, weight_version: str | None, written) -> str:
         body: dict[str, Any] = {"model_path": str(source), "flush_cache": True,
                                 "abort_all_requests": False}
         if weight_version is not None:
@@ -314,12 +416,6 @@ class HTTPBackend(RolloutBackend):
                     shutil.rmtree(old, ignore_errors=True)
             self._written = [written]
         info = await self.get("/model_info")
-        if not isinstance(info, dict) or info.get("weight_version") is None:
-            raise RolloutError(f"/model_info after update_weights_from_disk({source}) has no "
-                               f"weight_version: {info!r}")
-        now = str(info["weight_version"])
-        if weight_version is not None and now != str(weight_version):
-            raise RolloutError(f"update_weights_from_disk({source}): pushed weight version "
-                               f"{str(weight_version)!r}, the server reports {now!r}")
-        self.weight_version = self._pushed_version = now
-        return now
+        if weight_version is None:  # a folder pushed without a version: take the server's
+            weight_version = info.get("weight_version") if isinstance(info, dict) else None
+        return self._check_version(info, weight_version, f"update_weights_from_disk({source})")

@@ -1,6 +1,8 @@
 """HTTP server for the embedded engine that speaks SGLang's native wire format.
 
 Endpoints: `POST /generate`, `POST /update_weights_from_disk`, `POST /update_weight_version`,
+the disk-free weight sync `POST /init_weights_update_group`, `/update_weights_from_distributed`,
+`/update_weights_from_tensor`, `/destroy_weights_update_group` (rollout/weight_receiver.py),
 `POST /abort_request`, `POST /flush_cache`, `GET /health`, `GET /health_generate`,
 `GET /model_info`, `GET /server_info`. The `/generate` request and response follow SGLang
 (REFERENCE.md) with `--skip-tokenizer-init` semantics (token ids in, `output_ids` out); see
@@ -30,6 +32,7 @@ from ..replay.trace import RoutingTrace
 from .engine import Engine
 from .request_fields import check_generate_fields
 from .types import GenerateRequest, GenerationResult, RequestError, SamplingParams
+from .weight_receiver import RECEIVER, WeightReceiver
 
 _SAMPLING_LOGPROBS_MODES = ("selected", "support")
 
@@ -349,12 +352,15 @@ _BIG_BODY = 256 * 1024  # bodies above this are parsed on a thread, off the even
 
 def create_app(engine: Engine, api_key: str | None = None, model_path: str | None = None,
                sampling_mask_max_tokens: int | None = 4096,
-               max_body_bytes: int = 64 * 1024 * 1024) -> web.Application:
+               max_body_bytes: int = 64 * 1024 * 1024,
+               weight_sync_timeout_s: float = 600.0) -> web.Application:
     """The aiohttp application (engine worker started and stopped with the app).
 
-    `max_body_bytes` bounds a request body (HTTP 413 above it, before it is read)."""
+    `max_body_bytes` bounds a request body (HTTP 413 above it, before it is read);
+    `weight_sync_timeout_s` bounds joining a weight-update group and each broadcast."""
     worker = EngineWorker(engine)
     weights_lock = asyncio.Lock()
+    receiver = WeightReceiver(engine, worker, weights_lock, weight_sync_timeout_s)
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -431,6 +437,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             # As SGLang: the swap waits for running samples to finish and holds queued ones,
             # so no sample mixes two weight versions.
             paused = len(engine.waiting)
+            receiver.discard()  # a half-sent distributed push must not land on top of these
             new = await worker.when_idle(engine.swap_weights, new_sd, version)
         return web.json_response({"success": True, "message": f"weights loaded from "
                                   f"{path}; weight_version={new}"
@@ -493,7 +500,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             "engine": {k: getattr(engine.cfg, k) for k in engine.cfg.__dataclass_fields__},
             "max_len": engine.max_len, "running": len(engine.running),
             "waiting": len(engine.waiting), "steps": worker.steps,
-            "weight_version": engine.weight_version,
+            "weight_version": engine.weight_version, "tp_size": 1,
             "sampling_mask_max_tokens": sampling_mask_max_tokens,
             "max_request_bytes": max_body_bytes})
 
@@ -504,12 +511,16 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
         await worker.shutdown()
 
     async def on_cleanup(app):
+        receiver.close()
         await worker.stop()
 
     app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
     app.router.add_post("/generate", generate)
     app.router.add_post("/update_weights_from_disk", update_weights)
     app.router.add_post("/update_weight_version", update_weight_version)
+    for path, handler in receiver.routes(body_of):
+        app.router.add_post(path, handler)
+    app[RECEIVER] = receiver
     app.router.add_post("/abort_request", abort)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_get("/health", health)
@@ -555,10 +566,11 @@ class ServerThread:
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_path: str | None = None,
                  sampling_mask_max_tokens: int | None = 4096,
-                 max_body_bytes: int = 64 * 1024 * 1024):
+                 max_body_bytes: int = 64 * 1024 * 1024, weight_sync_timeout_s: float = 600.0):
         self.app = create_app(engine, api_key=api_key, model_path=model_path,
                               sampling_mask_max_tokens=sampling_mask_max_tokens,
-                              max_body_bytes=max_body_bytes)
+                              max_body_bytes=max_body_bytes,
+                              weight_sync_timeout_s=weight_sync_timeout_s)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,

@@ -1,0 +1,380 @@
+"""Server side of disk-free weight sync: SGLang's `/init_weights_update_group`,
+`/update_weights_from_distributed`, `/destroy_weights_update_group` and
+`/update_weights_from_tensor`, with SGLang's request fields and `{success, message}` answers
+(HTTP 200, or 400 with success=false).
+
+How a push works (docs/rollout.md, "Weight sync"): the trainer is rank 0 of a process group
+this server joins as rank `rank_offset` (`rollout/weight_group.py`); per bucket it POSTs the
+names, dtypes and shapes and broadcasts the tensors (one uint8 buffer with
+`load_format="flattened_bucket"`, else one broadcast per tensor in list order).
+
+Where we differ from SGLang, on purpose:
+- Validate, then swap. Each bucket is checked (known name, shape, floating dtype, finite) and
+  *staged*; staged tensors take effect together at the first call with `flush_cache=true`
+  (SGLang's default; a streaming client sends false on every bucket but the last), in one swap
+  that waits for running samples and holds queued ones (as `/update_weights_from_disk`), so
+  no sample mixes weight versions. A bad bucket discards the whole staged push and names the
+  tensor; the weights and version stay as they were (SGLang leaves them partly updated).
+- `/update_weights_from_tensor` takes only `load_format="safetensors"`: each entry of
+  `serialized_named_tensors` is base64 of a safetensors file. SGLang's own formats are pickled
+  torch-multiprocessing payloads; unpickling request bytes would let any client run code on the
+  server, so they are refused with HTTP 400 saying so.
+- A group whose broadcast failed or that a bad request put out of step is destroyed; the
+  answer says so (the trainer then joins a new one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from aiohttp import web
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from ..moe.buckets import Bucket, unflatten_bucket
+from ..moe.checkpoint import hf_state_dict
+from .types import RequestError
+from .weight_group import BACKENDS, WeightGroup
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+# Weights are floating point; SGLang names dtypes as torch attributes ("bfloat16").
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+_BASE = ("rid", "http_worker_ipc")  # SGLang's BaseReq fields, accepted and ignored
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+               "backend") + _BASE
+DESTROY_FIELDS = ("group_name",) + _BASE
+DISTRIBUTED_FIELDS = ("names", "dtypes", "shapes", "group_name", "flush_cache",
+                      "abort_all_requests", "weight_version", "load_format", "torch_empty_cache") + _BASE
+TENSOR_FIELDS = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                 "weight_version", "disable_draft_model") + _BASE
+TENSOR_FORMAT = "safetensors"
+
+
+class WeightError(ValueError):
+    """A pushed tensor the model cannot take (named in the message)."""
+
+
+def check_fields(body: Any, endpoint: str, valid: tuple[str, ...]) -> dict:
+    """The body as a dict with only `valid` keys; an unknown one is named with its closest."""
+    if not isinstance(body, dict):
+        raise RequestError(f"{endpoint} needs a JSON object, got {type(body).__name__}")
+    for k in body:
+        if k not in valid:
+            close = difflib.get_close_matches(str(k), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RequestError(f"{endpoint}: unknown field {str(k)[:100]!r}{hint} valid: {list(valid)}")
+    return body
+
+
+def _typed(body: dict, key: str, kind: type, default: Any = ..., none_ok: bool = False) -> Any:
+    if key not in body or (body[key] is None and default is not ...):
+        if default is ...:
+            raise RequestError(f"{key} is required")
+        return default
+    v = body[key]
+    if v is None and none_ok:
+        return None
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise RequestError(f"{key} must be {kind.__name__}, got {type(v).__name__} {v!r}"[:200])
+    return v
+
+
+@dataclass
+class PushMeta:
+    """One `/update_weights_from_distributed` call, checked."""
+
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    group_name: str
+    flush_cache: bool
+    abort_all_requests: bool
+    weight_version: str | None
+    flattened: bool
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for dt, shape in zip(self.dtypes, self.shapes):
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * torch.empty((), dtype=dt).element_size()
+        return total
+
+
+def parse_push(body: Any) -> PushMeta:
+    body = check_fields(body, "update_weights_from_distributed", DISTRIBUTED_FIELDS)
+    names = _typed(body, "names", list)
+    dtypes = _typed(body, "dtypes", list)
+    shapes = _typed(body, "shapes", list)
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise RequestError(f"names, dtypes and shapes must have one entry per tensor: got "
+                           f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+    for i, n in enumerate(names):
+        if not isinstance(n, str) or not n:
+            raise RequestError(f"names[{i}] must be a non-empty string, got {n!r}"[:200])
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise RequestError(f"tensor {dup!r} appears twice in names")
+    dts = []
+    for n, d in zip(names, dtypes):
+        if d not in DTYPES:
+            raise RequestError(f"tensor {n!r}: dtype {d!r}; valid: {list(DTYPES)}"[:300])
+        dts.append(DTYPES[d])
+    shp = []
+    for n, s in zip(names, shapes):
+        if not isinstance(s, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                              and x >= 0 for x in s):
+            raise RequestError(f"tensor {n!r}: shape must be a list of non-negative integers, "
+                               f"got {s!r}"[:300])
+        shp.append(tuple(s))
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise RequestError(f"load_format={load_format!r}; valid: null (one broadcast per tensor) "
+                           f"or 'flattened_bucket' (one uint8 buffer)"[:300])
+    version = _typed(body, "weight_version", str, None, none_ok=True)
+    return PushMeta(names, dts, shp, _typed(body, "group_name", str, DEFAULT_GROUP),
+                    _typed(body, "flush_cache", bool, True),
+                    _typed(body, "abort_all_requests", bool, False),
+                    version, load_format == "flattened_bucket")
+
+
+class WeightReceiver:
+    """The weight-sync endpoints of one server: its groups, its staged push, the swap."""
+
+    def __init__(self, engine, worker, weights_lock: asyncio.Lock, timeout_s: float = 600.0):
+        self.engine, self.worker, self.lock = engine, worker, weights_lock
+        self.timeout_s = timeout_s
+        self.groups: dict[str, WeightGroup] = {}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.staged_version: str | None = None
+        self._targets: dict[str, torch.Tensor] | None = None
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by HF name (views; the swap copies into them in place)."""
+        if self._targets is None:
+            self._targets = hf_state_dict(self.engine.model)
+        return self._targets
+
+    def discard(self) -> None:
+        """Forget a staged push (a failed bucket, a disk update, a destroyed group)."""
+        self.staged, self.staged_version = {}, None
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            g.close()
+        self.groups.clear()
+        self.discard()
+
+    def _drop_group(self, name: str) -> None:
+        g = self.groups.pop(name, None)
+        if g is not None:
+            g.close()
+        self.discard()
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_bucket(self, bucket: Bucket) -> Bucket:
+        """The bucket's tensors to stage (a tied model's lm_head.weight is dropped), or
+        WeightError naming the first tensor the model cannot take."""
+        targets, tied = self.targets, self.engine.model.lm_head is None
+        out = []
+        for name, t in bucket:
+            if name not in targets:
+                if tied and name == "lm_head.weight":
+                    continue
+                close = difflib.get_close_matches(name, list(targets), n=1)
+                hint = f" (closest: {close[0]!r})" if close else ""
+                raise WeightError(f"tensor {name!r} is not a weight of this model{hint}")
+            if name in self.staged:
+                raise WeightError(f"tensor {name!r} was already sent in this push")
+            want = tuple(targets[name].shape)
+            if tuple(t.shape) != want:
+                raise WeightError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {want}")
+            if not t.is_floating_point():
+                raise WeightError(f"tensor {name!r} has dtype {t.dtype}; weights are floating point")
+            if not bool(torch.isfinite(t).all()):
+                raise WeightError(f"tensor {name!r} contains NaN or Inf")
+            out.append((name, t))
+        return out
+
+    # -- the swap --------------------------------------------------------------------------
+    async def stage_or_commit(self, bucket: Bucket, flush: bool, version: str | None,
+                              abort: bool) -> web.Response:
+        try:
+            bucket = self.check_bucket(bucket)
+        except WeightError as e:
+            self.discard()
+            return fail(f"{e}; nothing was loaded (the staged push is discarded: send it "
+                        f"again from its first bucket)")
+        self.staged.update(bucket)
+        if version is not None:
+            self.staged_version = version
+        if not flush:
+            return ok(f"staged {len(bucket)} tensors ({len(self.staged)} in this push); they "
+                      f"take effect with the next flush_cache=true call")
+        staged, version = self.staged, self.staged_version
+        self.discard()
+        aborted = await self.worker.abort(None) if abort else 0
+        # As /update_weights_from_disk: wait for running samples, hold queued ones.
+        new = await self.worker.when_idle(self._swap, staged, version)
+        return ok(f"loaded {len(staged)} tensors; weight_version={new}"
+                  + (f"; aborted {aborted} requests" if aborted else ""))
+
+    def _swap(self, staged: dict[str, torch.Tensor], version: str | None) -> str:
+        """On the engine thread, no sample running."""
+        if not staged:
+            if version is not None:
+                self.engine.weight_version = str(version)
+            return self.engine.weight_version
+        return self.engine.swap_weights({**self.targets, **staged}, version)
+
+    # -- handlers --------------------------------------------------------------------------
+    def routes(self, body_of) -> list[tuple[str, Any]]:
+        return [("/init_weights_update_group", self._wrap(body_of, self.init_group)),
+                ("/destroy_weights_update_group", self._wrap(body_of, self.destroy_group)),
+                ("/update_weights_from_distributed", self._wrap(body_of, self.from_distributed)),
+                ("/update_weights_from_tensor", self._wrap(body_of, self.from_tensor))]
+
+    @staticmethod
+    def _wrap(body_of, fn):
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                return await fn(await body_of(request))
+            except RequestError as e:
+                return fail(str(e))
+        return handler
+
+    async def init_group(self, body: Any) -> web.Response:
+        body = check_fields(body, "init_weights_update_group", INIT_FIELDS)
+        addr = _typed(body, "master_address", str)
+        port = _typed(body, "master_port", int)
+        offset = _typed(body, "rank_offset", int)
+        world = _typed(body, "world_size", int)
+        name = _typed(body, "group_name", str, DEFAULT_GROUP)
+        backend = _typed(body, "backend", str, "nccl")  # SGLang's default
+        if not addr or not 0 < port < 65536:
+            raise RequestError(f"master_address={addr!r}, master_port={port}: need a host and a "
+                               f"port in 1..65535")
+        # This server is one rank (tp_size 1): it joins as rank_offset; rank 0 is the trainer.
+        if not 1 <= offset < world:
+            raise RequestError(f"rank_offset={offset} with world_size={world}: this server is "
+                               f"one rank (tp_size 1) and needs 1 <= rank_offset < world_size "
+                               f"(rank 0 is the trainer)")
+        if backend not in BACKENDS:
+            raise RequestError(f"backend={backend!r}; valid: {list(BACKENDS)}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RequestError("backend='nccl' (SGLang's default) needs a GPU and this server "
+                               "runs on CPU: send backend='gloo'")
+        if name in self.groups:
+            raise RequestError(f"group {name!r} is already joined; call "
+                               f"/destroy_weights_update_group first")
+        try:
+            group = await asyncio.to_thread(WeightGroup, addr, port, offset, world, name,
+                                            backend, self.timeout_s)
+        except Exception as e:  # store/connect failure or timeout (DistStoreError, RuntimeError)
+            return fail(f"could not join group {name!r} at {addr}:{port} as rank {offset} of "
+                        f"{world} within {self.timeout_s:.0f}s: {type(e).__name__}: {e}"[:1000])
+        self.groups[name] = group
+        return ok(f"joined group {name!r} as rank {offset} of {world} ({backend})")
+
+    async def destroy_group(self, body: Any) -> web.Response:
+        body = check_fields(body, "destroy_weights_update_group", DESTROY_FIELDS)
+        name = _typed(body, "group_name", str, DEFAULT_GROUP)
+        if name not in self.groups:
+            return fail(f"group {name!r} does not exist (joined: {sorted(self.groups)})")
+        self._drop_group(name)
+        return ok(f"destroyed group {name!r}")
+
+    async def from_distributed(self, body: Any) -> web.Response:
+        name = body.get("group_name", DEFAULT_GROUP) if isinstance(body, dict) else DEFAULT_GROUP
+        group = self.groups.get(name) if isinstance(name, str) else None
+        try:
+            meta = parse_push(body)
+            if group is None:
+                raise RequestError(f"no weight-update group {name!r} (joined: "
+                                   f"{sorted(self.groups)}): call /init_weights_update_group first")
+            limit = 2 * sum(t.numel() for t in self.targets.values()) * 8
+            if meta.nbytes > limit:
+                raise RequestError(f"the bucket would take {meta.nbytes} bytes, more than twice "
+                                   f"this model in float64 ({limit // 2} bytes)")
+        except RequestError as e:
+            if group is None:
+                return fail(str(e))
+            # The trainer's broadcast of this bucket is in flight: the group is out of step.
+            self._drop_group(name)
+            return fail(f"{e}; group {name!r} destroyed (its broadcast cannot be matched): "
+                        f"join a new one")
+        async with self.lock:  # one update at a time (disk or distributed)
+            try:
+                bucket = await asyncio.to_thread(self._receive, group, meta)
+            except Exception as e:  # a peer died, a timeout
+                self._drop_group(name)
+                return fail(f"receiving {len(meta.names)} tensors over group {name!r} failed: "
+                            f"{type(e).__name__}: {e}; nothing was loaded and the group is "
+                            f"destroyed: join a new one"[:1000])
+            return await self.stage_or_commit(bucket, meta.flush_cache, meta.weight_version,
+                                              meta.abort_all_requests)
+
+    @staticmethod
+    def _receive(group: WeightGroup, meta: PushMeta) -> Bucket:
+        if meta.flattened:
+            flat = torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
+            group.broadcast(flat)
+            return [(n, t.cpu()) for n, t in
+                    unflatten_bucket(flat, meta.names, meta.dtypes, meta.shapes)]
+        out = []
+        for n, dt, shape in zip(meta.names, meta.dtypes, meta.shapes):
+            t = torch.empty(shape, dtype=dt, device=group.device)
+            group.broadcast(t)
+            out.append((n, t.cpu()))
+        return out
+
+    async def from_tensor(self, body: Any) -> web.Response:
+        body = check_fields(body, "update_weights_from_tensor", TENSOR_FIELDS)
+        fmt = body.get("load_format")
+        if fmt != TENSOR_FORMAT:
+            raise RequestError(
+                f"load_format={fmt!r} is refused: SGLang's formats (null, 'direct', "
+                f"'flattened_bucket', a custom loader) carry pickled torch-multiprocessing "
+                f"payloads, and unpickling request bytes would let any client run code on this "
+                f"server. Send load_format='safetensors' with serialized_named_tensors = "
+                f"[base64 of a safetensors file]")
+        entries = _typed(body, "serialized_named_tensors", list)
+        if len(entries) != 1 or not isinstance(entries[0], str):
+            raise RequestError(f"serialized_named_tensors must hold one base64 string (one per "
+                               f"TP rank; this server is one rank), got {len(entries)} entries")
+        version = _typed(body, "weight_version", str, None, none_ok=True)
+        flush = _typed(body, "flush_cache", bool, True)
+        abort = _typed(body, "abort_all_requests", bool, False)
+
+        def decode() -> Bucket:
+            try:
+                raw = base64.b64decode(entries[0], validate=True)
+                return list(load_safetensors(raw).items())
+            except (binascii.Error, ValueError, SafetensorError) as e:
+                raise RequestError(f"serialized_named_tensors[0] is not base64 of a safetensors "
+                                   f"file: {e}"[:300]) from None
+        bucket = await asyncio.to_thread(decode)
+        async with self.lock:
+            return await self.stage_or_commit(bucket, flush, version, abort)
+
+
+RECEIVER = web.AppKey("weight_receiver", WeightReceiver)  # the app's receiver (tests look in)
+
+
+def ok(message: str) -> web.Response:
+    return web.json_response({"success": True, "message": message})
+
+
+def fail(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)

@@ -1,0 +1,248 @@
+"""Disk-free weight sync over SGLang's wire (rollout/weight_sync.py, rollout/weight_receiver.py):
+real servers (a `lockstep serve` process and a loopback ServerThread) in one gloo group with
+the trainer, pushes broadcast bucket by bucket."""
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+from lockstep.moe.buckets import bucketize
+from lockstep.moe.checkpoint import hf_state_dict, save_hf
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.client import HTTPBackend, RolloutError
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.server import ServerThread
+from lockstep.rollout.types import GenerateRequest, SamplingParams
+from lockstep.rollout.weight_sync import DistributedWeightSync, check_versions
+
+from model_fixtures import tiny_config
+from server_fixtures import call
+
+ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
+CFG = tiny_config(max_position_embeddings=64, mlp_only_layers=[0])
+BUCKET = 40_000  # bytes: the tiny model travels in several buckets
+
+
+def _model(seed: int) -> MoEModel:
+    torch.manual_seed(seed)
+    return MoEModel(CFG)
+
+
+def _buckets(model: MoEModel, bucket_bytes: int = BUCKET):
+    return bucketize(((k, v.detach()) for k, v in hf_state_dict(model).items()), bucket_bytes)
+
+
+def _serve(folder: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.launch.serve", "--model", str(folder),
+                             "--dtype", "fp32", "--port", str(port), "--threads", "1",
+                             "--max-len", "48"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if call(url, "/health", timeout=2)[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"lockstep serve exited with {proc.returncode}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("lockstep serve did not start in 120 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _greedy(url: str) -> list:
+    """Greedy tokens and log-probs of three prompts, and the weight version."""
+    out = []
+    for prompt in ([1, 5, 7, 9], [1, 3], [1, 11, 12, 13, 14]):
+        status, r = call(url, "/generate", {"input_ids": prompt, "return_logprob": True,
+                                            "sampling_params": {"temperature": 0.0,
+                                                                "max_new_tokens": 8}})
+        assert status == 200, r
+        out.append((r["output_ids"], [e[0] for e in r["meta_info"]["output_token_logprobs"]],
+                    r["meta_info"]["weight_version"]))
+    return out
+
+
+def _write_bytes(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no write_bytes in /proc/<pid>/io")
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A `lockstep serve` process and a ServerThread, both over model 0."""
+    folder = save_hf(_model(0), tmp_path_factory.mktemp("m0") / "hf")
+    proc, url = _serve(folder)
+    try:
+        with ServerThread(Engine.from_model(_model(0), ENGINE), weight_sync_timeout_s=30) as srv:
+            yield proc, url, srv
+    finally:
+        _stop(proc)
+
+
+def test_distributed_push_equals_disk_push_and_writes_nothing(served, tmp_path):
+    """Two servers in one group get model 1 by broadcast: greedy tokens and log-probs equal a
+    server that loaded the same weights from disk; nothing is written to disk meanwhile."""
+    proc, url, srv = served
+    new = _model(1)
+    before_files = _files(tmp_path)
+    before = _write_bytes(), _write_bytes(proc.pid)
+    with DistributedWeightSync([url, srv.url], timeout_s=60) as sync:
+        assert sync.rank_offsets == [1, 2] and sync.world_size == 3
+        stats = sync.push(_buckets(new), "7")
+    after = _write_bytes(), _write_bytes(proc.pid)
+    assert stats["buckets"] > 2 and stats["bytes"] == sum(
+        t.numel() * t.element_size() for t in hf_state_dict(new).values())
+    assert after == before, f"write_bytes (trainer, server) {before} -> {after}"
+    assert _files(tmp_path) == before_files
+
+    with ServerThread(Engine.from_model(_model(0), ENGINE)) as disk:
+        folder = save_hf(new, tmp_path / "m1")
+        assert call(disk.url, "/update_weights_from_disk",
+                    {"model_path": str(folder), "weight_version": "7"})[0] == 200
+        want = _greedy(disk.url)
+    assert _greedy(url) == want and _greedy(srv.url) == want
+    assert {v for *_, v in want} == {"7"}
+
+
+def test_disk_push_is_seen_by_the_write_counter(served, tmp_path):
+    """The write_bytes probe above can see a write: a disk push moves it."""
+    _, _, srv = served
+    backend = HTTPBackend(srv.url, CFG, weights_dir=tmp_path, weight_sync="disk")
+    w0 = _write_bytes()
+    backend.update_weights(_model(2), "8")
+    assert _write_bytes() - w0 > 10_000
+
+
+def _state(url_or_engine):
+    return {k: v.clone() for k, v in url_or_engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("bad", ["name", "shape", "nan"])
+def test_bad_bucket_leaves_the_server_unchanged(served, bad):
+    """A bad tensor in the second bucket: an error naming it, the weights and the version as
+    they were (the first bucket was staged, never loaded); the group still works after."""
+    _, _, srv = served
+    from lockstep.rollout.weight_receiver import RECEIVER
+    eng = srv.app[RECEIVER].engine
+    before, version = _state(eng), eng.weight_version
+    buckets = [list(b) for b in _buckets(_model(3))]
+    name, t = buckets[1][0]
+    if bad == "name":
+        buckets[1][0] = ("model.layers.1.mlp.experts.99.up_proj.weight", t)
+        culprit = "experts.99.up_proj"
+    elif bad == "shape":
+        buckets[1][0] = (name, t[..., :-1].contiguous())
+        culprit = name
+    else:
+        t = t.clone()
+        t.view(-1)[3] = float("nan")
+        buckets[1][0] = (name, t)
+        culprit = name
+    with DistributedWeightSync([srv.url], timeout_s=30) as sync:
+        with pytest.raises(RolloutError, match=culprit.replace(".", r"\.")) as e:
+            sync.push(buckets, "9")
+        assert "engine 0" in str(e.value) and ("NaN" in str(e.value) or bad != "nan")
+    assert eng.weight_version == version
+    assert all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
+    with DistributedWeightSync([srv.url], timeout_s=30) as sync:  # the server joins again
+        sync.push(_buckets(_model(3)), "10")
+    assert eng.weight_version == "10"
+
+
+def test_server_dying_mid_push_is_named_within_the_timeout(tmp_path):
+    """kill -9 of one server between two buckets: the push fails naming it, well within the
+    timeout, and the surviving server loaded nothing."""
+    folder = save_hf(_model(0), tmp_path / "hf")
+    proc, url = _serve(folder)
+    try:
+        with ServerThread(Engine.from_model(_model(0), ENGINE), weight_sync_timeout_s=20) as srv:
+            from lockstep.rollout.weight_receiver import RECEIVER
+            eng = srv.app[RECEIVER].engine
+            before = _state(eng)
+            sync = DistributedWeightSync([url, srv.url], timeout_s=20)
+
+            def buckets():
+                for k, b in enumerate(_buckets(_model(4), 20_000)):
+                    if k == 2:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        proc.wait(10)
+                    yield b
+            t0 = time.monotonic()
+            with pytest.raises(RolloutError, match=f"engine 0 \\({url}\\)"):
+                sync.push(buckets(), "5")
+            assert time.monotonic() - t0 < 20
+            sync.close()
+            assert eng.weight_version == "0"
+            assert all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
+    finally:
+        _stop(proc)
+
+
+def test_weight_endpoints_are_strict(served):
+    """Unknown fields name the closest valid one; SGLang's pickled tensor formats are refused
+    (no unpickling of request bytes); safetensors bytes load; no group: a clear error."""
+    _, _, srv = served
+    status, r = call(srv.url, "/update_weights_from_distributed",
+                     {"names": [], "dtypes": [], "shapes": [], "weight_versoin": "3"})
+    assert status == 400 and r["success"] is False and "did you mean 'weight_version'" in r["message"]
+    status, r = call(srv.url, "/update_weights_from_distributed",
+                     {"names": [], "dtypes": [], "shapes": [], "group_name": "nope"})
+    assert status == 400 and "init_weights_update_group first" in r["message"]
+    status, r = call(srv.url, "/init_weights_update_group",
+                     {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                      "world_size": 2})
+    assert status == 400 and "backend='gloo'" in r["message"]  # SGLang's default is nccl
+    status, r = call(srv.url, "/update_weights_from_tensor",
+                     {"serialized_named_tensors": ["gASVAAAA"], "load_format": None})
+    assert status == 400 and "pickled" in r["message"] and "run code" in r["message"]
+    new = _model(5)
+    sd = {k: v.detach().contiguous() for k, v in hf_state_dict(new).items()}
+    payload = base64.b64encode(save_safetensors(sd)).decode()
+    status, r = call(srv.url, "/update_weights_from_tensor",
+                     {"serialized_named_tensors": [payload], "load_format": "safetensors",
+                      "weight_version": "t1"})
+    assert status == 200 and r["success"], r
+    from lockstep.rollout.weight_receiver import RECEIVER
+    eng = srv.app[RECEIVER].engine
+    assert eng.weight_version == "t1"
+    assert all(torch.equal(a, b) for a, b in zip(eng.model.state_dict().values(),
+                                                 new.state_dict().values()))
+
+
+def test_check_versions_names_the_sample():
+    ok = Engine.from_model(_model(0), ENGINE, weight_version="3").generate(
+        [GenerateRequest([1, 2], SamplingParams(max_new_tokens=2, n=2), rid="a")])
+    check_versions(ok, {"3"})
+    with pytest.raises(RolloutError, match=r"request a sample 0 .* version '3'.*\['4'\]"):
+        check_versions(ok, {"4"})
