@@ -303,9 +303,15 @@ class LoopConfig:
     `lockstep diagnose --dump FILE` reads them (docs/diagnose.md)."""
     val_every: int = 0
     """Score data.val_files every N steps, logged as val/... (0 = never), in [0, 2^31)."""
+    max_staleness: int = 0
+    """Async rollout (docs/training.md): 0 = synchronous, step n samples with the weights of
+    step n-1's update; k >= 1 = the engines generate the next steps' samples while the actor
+    trains, so a step's samples may come from up to k versions before the current one
+    (exactly k once the pipeline is full). k >= 1 keeps k earlier weight versions on CPU."""
 
     def __post_init__(self) -> None:
         _in("loop", self, "steps", 1)
+        _in("loop", self, "max_staleness", 0, 64)
         _in("loop", self, "val_every", 0, 2**31 - 1)
         _in("loop", self, "seed", 0, 2**31 - 1)
         _in("loop", self, "checkpoint_every", 0)
@@ -473,6 +479,8 @@ class ExperimentConfig:
             d["actor"].pop("megatron")
         if self.rollout.sampling_mask_replay is None:
             d["rollout"].pop("sampling_mask_replay")
+        if self.loop.max_staleness == 0 and "loop" in d:  # synchronous runs hash as before
+            d["loop"].pop("max_staleness", None)
         # where the API key is read from is not the run's identity; runs written while the key
         # itself was a (null) config field keep their hash
         d["rollout"].pop("api_key_file")

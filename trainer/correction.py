@@ -616,21 +616,56 @@ def is_split_metrics(logprobs, old_logprobs, rollout_logprobs, response_mask) ->
     m: dict[str, float] = {}
     var, dev = {}, {}
     for part, lr in parts.items():  # zero-padded, so masked means are sums (`_Mask`)
-        lr_c = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        e = torch.exp(lr_c)  # 1 on padding
-        r_z = e * mk.f
-        mu = mk.mean(lr)
-        dev[part] = (lr - mu).mul_(mk.f)
-        var[part] = mk.mean_sq(dev[part])
-        m[f"is_split/{part}_mean"] = mk.mean(r_z).item()
-        m[f"is_split/{part}_max"] = mk.max(r_z, nonneg=True).item()
-        m[f"is_split/{part}_min"] = mk.min(r_z).item()
-        m[f"is_split/{part}_log_mean"] = mu.item()
-        m[f"is_split/{part}_log_std"] = var[part].sqrt().item()
-        m[f"is_split/{part}_k3"] = mk.mean(e.sub_(1).sub_(lr_c)).item()  # r - 1 - log r: 0 on padding
+        dev[part], var[part] = _ratio_part(mk, part, lr, m)
     denom = var["mismatch"] + var["staleness"]
     m["is_split/mismatch_log_var_share"] = (var["mismatch"] / denom).item() if denom > 0 else 0.0
     cov = mk.mean(dev["mismatch"] * dev["staleness"])
     sd = (var["mismatch"] * var["staleness"]).sqrt()
     m["is_split/log_corr"] = (cov / sd).item() if sd > 0 else 0.0
+    return m
+
+
+def _ratio_part(mk: _Mask, part: str, lr, m: dict[str, float]):
+    """`is_split/<part>_*` of the zero-padded log ratio `lr` into `m`; returns its masked
+    deviation from the mean and its variance."""
+    lr_c = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    e = torch.exp(lr_c)  # 1 on padding
+    r_z = e * mk.f
+    mu = mk.mean(lr)
+    dev = (lr - mu).mul_(mk.f)
+    var = mk.mean_sq(dev)
+    m[f"is_split/{part}_mean"] = mk.mean(r_z).item()
+    m[f"is_split/{part}_max"] = mk.max(r_z, nonneg=True).item()
+    m[f"is_split/{part}_min"] = mk.min(r_z).item()
+    m[f"is_split/{part}_log_mean"] = mu.item()
+    m[f"is_split/{part}_log_std"] = var.sqrt().item()
+    m[f"is_split/{part}_k3"] = mk.mean(e.sub_(1).sub_(lr_c)).item()  # r - 1 - log r: 0 on padding
+    return dev, var
+
+
+def version_split_metrics(old_logprobs, gen_logprobs, rollout_logprobs, response_mask
+                          ) -> dict[str, float]:
+    """Split the mismatch part pi_old/mu_old further when samples come from an older weight
+    version (async rollout, `loop.max_staleness` >= 1):
+
+        pi_old/mu_old = (pi_old/pi_gen) [version] x (pi_gen/mu_old) [engine]
+
+    `gen_logprobs` (pi_gen) are the trainer's log-probs under the weights of the version that
+    generated each sample (`trainer.pipeline.VersionCache`); for a sample of the current
+    version they *are* `old_logprobs`, so its version ratio is exactly 1. `version` is the
+    policy lag the rollout's staleness adds; `engine` is the train/infer mismatch at equal
+    weights (what R3 and TIS address). Logged as `is_split/version_*` and `is_split/engine_*`
+    with the statistics of `is_split_metrics`, plus `is_split/version_log_var_share` =
+    var(log version) / (var(log version) + var(log engine)). Rollout correction (TIS, IcePop,
+    RS) still applies to the full pi_old/mu_old, as verl's async mode does."""
+    mk = _Mask(response_mask)
+    old_z, gen_z, roll_z = (_checked_zero_pad(mk, name, t.detach().float(), response_mask)
+                            for name, t in (("old_logprobs", old_logprobs),
+                                            ("gen_logprobs", gen_logprobs),
+                                            ("rollout_logprobs", rollout_logprobs)))
+    m: dict[str, float] = {}
+    _, v_var = _ratio_part(mk, "version", old_z - gen_z, m)
+    _, e_var = _ratio_part(mk, "engine", gen_z - roll_z, m)
+    denom = v_var + e_var
+    m["is_split/version_log_var_share"] = (v_var / denom).item() if denom > 0 else 0.0
     return m

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.moe.checkpoint import load_hf
+from lockstep.moe.checkpoint import hf_state_dict, load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
@@ -31,11 +31,13 @@ from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_late
                                          save_checkpoint, set_rng_state)
 from lockstep.trainer.config import ExperimentConfig, rollout_api_key, save_config
 from lockstep.trainer.divergence import check_step, check_weights, from_step_error
-from lockstep.trainer.correction import CorrectionResult, correct, is_split_metrics
+from lockstep.trainer.correction import (CorrectionResult, correct, is_split_metrics,
+                                         version_split_metrics)
 from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
+from lockstep.trainer.pipeline import RolloutPipeline, VersionCache
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
                                    stats_values)
 from lockstep.trainer.reference import ReferencePolicy
@@ -45,7 +47,8 @@ from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 def run_hash(cfg: ExperimentConfig) -> str:
     """Hash of what determines a run's numbers: every section but `loop`, plus loop.seed (so
     loop.steps may be raised and outputs changed when resuming)."""
-    probe = ExperimentConfig(**{**vars(cfg), "loop": type(cfg.loop)(seed=cfg.loop.seed)})
+    probe = ExperimentConfig(**{**vars(cfg), "loop": type(cfg.loop)(
+        seed=cfg.loop.seed, max_staleness=cfg.loop.max_staleness)})
     return probe.hash()
 
 
@@ -124,6 +127,12 @@ class Trainer:
                      if cfg.loss.kl_coef > 0 else None)
         ro = cfg.rollout
         self.rollout = self.make_backend(model, state.weight_version)
+        # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
+        self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
+                                        cfg.loop.steps, first_version=int(state.weight_version))
+        self.versions = VersionCache(cfg.loop.max_staleness, model, cfg.actor, ro.temperature,
+                                     resolve_device(cfg.cluster.device))
+        self.versions.set_current(state.weight_version, hf_state_dict(model))
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
         total_updates = cfg.loop.steps * updates_per_step
         if cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
@@ -167,14 +176,15 @@ class Trainer:
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, t = self.cfg, _Timer()
-        prompts = self.source.prompts(self.state.cursor, cfg.rollout.prompts_per_step)
-        results = self.rollout.generate(self.requests(prompts, step))                  # generate
+        prompts, results, gen_s = self.pipeline.take(step)  # generate (made ahead when async)
+        versions, lag_m = self.pipeline.check_versions(results, step)  # in {step-1-k..step-1}
         batch = collate(results, self.source.pad_id, *self._route_shape(),
                         sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
         rewards_B, reward_m = self.source.rewards(                                     # rewards
             [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
         t.lap("generate")
         old = self.actor.old_logprobs(batch, self.mode, step)  # pi_old; R2 routes stay on ranks
+        gen_BT = self.versions.gen_logprobs(batch, versions, old.logprobs_BT, self.mode, step)
         t.lap("old_logprob")
         maybe_dump(self, step, batch, rewards_B, None)  # loop.dump_every: for diagnose
         group_B = torch.arange(batch.size) // cfg.rollout.samples_per_prompt
@@ -190,11 +200,20 @@ class Trainer:
         self.state.step, self.state.cursor = step, self.state.cursor + len(prompts)
         split = is_split_metrics(upd.logprobs_BT, old.logprobs_BT, batch.rollout_logprobs_BT,
                                  mask_BT)
+        split.update(version_split_metrics(old.logprobs_BT, gen_BT, batch.rollout_logprobs_BT,
+                                           mask_BT))  # pi_old/mu = version lag x engine
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **reward_m,
                 **corr.metrics, **split, "replay/mode": self.mode.value, **stats_values(old.stats),
-                **stats_values(upd.stats), **t.metrics()}
+                **stats_values(upd.stats), **lag_m, "time/rollout_s": gen_s, **t.metrics()}
 
     # -- pieces of the step ----------------------------------------------------------------
+    def step_requests(self, step: int) -> tuple[list, list[GenerateRequest]]:
+        """(prompts, requests) of step `step`, from the cursor it will start at."""
+        n = self.cfg.rollout.prompts_per_step
+        cursor = self.state.cursor + (step - self.state.step - 1) * n
+        prompts = self.source.prompts(cursor, n)
+        return prompts, self.requests(prompts, step)
+
     def requests(self, prompts, step: int) -> list[GenerateRequest]:
         """One request per prompt, n samples each; seeds are a function of (seed, step).
         With sampling-mask replay each request also asks for the kept candidate sets."""
@@ -226,7 +245,8 @@ class Trainer:
                    for name, t in bucket}
         # kept only until this step's checkpoint (no second gather; no copy held otherwise)
         self._weights = (step, weights) if self.saves_at(step) else None
-        return self.rollout.update_weights(weights, str(step))
+        self.versions.set_current(str(step), weights)  # max_staleness >= 1: kept for pi_gen
+        return self.pipeline.update_weights(weights, str(step))
 
     def saves_at(self, step: int) -> bool:
         cfg = self.cfg.loop
@@ -266,6 +286,7 @@ class Trainer:
                         write_plots(self.out)  # refreshed at each checkpoint, not only at the end
         finally:
             self.metrics.close()
+            self.pipeline.close()
             self.rollout.close()
             self.actor.close()
             self.source.close()

@@ -1,0 +1,160 @@
+"""Async rollout (`loop.max_staleness`): versions of the samples, the version part of the IS
+split, the refusal of versions the loop did not ask for, and max_staleness 0 unchanged."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.rollout.client import RolloutError
+from lockstep.rollout.types import GenerationResult
+from lockstep.rollout.versions import allowed_versions, check_versions
+from lockstep.trainer.actor import collate
+from lockstep.trainer.config import load_config
+from lockstep.trainer.correction import correct, is_split_metrics
+from lockstep.trainer.loop import Trainer, run_hash
+from lockstep.trainer.losses import grpo_advantages
+from lockstep.trainer.rank import stats_values
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# the toy, smaller; lr and an entropy bonus so the weights move even where rewards are all 0
+SMALL = ["warmstart.enabled=false", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+         "actor.mini_batch_size=32", "actor.micro_batch_size=32", "loop.steps=3",
+         "loop.tensorboard=false", "loop.plots=false", "loop.checkpoint_every=0",
+         "actor.lr=1e-2", "loss.entropy_coef=0.1"]
+VERSION_STATS = ("mean", "max", "min", "log_mean", "log_std", "k3")
+
+
+def _trainer(path, *extra, resume=False):
+    cfg = load_config(CONFIGS / "toy_r3.yaml", SMALL + list(extra))
+    return Trainer(cfg, path, resume=resume, progress=False, log=lambda s: None)
+
+
+def _recording(tr):
+    """Record each step's sample versions as the loop takes them from the pipeline."""
+    seen = {}
+    take = tr.pipeline.take
+
+    def wrapped(step):
+        prompts, results, s = take(step)
+        seen[step] = sorted({r.weight_version for r in results})
+        return prompts, results, s
+    tr.pipeline.take = wrapped
+    return seen
+
+
+def _exactly_one(m):
+    return all(m[f"is_split/version_{s}"] == (1.0 if s in ("mean", "max", "min") else 0.0)
+               for s in VERSION_STATS)
+
+
+def test_staleness_1_trains_on_the_previous_version_and_logs_the_version_part(tmp_path):
+    tr = _trainer(tmp_path / "a1", "loop.max_staleness=1")
+    seen = _recording(tr)
+    ms = [tr.step(s) for s in (1, 2, 3)]
+    tr.pipeline.close()
+    # step n trains from version n-1 (the weights after n-1 updates); its samples are one
+    # version older: step 2's were generated while step 1 trained (version 0), step 3's
+    # while step 2 trained (version 1); step 1 has nothing older than version 0
+    assert seen == {1: ["0"], 2: ["0"], 3: ["1"]}
+    assert [m["rollout/weight_version_lag_mean"] for m in ms] == [0.0, 1.0, 1.0]
+    assert [m["rollout/weight_version_lag_max"] for m in ms] == [0.0, 1.0, 1.0]
+    assert _exactly_one(ms[0])  # versions match: pi_gen is pi_old
+    for m in ms[1:]:  # one update behind: the version part is a real ratio
+        assert m["is_split/version_mean"] != 1.0 and m["is_split/version_log_std"] > 1e-4
+        # pi_old/mu = (pi_old/pi_gen) x (pi_gen/mu): the logs add up
+        assert m["is_split/version_log_mean"] + m["is_split/engine_log_mean"] == pytest.approx(
+            m["is_split/mismatch_log_mean"], abs=1e-6)
+    # at equal weights the engine part is the bf16/fp32 mismatch alone: far smaller than the lag
+    assert ms[1]["is_split/engine_log_std"] < ms[1]["is_split/version_log_std"]
+    assert len(tr.versions.cache) == 1  # at most k versions kept
+
+
+def test_staleness_0_logs_an_exact_version_part_and_no_lag(tmp_path):
+    tr = _trainer(tmp_path / "a0", "loop.steps=2")
+    seen = _recording(tr)
+    ms = [tr.step(s) for s in (1, 2)]
+    assert seen == {1: ["0"], 2: ["1"]}
+    assert all(_exactly_one(m) and m["rollout/weight_version_lag_max"] == 0.0 for m in ms)
+    assert all(m["is_split/engine_mean"] == m["is_split/mismatch_mean"] for m in ms)
+    assert tr.versions.cache == {} and tr.pipeline._pool is None  # nothing kept, no thread
+
+
+def _step_before_async(tr, step):
+    """`Trainer.step` as it was before loop.max_staleness existed (main at d69d63f)."""
+    cfg = tr.cfg
+    prompts = tr.source.prompts(tr.state.cursor, cfg.rollout.prompts_per_step)
+    results = tr.rollout.generate(tr.requests(prompts, step))
+    batch = collate(results, tr.source.pad_id, *tr._route_shape(),
+                    sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
+    rewards_B, reward_m = tr.source.rewards(
+        [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
+    old = tr.actor.old_logprobs(batch, tr.mode, step)
+    group_B = torch.arange(batch.size) // cfg.rollout.samples_per_prompt
+    mask_BT = batch.response_mask_BT.float()
+    adv_BT = grpo_advantages(rewards_B, group_B, mask_BT, norm_by_std=cfg.advantage.norm_by_std)
+    corr = correct(cfg.correction, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)
+    upd = tr.actor.policy_update(batch, tr.update_inputs(batch, old, adv_BT, corr, step),
+                                 tr.mode, step)
+    tr.state.weight_version = tr.rollout.update_weights(
+        {n: t for b in tr.actor.export_weights(cfg.cluster.weight_bucket_bytes) for n, t in b},
+        str(step))
+    tr.state.step, tr.state.cursor = step, tr.state.cursor + len(prompts)
+    split = is_split_metrics(upd.logprobs_BT, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)
+    return {"step": step, **tr.reward_metrics(rewards_B, batch, group_B), **reward_m,
+            **corr.metrics, **split, "replay/mode": tr.mode.value, **stats_values(old.stats),
+            **stats_values(upd.stats)}
+
+
+@pytest.mark.parametrize("mode", ["R3", "R2"])
+def test_staleness_0_is_bit_identical_to_the_synchronous_step(tmp_path, mode):
+    extra = (f"replay.mode={mode}", "loop.steps=2", "actor.mini_batch_size=16",
+             "actor.micro_batch_size=8", "actor.epochs=2")
+    new, before = _trainer(tmp_path / "new", *extra), _trainer(tmp_path / "before", *extra)
+    for step in (1, 2):
+        got, want = new.step(step), _step_before_async(before, step)
+        for k, v in want.items():
+            assert got[k] == v or (math.isnan(v) and math.isnan(got[k])), (step, k, got[k], v)
+    assert run_hash(new.cfg) == run_hash(load_config(CONFIGS / "toy_r3.yaml", SMALL + list(extra)))
+
+
+def test_a_version_outside_the_allowed_set_is_refused_naming_the_rid(tmp_path):
+    def res(rid, v):
+        return GenerationResult(rid=rid, index=1, prompt_ids=[1], output_ids=[2],
+                                output_logprobs=torch.zeros(1), sampling_logprobs=None,
+                                finish_reason={"type": "length", "length": 1}, weight_version=v)
+    assert allowed_versions(5, 1) == ["3", "4"] and allowed_versions(1, 2) == ["0"]
+    assert allowed_versions(6, 2, first_version=4) == ["4", "5"]
+    assert check_versions([res("a", "3"), res("b", "4")], ["3", "4"]) == ["3", "4"]
+    with pytest.raises(RolloutError, match=r"request b sample 1: .*'2'.*\['3', '4'\]"):
+        check_versions([res("a", "3"), res("b", "2")], allowed_versions(5, 1))
+    # through the loop: an engine holding weights of a version nobody pushed
+    tr = _trainer(tmp_path / "bad")
+    tr.rollout.engine.weight_version = "7"
+    with pytest.raises(RolloutError, match=r"request s1p0 sample 0: .*'7'.*\['0'\]"):
+        tr.step(1)
+
+
+def test_max_staleness_config_is_validated_and_part_of_the_run_hash():
+    with pytest.raises(ValueError, match=r"loop.max_staleness=-1"):
+        load_config(CONFIGS / "toy_r3.yaml", ["loop.max_staleness=-1"])
+    base = load_config(CONFIGS / "toy_r3.yaml", [])
+    assert base.loop.max_staleness == 0
+    one = load_config(CONFIGS / "toy_r3.yaml", ["loop.max_staleness=1"])
+    assert run_hash(one) != run_hash(base)  # resuming with another staleness is refused
+
+
+def test_resume_under_staleness_1_regenerates_the_next_step_with_the_saved_weights(tmp_path):
+    out = tmp_path / "r"
+    tr = _trainer(out, "loop.max_staleness=1", "loop.steps=2", "loop.checkpoint_every=2")
+    tr.run()
+    tr2 = _trainer(out, "loop.max_staleness=1", "loop.steps=4", "loop.checkpoint_every=2",
+                   resume=True)
+    seen = _recording(tr2)
+    tr2.run()
+    # in flight when the run stopped: step 3's samples (of version 1); the resumed run
+    # regenerates them from the saved cursor and seeds with the checkpoint's weights (2)
+    assert seen == {3: ["2"], 4: ["2"]}
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4
