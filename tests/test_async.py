@@ -60,6 +60,7 @@ def test_staleness_1_trains_on_the_previous_version_and_logs_the_version_part(tm
     assert seen == {1: ["0"], 2: ["0"], 3: ["1"]}
     assert [m["rollout/weight_version_lag_mean"] for m in ms] == [0.0, 1.0, 1.0]
     assert [m["rollout/weight_version_lag_max"] for m in ms] == [0.0, 1.0, 1.0]
+    assert [m["training/off_policy/trajectory_staleness/min"] for m in ms] == [0.0, 1.0, 1.0]
     assert _exactly_one(ms[0])  # versions match: pi_gen is pi_old
     for m in ms[1:]:  # one update behind: the version part is a real ratio
         assert m["is_split/version_mean"] != 1.0 and m["is_split/version_log_std"] > 1e-4
@@ -158,3 +159,36 @@ def test_resume_under_staleness_1_regenerates_the_next_step_with_the_saved_weigh
     assert seen == {3: ["2"], 4: ["2"]}
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4
+
+
+@pytest.mark.parametrize("backend", ["http", pytest.param("ray", marks=pytest.mark.slow)])
+def test_staleness_1_over_a_server_and_over_ray_engines(tmp_path, backend, request):
+    """The same pipeline over the SGLang wire (a loopback `lockstep serve`, weights from disk)
+    and over 2 Ray engine workers: step n trains on version n-2 samples (n >= 2), and each
+    backend's own check (results of exactly the version it last loaded) holds, since a push
+    never overlaps a generation."""
+    from lockstep.moe.model import MoEModel
+    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.server import ServerThread
+    extra = ["loop.max_staleness=1", "rollout.max_new_tokens=6"]
+    if backend == "ray":
+        request.getfixturevalue("cluster")
+        tr = _trainer(tmp_path / "ray", *extra, "rollout.backend=ray", "rollout.num_engines=2")
+        srv = None
+    else:
+        cfg = load_config(CONFIGS / "toy_r3.yaml", SMALL)
+        engine = Engine(MoEModel(cfg.model), EngineConfig(dtype="bf16", max_running=64,
+                                                          max_len=16, seed=0))
+        srv = ServerThread(engine).start()
+        tr = _trainer(tmp_path / "http", *extra, "rollout.backend=http", f"rollout.url={srv.url}")
+    seen = _recording(tr)
+    try:
+        ms = [tr.step(s) for s in (1, 2, 3)]
+    finally:
+        tr.pipeline.close()
+        tr.rollout.close()
+        if srv is not None:
+            srv.stop()
+    assert seen == {1: ["0"], 2: ["0"], 3: ["1"]}
+    assert tr.rollout.weight_version == "3"  # every push landed, in order
+    assert _exactly_one(ms[0]) and ms[1]["is_split/version_mean"] != 1.0

@@ -84,11 +84,17 @@ class RolloutPipeline:
     def check_versions(self, results: list[GenerationResult], step: int
                        ) -> tuple[list[str], dict[str, float]]:
         """Refuse a sample of a version outside {step-1-k .. step-1} (naming its rid);
-        returns the versions and `rollout/weight_version_lag_mean|max`."""
+        returns the versions and their lag as `rollout/weight_version_lag_mean|max` and under
+        verl's name (its v1 trainer's `(global_steps - 1) - version`, the same definition),
+        `training/off_policy/trajectory_staleness/mean|max|min`."""
         versions = check_versions(results, allowed_versions(step, self.k, self.first_version))
-        lags = version_lag(versions, step)
-        return versions, {"rollout/weight_version_lag_mean": sum(lags) / max(1, len(lags)),
-                          "rollout/weight_version_lag_max": float(max(lags, default=0))}
+        lags = version_lag(versions, step) or [0]
+        mean, hi, lo = sum(lags) / len(lags), float(max(lags)), float(min(lags))
+        return versions, {"rollout/weight_version_lag_mean": mean,
+                          "rollout/weight_version_lag_max": hi,
+                          "training/off_policy/trajectory_staleness/mean": mean,
+                          "training/off_policy/trajectory_staleness/max": hi,
+                          "training/off_policy/trajectory_staleness/min": lo}
 
     def close(self) -> None:
         """Drop queued generations and wait for the running one (idempotent)."""
