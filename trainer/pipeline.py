@@ -15,7 +15,8 @@ in flight (validation may use the backend directly). Steady state: step n trains
 of version n-1-k (lag exactly k); the first k steps of a run (or of a resume) lag less.
 The queue holds at most k+1 steps of results.
 
-Which version generated what is checked per sample (`lockstep.rollout.versions`), and the
+Which version generated what is checked per sample (`allowed_versions`,
+`lockstep.rollout.weight_sync.check_versions`), and the
 trainer's log-probs under that version (`VersionCache`) split pi_old/mu_old into a version
 part and an engine part (`correction.version_split_metrics`).
 """
@@ -36,8 +37,27 @@ from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode, old_logprob_plan
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.types import GenerateRequest, GenerationResult
-from lockstep.rollout.versions import allowed_versions, check_versions, version_lag
+from lockstep.rollout.weight_sync import check_versions
 from lockstep.trainer.batch import Batch, trim_batch
+
+def allowed_versions(step: int, max_staleness: int, first_version: int = 0) -> list[str]:
+    """The versions step `step`'s samples may carry. Versions are named after the RL step
+    whose update made them ("0" = the starting policy); step n trains from version n-1 and,
+    with `max_staleness` k, on samples of n-1-k .. n-1, none before `first_version` (the
+    version the run started or resumed from)."""
+    newest = step - 1
+    return [str(v) for v in range(max(first_version, newest - max_staleness), newest + 1)]
+
+
+def version_lag(versions: list[str], step: int) -> list[int]:
+    """How many updates behind step `step`'s policy (version step-1) each sample is."""
+    lags = []
+    for v in versions:
+        if not str(v).isdigit():
+            raise ValueError(f"weight version {v!r} is not a step number")
+        lags.append(step - 1 - int(v))
+    return lags
+
 
 MakeRequests = Callable[[int], tuple[list, list[GenerateRequest]]]
 """make_requests(step) -> (prompts, requests) of that step."""
@@ -87,7 +107,8 @@ class RolloutPipeline:
         returns the versions and their lag as `rollout/weight_version_lag_mean|max` and under
         verl's name (its v1 trainer's `(global_steps - 1) - version`, the same definition),
         `training/off_policy/trajectory_staleness/mean|max|min`."""
-        versions = check_versions(results, allowed_versions(step, self.k, self.first_version))
+        check_versions(results, set(allowed_versions(step, self.k, self.first_version)))
+        versions = [str(r.weight_version) for r in results]
         lags = version_lag(versions, step) or [0]
         mean, hi, lo = sum(lags) / len(lags), float(max(lags)), float(min(lags))
         return versions, {"rollout/weight_version_lag_mean": mean,
