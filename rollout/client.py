@@ -22,6 +22,7 @@ import aiohttp
 import torch
 
 from ..moe.config import ModelConfig
+from ..moe.model import MoEModel
 from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
                             decode_routes, routes_encoding)
 from ..replay.trace import RouteError
@@ -56,6 +57,13 @@ class RolloutBackend(ABC):
         """Release what the backend holds (worker processes, placement); no-op by default."""
 
 
+def as_source(source: Any) -> Any:
+    """An iterable of weight buckets as one dict of HF-named tensors; anything else as is."""
+    if isinstance(source, (dict, str, Path, MoEModel)):
+        return source
+    return {name: t for bucket in source for name, t in bucket}
+
+
 class LocalBackend(RolloutBackend):
     """The embedded engine in this process (the default on one machine)."""
 
@@ -73,8 +81,10 @@ class LocalBackend(RolloutBackend):
         return self.engine.generate(requests)
 
     def update_weights(self, source: Any, weight_version: str | None = None) -> str:
-        """`source`: a model, a state dict (HF or native names) or an HF folder."""
-        return self.engine.update_weights(source, weight_version)
+        """`source`: a model, a state dict (HF or native names), an HF folder, or an
+        iterable of weight buckets (the engine validates the whole set, then swaps; the
+        buckets' tensors are views of the actor's, so collecting them copies nothing)."""
+        return self.engine.update_weights(as_source(source), weight_version)
 
     async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
         return self.update_weights(source, weight_version)

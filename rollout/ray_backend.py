@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from lockstep.moe.checkpoint import read_hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.client import RolloutBackend, RolloutError
+from lockstep.rollout.client import RolloutBackend, RolloutError, as_source
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 
@@ -202,6 +202,7 @@ class RayBackend(RolloutBackend):
         """`source`: a model, a state dict (native or HF names) or an HF folder (read here).
         Cast once to the engines' dtypes, put once; each engine loads from the object ref."""
         self._check_open()
+        source = as_source(source)  # an iterable of weight buckets: one dict for the put
         if isinstance(source, MoEModel):
             source = source.state_dict()
         elif isinstance(source, (str, Path)):

@@ -99,6 +99,13 @@ class RolloutConfig:
     this file, else the LOCKSTEP_API_KEY environment variable (`rollout_api_key`)."""
     weights_dir: str | None = None
     """http backend: folder shared with the server for weight pushes (None = out_dir/weights)."""
+    request_timeout_s: float = 600.0
+    """A request or weight push not answered in this time fails naming its engine."""
+    weight_sync: Literal["auto", "distributed", "tensor", "disk", "object_store"] = "auto"
+    """How each step's weights reach the engines (docs/rollout.md, "Weight sync"): http takes
+    distributed (a gloo/NCCL group the server joins; no disk), tensor (safetensors over HTTP),
+    disk (`weights_dir` + /update_weights_from_disk) or auto (distributed, else disk); ray takes
+    object_store (= auto); embedded copies in process (auto)."""
     sglang: SGLangOptions = field(default_factory=SGLangOptions)
     """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
@@ -107,6 +114,12 @@ class RolloutConfig:
         _need(self.backend != "http" or bool(self.url),
               "rollout.backend=http needs rollout.url (the server's base URL)")
         _in("rollout", self, "num_engines", 1, 1 << 12)
+        _in("rollout", self, "request_timeout_s", 0.0, lo_open=True)
+        valid_sync = {"embedded": ("auto",), "ray": ("auto", "object_store"),
+                      "http": ("auto", "distributed", "tensor", "disk")}.get(self.backend)
+        _need(valid_sync is None or self.weight_sync in valid_sync,
+              f"rollout.weight_sync={self.weight_sync!r} does not apply to "
+              f"rollout.backend={self.backend}; valid there: {list(valid_sync or ())}")
         _in("rollout", self, "prompts_per_step", 1, 1 << 20)
         # GRPO normalises rewards within a group: one sample gives zero advantage, no signal.
         _in("rollout", self, "samples_per_prompt", 2, 1 << 12)
@@ -484,6 +497,8 @@ class ExperimentConfig:
         # where the API key is read from is not the run's identity; runs written while the key
         # itself was a (null) config field keep their hash
         d["rollout"].pop("api_key_file")
+        for k in ("weight_sync", "request_timeout_s"):  # how weights travel: not the numbers
+            d["rollout"].pop(k)
         d["rollout"]["api_key"] = None
         if self.model.path is None:
             d["model"].pop("path")

@@ -147,7 +147,6 @@ class Trainer:
                                     device=resolve_device(cfg.cluster.device))
         if reference is not None:  # pi_ref next to the actor: it replays the update's routes
             self.actor.set_reference(reference)
-        self._weights: tuple[int, dict] | None = None  # (step, last export), for the checkpoint
         if resume:
             self.actor.load_rank_state(trainer_state)
             set_rng_state(trainer_state["rng"])
@@ -160,7 +159,9 @@ class Trainer:
         if ro.backend == "http":
             backend = HTTPBackend(ro.url, self.cfg.model, api_key=rollout_api_key(ro),
                                   max_concurrency=ro.prompts_per_step,
-                                  weights_dir=ro.weights_dir or self.out / "weights")
+                                  timeout_s=ro.request_timeout_s, weights_dir=ro.weights_dir or self.out / "weights",
+                                  weight_sync=ro.weight_sync, log=self.log,
+                                  bucket_bytes=self.cfg.cluster.weight_bucket_bytes)
             backend.update_weights(model, weight_version)  # the server's weights are unknown
             return backend
         engine_cfg = EngineConfig(
@@ -239,13 +240,13 @@ class Trainer:
             correction=cfg.correction)
 
     def sync_weights(self, step: int) -> str:
-        """Export the actor's weights (HF-named buckets) once and push them to the engine."""
-        weights = {name: t for bucket in
-                   self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
-                   for name, t in bucket}
-        # kept only until this step's checkpoint (no second gather; no copy held otherwise)
-        self._weights = (step, weights) if self.saves_at(step) else None
-        self.versions.set_current(str(step), weights)  # max_staleness >= 1: kept for pi_gen
+        """Stream the actor's HF-named weight buckets to the engines, one bucket at a time
+        (`rollout.weight_sync`); a checkpoint exports again. With loop.max_staleness >= 1 the
+        pi_gen cache keeps this version's tensors (the actor's views), so they are collected."""
+        weights = self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
+        if self.versions.k > 0:
+            weights = {name: t for bucket in weights for name, t in bucket}
+            self.versions.set_current(str(step), weights)
         return self.pipeline.update_weights(weights, str(step))
 
     def saves_at(self, step: int) -> bool:
@@ -312,13 +313,11 @@ class Trainer:
         return self.source.validate(self.rollout, params)
 
     def save(self) -> Path:
-        if self._weights is not None and self._weights[0] == self.state.step:
-            weights = self._weights[1]  # this step's export: no second gather
-            self._weights = None
-        else:
-            weights = {name: t for bucket in
-                       self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
-                       for name, t in bucket}
+        # The sync streamed and dropped its buckets: export again (views for the in-process
+        # actor; a gather on a group), so no full copy is held across the step.
+        weights = {name: t for bucket in
+                   self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
+                   for name, t in bucket}
         check_weights(self.state.step, weights.items(), self.cfg, latest_checkpoint(self.out))
         return save_checkpoint(self.out, weights, self.actor.rank_state(), self.state,
                                tokenizer=self.source.tokenizer, keep=self.cfg.loop.keep_checkpoints,
