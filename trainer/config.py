@@ -480,6 +480,9 @@ class ExperimentConfig:
                     d["cluster"].pop(k)
         if self.rollout.sglang == SGLangOptions():
             d["rollout"].pop("sglang")
+        for k in ("weight_sync", "request_timeout_s"):  # at defaults: saved as before they existed
+            if d["rollout"][k] == getattr(RolloutConfig, k):
+                d["rollout"].pop(k)
         return d
 
     def hash(self, *sections: str) -> str:
@@ -498,7 +501,7 @@ class ExperimentConfig:
         # itself was a (null) config field keep their hash
         d["rollout"].pop("api_key_file")
         for k in ("weight_sync", "request_timeout_s"):  # how weights travel: not the numbers
-            d["rollout"].pop(k)
+            d["rollout"].pop(k, None)
         d["rollout"]["api_key"] = None
         if self.model.path is None:
             d["model"].pop("path")
