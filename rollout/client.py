@@ -34,6 +34,11 @@ class RolloutError(RuntimeError):
     """A server refused a request or answered something that breaks the contract."""
 
 
+class EngineDown(RolloutError):
+    """The server did not answer: connection refused or lost, or no answer within the timeout
+    (a dead or hung engine; a fleet retries the request on another engine)."""
+
+
 class RolloutBackend(ABC):
     """What the trainer needs from a rollout engine."""
 
@@ -168,15 +173,15 @@ class HTTPBackend(RolloutBackend):
                         raise RolloutError(f"POST {path} -> HTTP {r.status}: {text[:500]}")
                     return await r.json(content_type=None) if text else None
             except asyncio.TimeoutError:
-                raise RolloutError(f"POST {self.url}{path}: no answer within "
+                raise EngineDown(f"POST {self.url}{path}: no answer within "
                                    f"{self.timeout.total}s (not retried)") from None
             except aiohttp.ClientConnectorError as e:  # never connected: safe to send again
                 if attempt == self.retries:
-                    raise RolloutError(f"POST {self.url}{path}: connection failed after "
+                    raise EngineDown(f"POST {self.url}{path}: connection failed after "
                                        f"{self.retries + 1} attempts: {e!r}") from e
                 await asyncio.sleep(self.backoff_s * 2 ** attempt * (0.5 + random.random()))
             except aiohttp.ClientConnectionError as e:  # connected: the server may have acted
-                raise RolloutError(f"POST {self.url}{path}: connection lost after the request "
+                raise EngineDown(f"POST {self.url}{path}: connection lost after the request "
                                    f"was sent: {e!r} (not retried: the server may have acted "
                                    f"on it)") from e
 

@@ -1,0 +1,730 @@
+"""The rollout fleet: M SGLang-wire servers (ours or real SGLang) as Ray actors, or servers
+that are already running, behind one balancing client that survives dead and hung engines.
+
+    fleet = Fleet.serve(model, EngineConfig(dtype="bf16"), num_engines=2)   # lockstep serve x M
+    fleet = Fleet.sglang(options, model_path, num_engines=2)                 # real SGLang x M
+    fleet = Fleet.http(["http://10.0.0.5:30000", ...], model_cfg)            # running servers
+    results = fleet.generate(requests)      # least-loaded dispatch; a request's n samples on one engine
+    fleet.update_weights(weights, "7")      # /update_weights_from_distributed (or _from_disk)
+    fleet.close()
+
+Dispatch. A request (one prompt and its n samples: the GRPO group) goes to the live engine
+with the fewest samples in flight, and all of it stays there (one prefill, prefix cache),
+also when it is fanned out into n single-sample requests (sampling-mask requests, or
+`fan_out_samples`). Every request carries its rid; results are keyed by (rid, sample index).
+
+Faults. A POST that cannot connect, loses its connection, or gets no answer within
+`request_timeout_s` marks its engine dead: the engine's other requests are cancelled, every
+unfinished request of it is sent again, whole, to a live engine, and answers already held for
+a (rid, index) are kept (a resent group's duplicates are dropped), so every sample comes back
+exactly once. The dead engine's Ray actor is killed and relaunched in its bundle (at most
+`max_engine_restarts` times per engine); the new server joins the weight sync at the next
+push and serves only once it holds the pushed weights. Servers given by URL cannot be
+relaunched: a dead one is probed again (`/health`) at each push and rejoins when it answers.
+
+Weight sync. `distributed`: every engine joins one torch.distributed group with the trainer
+as rank 0 (`rollout.weight_sync.DistributedWeightSync`: SGLang's /init_weights_update_group and
+/update_weights_from_distributed, gloo on CPU, NCCL on GPUs); the group is re-created whenever
+the set of engines changes (a relaunch). `disk`: the weights are written once as an HF folder
+under `weights_dir` and every engine loads it (/update_weights_from_disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import importlib.util
+import os
+import secrets
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+import torch
+
+from lockstep.moe.buckets import bucketize
+from lockstep.moe.checkpoint import hf_state_dict, save_hf_state_dict
+from lockstep.moe.config import ModelConfig
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.client import EngineDown, HTTPBackend, RolloutBackend, RolloutError
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.types import GenerateRequest, GenerationResult
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_UNLOADED = "unloaded"  # version of a relaunched server before its first push (never served)
+
+
+class FleetError(RolloutError):
+    """The fleet cannot go on: no live engine left, restarts used up, or a launch failed."""
+
+
+# -- the Ray actors ------------------------------------------------------------------------------
+class ServerWorker:
+    """Our embedded engine behind our SGLang-wire HTTP server, in a Ray actor process (what
+    `lockstep serve` runs). `source`: an HF folder on the worker's node, a native state dict
+    (an object ref Ray resolves) with `model_cfg`, or None: random weights with version
+    "unloaded", for a relaunched server that gets the current weights pushed before serving."""
+
+    def __init__(self, source: str | dict[str, torch.Tensor] | None, model_cfg: ModelConfig,
+                 engine_cfg: EngineConfig, weight_version: str, api_key: str | None,
+                 threads: int = 1):
+        import ray
+
+        from lockstep.rollout.server import ServerThread
+        torch.set_num_threads(threads)
+        if isinstance(source, str):
+            engine = Engine.from_hf(source, engine_cfg, weight_version)
+        else:
+            model = MoEModel(model_cfg)
+            if source is not None:
+                model.load_state_dict(source, strict=True)
+            engine = Engine(model, engine_cfg, weight_version if source is not None else _UNLOADED)
+        self.node = ray.get_runtime_context().get_node_id()
+        self.server = ServerThread(engine, host=_node_ip(), port=0, api_key=api_key).start()
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.server.url, "pid": os.getpid(), "node": self.node}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class SGLangWorker:
+    """A real SGLang server launched from a Ray actor (its GPUs are the actor's bundle). Needs
+    the `sglang` package in the workers' Python; refused with a clear message otherwise."""
+
+    def __init__(self, options: dict[str, Any], model_path: str, weight_version: str,
+                 api_key: str | None, log_dir: str | None = None):
+        import ray
+
+        from lockstep.rollout.sglang import SGLangServer
+        require_sglang()
+        cfg = sglang_config(options, model_path, _node_ip(), _free_port(), weight_version, api_key)
+        self.node = ray.get_runtime_context().get_node_id()
+        log = None if log_dir is None else os.path.join(log_dir, f"sglang-{cfg.port}.log")
+        self.server = SGLangServer(cfg, log_path=log).start(
+            float(options.get("startup_timeout_s", 900.0)))
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.server.cfg.url, "pid": self.server.proc.pid, "node": self.node}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def require_sglang() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        raise FleetError("rollout.backend=sglang needs SGLang installed in the Python the Ray "
+                         "workers run (a GPU machine: pip install 'lockstep[gpu]'); this one has "
+                         "no `sglang` package. On CPU use rollout.backend=serve (lockstep's own "
+                         "SGLang-wire servers) instead")
+
+
+def sglang_config(options: dict[str, Any] | None, model_path: str, host: str, port: int,
+                  weight_version: str | None = None, api_key: str | None = None):
+    """The `SGLangConfig` one fleet server is launched with: `rollout.sglang` options (the
+    SGLangConfig fields: tp_size, ep_size, dtype, enable_fp32_lm_head, ...) plus what the fleet
+    decides per server (model, host, port, weight version, key)."""
+    from lockstep.rollout.sglang import SGLangConfig
+    opts = {k: v for k, v in (options or {}).items() if k != "startup_timeout_s"}
+    fixed = {"model_path": model_path, "host": host, "port": port, "api_key": api_key,
+             "weight_version": weight_version}
+    clash = sorted(k for k in ("model_path", "host", "port", "api_key") if k in opts)
+    if clash:
+        raise ValueError(f"rollout.sglang.{clash[0]}: set by the fleet for each server "
+                         f"(model from the run, a free port on the actor's node); leave it out")
+    return SGLangConfig.from_dict({**opts, **fixed})
+
+
+def _node_ip() -> str:
+    import ray.util
+    return ray.util.get_node_ip_address()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# -- one engine of the fleet ---------------------------------------------------------------------
+@dataclass
+class EngineSlot:
+    """What the client knows of one engine: its server, its Ray actor, its state."""
+
+    index: int
+    url: str = ""
+    pid: int = -1
+    node: str = "?"
+    actor: Any = None
+    client: HTTPBackend | None = None
+    state: str = "starting"  # live | joining (relaunched, no weights yet) | dead | gone
+    restarts: int = 0
+    load: int = 0  # samples in flight
+    last_error: str = ""
+
+    def __str__(self) -> str:
+        return f"engine {self.index} ({self.url or 'starting'}, pid {self.pid}, {self.state})"
+
+
+@dataclass
+class _Group:
+    """One request (a prompt and its n samples) and the wire requests it is sent as."""
+
+    pos: int
+    req: GenerateRequest
+    wire: list[GenerateRequest]  # one n-sample request, or n single-sample ones
+    tries: int = 0
+
+    @property
+    def samples(self) -> int:
+        return self.req.sampling.n
+
+
+@dataclass
+class FleetStats:
+    retried_groups: int = 0
+    duplicates_dropped: int = 0
+    engines_marked_dead: int = 0
+    relaunches: int = 0
+    pushes: int = 0
+    push_seconds: float = 0.0
+    push_bytes: int = 0          # bytes sent to the engines by the last push
+    disk_bytes_written: int = 0  # weight folders this fleet wrote for weight sync, in total
+    events: list[str] = field(default_factory=list)
+
+
+class Fleet(RolloutBackend):
+    """M SGLang-wire engines behind one balancing, fault-tolerant client (module doc).
+
+    `launch(i)` (None for servers given by URL) starts engine i's Ray actor and returns
+    (actor, info dict with url/pid/node); `pg` is the placement group they live in.
+    """
+
+    def __init__(self, slots: list[EngineSlot], model_cfg: ModelConfig, *,
+                 launch: Callable[[int], tuple[Any, dict]] | None = None, pg: Any = None,
+                 owns_ray: bool = False, weight_version: str = "0", api_key: str | None = None,
+                 weight_sync: str = "distributed", weights_dir: str | Path | None = None,
+                 request_timeout_s: float = 600.0, max_engine_restarts: int = 3,
+                 max_concurrency: int = 64, fan_out_samples: bool = False,
+                 sampling_mask_max_tokens: int = 4096, bucket_bytes: int = 64 << 20,
+                 startup_timeout_s: float = 300.0, log: Callable[[str], None] | None = None):
+        if weight_sync not in ("distributed", "disk"):
+            raise ValueError(f"Fleet: weight_sync must be 'distributed' or 'disk', got "
+                             f"{weight_sync!r}")
+        if weight_sync == "disk" and weights_dir is None:
+            raise ValueError("Fleet: weight_sync='disk' needs weights_dir (a folder every "
+                             "server can read)")
+        self.slots, self.cfg, self._launch, self.pg = slots, model_cfg, launch, pg
+        self._owns_ray = owns_ray
+        self.weight_version = str(weight_version)
+        self.api_key = api_key
+        self.weight_sync = weight_sync
+        self.weights_dir = None if weights_dir is None else Path(weights_dir)
+        self.request_timeout_s = float(request_timeout_s)
+        self.max_engine_restarts = int(max_engine_restarts)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.max_concurrency = max_concurrency
+        self.fan_out_samples = fan_out_samples
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        self.bucket_bytes = bucket_bytes
+        self.log = log or (lambda s: None)
+        self.stats = FleetStats()
+        self.placement: dict[tuple[str, int], int] = {}  # (rid, index) -> engine, last generate
+        self._sync = None  # DistributedWeightSync over the engines in `_sync_urls`
+        self._sync_urls: list[str] = []
+        self._last_folder: Path | None = None
+        self.closed = False
+        for s in slots:
+            if s.url and s.client is None:
+                s.client = self._client(s.url)
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def serve(cls, source: MoEModel | str | Path, engine_cfg: EngineConfig, num_engines: int,
+              weight_version: str = "0", *, model_cfg: ModelConfig | None = None,
+              address: str | None = None, cpus_per_engine: float = 1.0, gpus_per_engine: float = 0,
+              threads_per_engine: int = 1, startup_timeout_s: float = 300.0,
+              **kw: Any) -> "Fleet":
+        """`num_engines` embedded engines behind our SGLang-wire servers, one Ray actor each,
+        one `{CPU: cpus_per_engine[, GPU: gpus_per_engine]}` bundle each in a placement group.
+        `source`: a model (its fp32 state dict is put in the object store once, for start-up
+        only) or an HF folder every node can read."""
+        import ray
+        if isinstance(source, MoEModel):
+            model_cfg, src = source.cfg, None
+            state = source.state_dict()
+        else:
+            src, state = str(source), None
+            model_cfg = model_cfg or ModelConfig.from_json(Path(src) / "config.json")
+        api_key = kw.pop("api_key", None) or secrets.token_hex(16)
+        owns = _init_ray(address)
+        pg = _placement(num_engines, cpus_per_engine, gpus_per_engine, startup_timeout_s,
+                        "lockstep-serve")
+        # start-up weights: put once, dropped once every server holds them (no copy kept)
+        start = {"ref": ray.put(state)} if state is not None else {}
+        remote = ray.remote(ServerWorker)
+
+        def launch(i: int, first: bool = False) -> tuple[Any, dict]:
+            # a relaunch starts from random weights and is pushed the current ones before serving
+            source_i = start.get("ref") if first and state is not None else src
+            actor = remote.options(
+                num_cpus=cpus_per_engine, num_gpus=gpus_per_engine, max_restarts=0,
+                runtime_env={"env_vars": WORKER_ENV},
+                scheduling_strategy=_in_bundle(pg, i)).remote(
+                source_i, model_cfg, engine_cfg, str(weight_version), api_key, threads_per_engine)
+            return actor, actor.info
+
+        return _start(cls, num_engines, launch, pg, owns, model_cfg, weight_version, api_key,
+                      startup_timeout_s, kw, drop=start.clear)
+
+    @classmethod
+    def sglang(cls, options: dict[str, Any] | None, model_path: str, num_engines: int,
+               model_cfg: ModelConfig, weight_version: str = "0", *, address: str | None = None,
+               cpus_per_engine: float = 1.0, startup_timeout_s: float = 900.0,
+               log_dir: str | None = None, **kw: Any) -> "Fleet":
+        """`num_engines` real SGLang servers, one Ray actor each with a `{GPU: tp_size}` bundle
+        (`options`: the `rollout.sglang` section, SGLangConfig fields). GPU machines only."""
+        import ray
+        require_sglang()  # on the driver too: fail before reserving anything
+        opts = dict(options or {})
+        sglang_config(opts, model_path, "127.0.0.1", 30000)  # options checked before launching
+        gpus = int(opts.get("tp_size", 1))
+        api_key = kw.pop("api_key", None) or secrets.token_hex(16)
+        owns = _init_ray(address)
+        pg = _placement(num_engines, cpus_per_engine, gpus, startup_timeout_s, "lockstep-sglang")
+        remote = ray.remote(SGLangWorker)
+
+        def launch(i: int, first: bool = False) -> tuple[Any, dict]:
+            actor = remote.options(
+                num_cpus=cpus_per_engine, num_gpus=gpus, max_restarts=0,
+                scheduling_strategy=_in_bundle(pg, i)).remote(
+                opts, model_path, str(weight_version) if first else _UNLOADED, api_key, log_dir)
+            return actor, actor.info
+
+        return _start(cls, num_engines, launch, pg, owns, model_cfg, weight_version, api_key,
+                      startup_timeout_s, kw, drop=lambda: None)
+
+    @classmethod
+    def http(cls, urls: list[str], model_cfg: ModelConfig, **kw: Any) -> "Fleet":
+        """Servers that are already running (`rollout.urls`); they are not relaunched."""
+        if not urls:
+            raise ValueError("Fleet.http: rollout.urls is empty")
+        slots = [EngineSlot(i, url=u.rstrip("/"), state="live") for i, u in enumerate(urls)]
+        return cls(slots, model_cfg, weight_version=kw.pop("weight_version", "unknown"), **kw)
+
+    def _client(self, url: str) -> HTTPBackend:
+        return HTTPBackend(url, self.cfg, api_key=self.api_key,
+                           max_concurrency=self.max_concurrency,
+                           timeout_s=self.request_timeout_s, retries=1, backoff_s=0.2,
+                           sampling_mask_max_tokens=self.sampling_mask_max_tokens,
+                           fan_out_samples=self.fan_out_samples)
+
+    # -- generate --------------------------------------------------------------------------
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        return asyncio.run(self.agenerate(requests))
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
+        self._check_open()
+        if not any(s.state == "live" for s in self.slots):
+            await asyncio.to_thread(self._revive)
+        prefix = uuid.uuid4().hex[:8]
+        for k, r in enumerate(requests):  # rids must be unique across engines and retries
+            r.rid = r.rid or f"fleet-{prefix}-{k}"
+        seen: set[str] = set()
+        for r in requests:
+            if r.rid in seen:
+                raise RolloutError(f"two requests share rid {r.rid!r}: results are matched by "
+                                   f"(rid, sample index), so rids must be unique")
+            seen.add(r.rid)
+        groups = [_Group(k, r, self._wire(r)) for k, r in enumerate(requests)]
+        store: dict[tuple[str, int], GenerationResult] = {}
+        self.placement = {}
+        sessions: dict[int, aiohttp.ClientSession] = {}
+        queue = collections.deque(groups)
+        tasks: dict[asyncio.Task, tuple[_Group, EngineSlot]] = {}
+        try:
+            while queue or tasks:
+                while queue:
+                    g = queue.popleft()
+                    slot = self._pick()
+                    if slot.index not in sessions:
+                        sessions[slot.index] = aiohttp.ClientSession(
+                            timeout=slot.client.timeout,
+                            connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+                    slot.load += g.samples
+                    t = asyncio.ensure_future(self._run_group(g, slot, sessions[slot.index], store))
+                    tasks[t] = (g, slot)
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    g, slot = tasks.pop(t)
+                    slot.load -= g.samples
+                    if t.cancelled():  # its engine died under another request: send it again
+                        self._retry(g, queue, slot)
+                        continue
+                    err = t.exception()
+                    if err is None:
+                        continue
+                    if not isinstance(err, EngineDown):
+                        raise err
+                    if slot.state == "live":
+                        self._mark_dead(slot, str(err))
+                        for t2, (_, s2) in tasks.items():
+                            if s2 is slot:
+                                t2.cancel()
+                    self._retry(g, queue, slot)
+        finally:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for s in sessions.values():
+                await s.close()
+        want = [(r.rid, j) for r in requests for j in range(r.sampling.n)]
+        missing = [k for k in want if k not in store]
+        extra = sorted(set(store) - set(want))
+        if missing or extra:
+            raise RolloutError(f"fleet: results do not match the requests: missing (rid, index) "
+                               f"{missing[:5]}, unexpected {extra[:5]}")
+        return [store[k] for k in want]
+
+    def _wire(self, req: GenerateRequest) -> list[GenerateRequest]:
+        """The HTTP requests one request is sent as (fanned out like HTTPBackend does)."""
+        if req.sampling.n > 1 and (req.return_sampling_mask or self.fan_out_samples):
+            base, sp = req.rid, req.sampling
+            return [dataclasses.replace(req, rid=f"{base}-{j}", sampling=dataclasses.replace(
+                sp, n=1, seed=None if sp.seed is None else sp.seed + j)) for j in range(sp.n)]
+        return [req]
+
+    def _pick(self) -> EngineSlot:
+        """The live engine with the fewest samples in flight (lowest index on ties)."""
+        live = [s for s in self.slots if s.state == "live"]
+        if not live:
+            raise FleetError("no live rollout engine left: " + "; ".join(
+                f"{s}: {s.last_error[:200]}" for s in self.slots))
+        return min(live, key=lambda s: (s.load, s.index))
+
+    def _retry(self, g: _Group, queue: collections.deque, slot: EngineSlot) -> None:
+        g.tries += 1
+        if g.tries > len(self.slots) * (self.max_engine_restarts + 1):
+            raise FleetError(f"request {g.req.rid}: sent {g.tries} times, never answered; "
+                             f"last engine {slot}: {slot.last_error[:300]}")
+        self.stats.retried_groups += 1
+        queue.append(g)
+
+    async def _run_group(self, g: _Group, slot: EngineSlot, session: aiohttp.ClientSession,
+                         store: dict) -> None:
+        """Send a group's wire requests to one engine; store each answer under (rid, index)
+        unless that sample is already held."""
+        client = slot.client
+        fanned = len(g.wire) > 1 or g.wire[0] is not g.req
+
+        async def one(j0: int, wreq: GenerateRequest) -> None:
+            resp = await client._post(session, "/generate", client.request_body(wreq))
+            items = resp if isinstance(resp, list) else [resp]
+            if len(items) != wreq.sampling.n:
+                raise RolloutError(f"{slot}: request {wreq.rid} asked n={wreq.sampling.n}, "
+                                   f"answered {len(items)} results")
+            for j, item in enumerate(items):
+                res = client.parse(item, wreq, g.pos, j0 + j)
+                res = dataclasses.replace(res, rid=g.req.rid, index=j0 + j)
+                key = (g.req.rid, j0 + j)
+                if key in store:
+                    self.stats.duplicates_dropped += 1
+                    continue
+                store[key] = res
+                self.placement[key] = slot.index
+
+        await asyncio.gather(*(one(j if fanned else 0, w) for j, w in enumerate(g.wire)))
+
+    def _mark_dead(self, slot: EngineSlot, why: str) -> None:
+        slot.state, slot.last_error = "dead", why
+        self.stats.engines_marked_dead += 1
+        self._event(f"{slot.index} marked dead: {why[:200]}")
+        if slot.actor is not None:  # a hung server must not keep its bundle (or its CPU)
+            _kill(slot.actor)
+
+    def _event(self, text: str) -> None:
+        self.stats.events.append(text)
+        self.log(f"fleet: engine {text}")
+
+    # -- relaunch ---------------------------------------------------------------------------
+    def _revive(self) -> list[EngineSlot]:
+        """Relaunch dead engines (Ray actors) or re-probe dead URLs; they come back as
+        'joining' (no weights yet). Returns the slots that came back."""
+        back = []
+        for s in self.slots:
+            if s.state != "dead":
+                continue
+            if self._launch is None:  # a server we did not start: is it answering again?
+                try:
+                    asyncio.run(s.client.get("/health"))
+                except Exception:
+                    continue
+                s.state = "joining"
+                back.append(s)
+                continue
+            if s.restarts >= self.max_engine_restarts:
+                s.state = "gone"
+                self._event(f"{s.index} not relaunched: rollout.max_engine_restarts="
+                            f"{self.max_engine_restarts} used up")
+                continue
+            s.restarts += 1
+            self.stats.relaunches += 1
+            try:
+                _connect(s, self._launch, self.startup_timeout_s)
+            except Exception as e:  # noqa: BLE001 - named and kept; the fleet goes on without it
+                s.state, s.last_error = "dead", f"relaunch failed: {e}"
+                self._event(f"{s.index} relaunch {s.restarts} failed: {e}")
+                continue
+            s.client = self._client(s.url)
+            s.state = "joining"
+            self._event(f"{s.index} relaunched ({s.restarts}/{self.max_engine_restarts}) as "
+                        f"pid {s.pid} at {s.url}")
+            back.append(s)
+        if back and self._last_folder is not None:  # disk sync: the current weights are on disk
+            self._push_disk(self._last_folder, self.weight_version, back)
+        return back
+
+    # -- weights ----------------------------------------------------------------------------
+    async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
+        return await asyncio.to_thread(self.update_weights, source, weight_version)
+
+    def update_weights(self, source: Any, weight_version: str | None = None) -> str:
+        """Push `source` (a model, an HF-named or native state dict, an HF folder, or an
+        iterable of buckets) to every engine; relaunched engines rejoin here."""
+        self._check_open()
+        self._revive()
+        if weight_version is None:
+            v = self.weight_version
+            weight_version = str(int(v) + 1) if v.isdigit() else uuid.uuid4().hex[:8]
+        version = str(weight_version)
+        t0 = time.perf_counter()
+        reiterable = isinstance(source, (MoEModel, dict, str, Path))
+        for attempt in range(self.max_engine_restarts + 2):
+            targets = [s for s in self.slots if s.state in ("live", "joining")]
+            if not targets:
+                raise FleetError("no rollout engine to push weights to: " + "; ".join(
+                    f"{s}: {s.last_error[:200]}" for s in self.slots))
+            try:
+                if self.weight_sync == "disk" or isinstance(source, (str, Path)):
+                    self._push_disk(source, version, targets)
+                else:
+                    self._push_distributed(source, version, targets)
+                break
+            except EngineDown as e:
+                dead = self._find_dead(targets, str(e))
+                if not reiterable or not dead:
+                    raise FleetError(f"weight push {version!r} failed ({e}); "
+                                     + ("the weights were a one-pass stream, so they cannot be "
+                                        "pushed again" if not reiterable else
+                                        "no engine was found dead")) from e
+                self._revive()
+        for s in self.slots:
+            if s.state == "joining":
+                s.state = "live"
+        self.weight_version = version
+        self.stats.pushes += 1
+        self.stats.push_seconds = time.perf_counter() - t0
+        return version
+
+    def _find_dead(self, targets: list[EngineSlot], why: str) -> list[EngineSlot]:
+        dead = []
+        for s in targets:
+            try:
+                asyncio.run(_health(s.client, min(10.0, self.request_timeout_s)))
+            except Exception:  # noqa: BLE001 - any failure to answer /health means dead here
+                self._mark_dead(s, f"during a weight push: {why}")
+                dead.append(s)
+        return dead
+
+    def _buckets(self, source: Any):
+        if isinstance(source, MoEModel):
+            source = hf_state_dict(source)
+        if isinstance(source, dict):
+            return bucketize(source.items(), self.bucket_bytes)
+        return source  # an iterable of buckets, consumed once
+
+    def _push_distributed(self, source: Any, version: str, targets: list[EngineSlot]) -> None:
+        from lockstep.rollout.weight_sync import DistributedWeightSync
+        urls = [s.url for s in targets]
+        if self._sync is None or self._sync_urls != urls:  # a new member: a new group
+            self._close_sync()
+            self._sync = DistributedWeightSync(urls, api_key=self.api_key,
+                                               timeout_s=self.request_timeout_s)
+            self._sync_urls = urls
+        try:
+            got = self._sync.push(self._buckets(source), version)
+        except Exception as e:
+            self._close_sync()
+            raise EngineDown(f"distributed weight push to {urls}: {e}") from e
+        self.stats.push_bytes = int(got.get("bytes", 0))
+        for s in targets:
+            s.client.weight_version = s.client._pushed_version = version
+
+    def _push_disk(self, source: Any, version: str, targets: list[EngineSlot]) -> None:
+        folder = source
+        if not isinstance(source, (str, Path)):
+            weights = (hf_state_dict(source) if isinstance(source, MoEModel) else
+                       dict(source) if isinstance(source, dict) else
+                       {k: t for b in source for k, t in b})
+            folder = save_hf_state_dict(weights, self.cfg, self.weights_dir / f"weights_{version}")
+            self.stats.disk_bytes_written += sum(
+                f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+            old, self._last_folder = self._last_folder, Path(folder)
+            if old is not None and old != Path(folder) and old.parent == self.weights_dir:
+                import shutil
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            self._last_folder = Path(folder)
+
+        async def all_() -> list:
+            return await asyncio.gather(*(s.client.aupdate_weights(str(folder), version)
+                                          for s in targets), return_exceptions=True)
+        errors = [(s, e) for s, e in zip(targets, asyncio.run(all_())) if isinstance(e, Exception)]
+        down = [(s, e) for s, e in errors if isinstance(e, EngineDown)]
+        if len(down) != len(errors):
+            s, e = next((s, e) for s, e in errors if not isinstance(e, EngineDown))
+            raise RolloutError(f"{s}: /update_weights_from_disk {folder}: {e}")
+        for s, e in down:
+            self._mark_dead(s, f"during a weight push: {e}")
+        if down:
+            raise EngineDown(f"{len(down)} engine(s) died during the push")
+
+    # -- colocated placement: SGLang's memory release between phases ------------------------
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """POST /release_memory_occupation to every live engine (colocated rollout: free the
+        accelerator for the actor's phase). Servers without the endpoint raise, naming it."""
+        self._broadcast("/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """POST /resume_memory_occupation (before the weight push: tags=["weights"]; before
+        generating: ["kv_cache"]; None: both)."""
+        self._broadcast("/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    def _broadcast(self, path: str, body: dict) -> None:
+        async def all_():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                    total=self.request_timeout_s)) as sess:
+                return await asyncio.gather(*(s.client._post(sess, path, body) for s in
+                                              self.slots if s.state == "live"))
+        asyncio.run(all_())
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[EngineSlot]:
+        return self.slots
+
+    def _close_sync(self) -> None:
+        if self._sync is not None:
+            try:
+                self._sync.close()
+            except Exception:  # noqa: BLE001 - a dead member: the group is gone either way
+                pass
+            self._sync, self._sync_urls = None, []
+
+    def close(self) -> None:
+        """Leave the weight group, stop the servers we launched, free their bundles."""
+        if self.closed:
+            return
+        self.closed = True
+        self._close_sync()
+        if self._launch is not None:
+            from lockstep.rollout.ray_backend import release
+            release([s.actor for s in self.slots if s.actor is not None], self.pg, self._owns_ray)
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RolloutError("the rollout fleet is closed")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+async def _health(client: HTTPBackend, timeout_s: float) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        async with s.get(client.url + "/health") as r:
+            if r.status != 200:
+                raise RolloutError(f"/health -> {r.status}")
+
+
+def _init_ray(address: str | None) -> bool:
+    import ray
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, runtime_env={"env_vars": WORKER_ENV})
+    return True
+
+
+def _placement(n: int, cpus: float, gpus: float, timeout_s: float, name: str):
+    import ray
+    from ray.util.placement_group import placement_group
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"rollout.num_engines must be a positive integer, got {n!r}")
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([bundle] * n, strategy="PACK", name=f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    if not pg.wait(timeout_s):
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(pg)
+        raise FleetError(f"could not reserve {n} bundles of {bundle} within {timeout_s:.0f}s; "
+                         f"the cluster has {ray.available_resources()} free")
+    return pg
+
+
+def _in_bundle(pg, i: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+
+
+def _kill(actor) -> None:
+    import ray
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead
+        pass
+
+
+def _connect(slot: EngineSlot, launch, timeout_s: float, first: bool = False) -> None:
+    """Start engine `slot.index`'s actor and wait for its URL and pid."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+    if slot.actor is not None:
+        _kill(slot.actor)
+    actor, info_fn = launch(slot.index, first) if first else launch(slot.index)
+    slot.actor = actor
+    try:
+        info = ray.get(info_fn.remote(), timeout=timeout_s)
+    except (RayActorError, RayTaskError) as e:
+        raise FleetError(f"engine {slot.index} failed to start: {e}") from None
+    slot.url, slot.pid, slot.node = info["url"], int(info["pid"]), str(info["node"])
+
+
+def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout_s, kw, drop):
+    import ray
+    slots = [EngineSlot(i) for i in range(n)]
+    handles: list = []
+    try:
+        handles += [launch(i, True) for i in range(n)]
+        infos = ray.get([h[1].remote() for h in handles], timeout=timeout_s)
+        for s, (actor, _), info in zip(slots, handles, infos):
+            s.actor, s.url, s.pid, s.node = actor, info["url"], int(info["pid"]), str(info["node"])
+            s.state = "live"
+    except BaseException:
+        from lockstep.rollout.ray_backend import release
+        release([h[0] for h in handles], pg, owns)
+        raise
+    drop()
+    fleet = cls(slots, model_cfg, launch=launch, pg=pg, owns_ray=owns,
+                weight_version=weight_version, api_key=api_key, startup_timeout_s=timeout_s, **kw)
+    for s in slots:  # every server started with these weights: results must say so
+        s.client._pushed_version = str(weight_version)
+    return fleet
