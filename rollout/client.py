@@ -169,8 +169,9 @@ class HTTPBackend(RolloutBackend):
             try:
                 async with session.post(self.url + path, json=body, headers=self._headers()) as r:
                     text = await r.text()
-                    if r.status != 200:
-                        raise RolloutError(f"POST {path} -> HTTP {r.status}: {text[:500]}")
+                    if r.status != 200:  # 502/503/504: the server is going away or overloaded
+                        raise (EngineDown if r.status in (502, 503, 504) else RolloutError)(
+                            f"POST {self.url}{path} -> HTTP {r.status}: {text[:500]}")
                     return await r.json(content_type=None) if text else None
             except asyncio.TimeoutError:
                 raise EngineDown(f"POST {self.url}{path}: no answer within "

@@ -63,6 +63,10 @@ class FleetError(RolloutError):
     """The fleet cannot go on: no live engine left, restarts used up, or a launch failed."""
 
 
+class _Aborted(RolloutError):
+    """A sample came back aborted (someone aborted it on a live server): send the group again."""
+
+
 # -- the Ray actors ------------------------------------------------------------------------------
 class ServerWorker:
     """Our embedded engine behind our SGLang-wire HTTP server, in a Ray actor process (what
@@ -178,7 +182,8 @@ class _Group:
 
     pos: int
     req: GenerateRequest
-    wire: list[GenerateRequest]  # one n-sample request, or n single-sample ones
+    wire: list[tuple[int, GenerateRequest]]  # (first sample index, HTTP request): one
+    # n-sample request, or n single-sample ones
     tries: int = 0
 
     @property
@@ -370,6 +375,9 @@ class Fleet(RolloutBackend):
                     err = t.exception()
                     if err is None:
                         continue
+                    if isinstance(err, _Aborted):  # the engine is fine: just send it again
+                        self._retry(g, queue, slot)
+                        continue
                     if not isinstance(err, EngineDown):
                         raise err
                     if slot.state == "live":
@@ -393,13 +401,15 @@ class Fleet(RolloutBackend):
                                f"{missing[:5]}, unexpected {extra[:5]}")
         return [store[k] for k in want]
 
-    def _wire(self, req: GenerateRequest) -> list[GenerateRequest]:
-        """The HTTP requests one request is sent as (fanned out like HTTPBackend does)."""
+    def _wire(self, req: GenerateRequest) -> list[tuple[int, GenerateRequest]]:
+        """The HTTP requests one request is sent as, each with the index of its first sample:
+        fanned out into single-sample requests with seeds seed + j like HTTPBackend does (for
+        sampling-mask requests, which SGLang fails with n > 1, or with `fan_out_samples`)."""
         if req.sampling.n > 1 and (req.return_sampling_mask or self.fan_out_samples):
             base, sp = req.rid, req.sampling
-            return [dataclasses.replace(req, rid=f"{base}-{j}", sampling=dataclasses.replace(
-                sp, n=1, seed=None if sp.seed is None else sp.seed + j)) for j in range(sp.n)]
-        return [req]
+            return [(j, dataclasses.replace(req, rid=f"{base}-{j}", sampling=dataclasses.replace(
+                sp, n=1, seed=None if sp.seed is None else sp.seed + j))) for j in range(sp.n)]
+        return [(0, req)]
 
     def _pick(self) -> EngineSlot:
         """The live engine with the fewest samples in flight (lowest index on ties)."""
@@ -422,7 +432,6 @@ class Fleet(RolloutBackend):
         """Send a group's wire requests to one engine; store each answer under (rid, index)
         unless that sample is already held."""
         client = slot.client
-        fanned = len(g.wire) > 1 or g.wire[0] is not g.req
 
         async def one(j0: int, wreq: GenerateRequest) -> None:
             resp = await client._post(session, "/generate", client.request_body(wreq))
@@ -432,6 +441,8 @@ class Fleet(RolloutBackend):
                                    f"answered {len(items)} results")
             for j, item in enumerate(items):
                 res = client.parse(item, wreq, g.pos, j0 + j)
+                if res.finish_reason.get("type") == "abort":  # not a finished sample
+                    raise _Aborted(f"{slot}: request {wreq.rid} sample {j} was aborted")
                 res = dataclasses.replace(res, rid=g.req.rid, index=j0 + j)
                 key = (g.req.rid, j0 + j)
                 if key in store:
@@ -440,7 +451,7 @@ class Fleet(RolloutBackend):
                 store[key] = res
                 self.placement[key] = slot.index
 
-        await asyncio.gather(*(one(j if fanned else 0, w) for j, w in enumerate(g.wire)))
+        await asyncio.gather(*(one(j0, w) for j0, w in g.wire))
 
     def _mark_dead(self, slot: EngineSlot, why: str) -> None:
         slot.state, slot.last_error = "dead", why
@@ -727,4 +738,54 @@ def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout
                 weight_version=weight_version, api_key=api_key, startup_timeout_s=timeout_s, **kw)
     for s in slots:  # every server started with these weights: results must say so
         s.client._pushed_version = str(weight_version)
+    return fleet
+
+
+# -- from the experiment config (Trainer.make_backend) --------------------------------------------
+def weight_sync_mode(cfg: Any) -> str:
+    """How the fleet pushes weights: `rollout.weight_sync` (auto = distributed when the
+    trainer can join a group with the engines, which it always can over gloo/NCCL)."""
+    mode = getattr(cfg.rollout, "weight_sync", "auto")
+    if mode == "auto":
+        return "distributed" if importlib.util.find_spec("lockstep.rollout.weight_sync") else "disk"
+    if mode not in ("distributed", "disk"):
+        raise ValueError(f"rollout.weight_sync={mode!r} with rollout.backend="
+                         f"{cfg.rollout.backend!r}: a fleet of HTTP servers takes 'distributed' "
+                         f"(/update_weights_from_distributed), 'disk' or 'auto'")
+    return mode
+
+
+def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: EngineConfig,
+               out_dir: str | Path, log: Callable[[str], None] | None = None) -> Fleet:
+    """The fleet `rollout.backend` (serve, sglang, or http with `rollout.urls`) asks for,
+    holding `model`'s weights at `weight_version`."""
+    from lockstep.trainer.config import rollout_api_key
+    ro = cfg.rollout
+    kw: dict[str, Any] = dict(
+        weight_sync=weight_sync_mode(cfg), weights_dir=ro.weights_dir or Path(out_dir) / "weights",
+        request_timeout_s=ro.request_timeout_s, max_engine_restarts=ro.max_engine_restarts,
+        max_concurrency=max(ro.prompts_per_step, 1) * ro.samples_per_prompt,
+        bucket_bytes=cfg.cluster.weight_bucket_bytes, log=log)
+    if ro.backend == "serve":
+        return Fleet.serve(model, engine_cfg, ro.num_engines, weight_version,
+                           address=ro.ray_address, **kw)
+    if ro.backend == "sglang":
+        from lockstep.rollout.sglang_options import sglang_options_dict
+        opts = sglang_options_dict(cfg)
+        path = cfg.model.path
+        if path is None:  # SGLang loads a folder: the initial weights, written once
+            from lockstep.moe.checkpoint import save_hf
+            path = str(save_hf(model, Path(out_dir) / "weights" / "initial"))
+        fleet = Fleet.sglang(opts, str(path), ro.num_engines, cfg.model, weight_version,
+                             address=ro.ray_address, log_dir=str(out_dir),
+                             fan_out_samples=cfg.rollout.sglang.deterministic_inference,
+                             sampling_mask_max_tokens=cfg.rollout.sglang.sampling_mask_max_tokens
+                             or 4096, **kw)
+    else:
+        fleet = Fleet.http(list(ro.urls), cfg.model, api_key=rollout_api_key(ro), **kw)
+    try:
+        fleet.update_weights(model, weight_version)  # the servers' weights are not the policy's
+    except BaseException:
+        fleet.close()
+        raise
     return fleet

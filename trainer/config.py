@@ -83,16 +83,24 @@ class RolloutConfig:
     """Engine router dtype; None = same as dtype."""
     lm_head_dtype: Dtype | None = None
     """Engine LM-head dtype; None = same as dtype."""
-    backend: Literal["embedded", "http", "ray"] = "embedded"
-    """embedded: our engine in this process; http: an SGLang-compatible server at `url`;
-    ray: `num_engines` embedded engines as Ray actors (extra 'ray'; lockstep.rollout.ray_backend)."""
+    backend: Literal["embedded", "http", "ray", "serve", "sglang"] = "embedded"
+    """embedded: our engine in this process; http: SGLang-compatible server(s) at `url` or
+    `urls`; ray: `num_engines` embedded engines as Ray actors (extra 'ray';
+    lockstep.rollout.ray_backend); serve / sglang: a fleet of `num_engines` lockstep / real
+    SGLang servers launched as Ray actors behind one balancing client (lockstep.rollout.fleet)."""
     num_engines: int = 1
-    """ray backend: engine workers, one CPU bundle each in a placement group."""
+    """ray, serve, sglang backends: engines, one bundle each in a placement group."""
     ray_address: str | None = None
     """ray backend: cluster to join (None: RAY_ADDRESS, else the one `ray start` began on this
     machine, else a new local one)."""
+    max_engine_restarts: int = 3
+    """Restarts of a dead or hung engine allowed per engine per run; past it the run stops with
+    a RolloutError naming the engine (0: the first engine failure stops the run)."""
     url: str | None = None
     """http backend: server base URL, e.g. http://127.0.0.1:30000."""
+    urls: list[str] | None = None
+    """http backend: several running servers behind one balancing client (lockstep.rollout.fleet)
+    instead of `url`."""
     api_key_file: str | None = None
     """http backend: file holding the server's bearer token (first line). The token itself is
     never part of the config (it would be saved in config.yaml and show in `ps`): it comes from
@@ -100,7 +108,9 @@ class RolloutConfig:
     weights_dir: str | None = None
     """http backend: folder shared with the server for weight pushes (None = out_dir/weights)."""
     request_timeout_s: float = 600.0
-    """A request or weight push not answered in this time fails naming its engine."""
+    """A request or weight push not answered in this time fails naming its engine; the fleet
+    (serve, sglang, http with urls) then marks that engine dead, retries its requests on the
+    others and relaunches it."""
     weight_sync: Literal["auto", "distributed", "tensor", "disk", "object_store"] = "auto"
     """How each step's weights reach the engines (docs/rollout.md, "Weight sync"): http takes
     distributed (a gloo/NCCL group the server joins; no disk), tensor (safetensors over HTTP),
@@ -111,15 +121,20 @@ class RolloutConfig:
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
 
     def __post_init__(self) -> None:
-        _need(self.backend != "http" or bool(self.url),
-              "rollout.backend=http needs rollout.url (the server's base URL)")
+        _need(self.backend != "http" or bool(self.url) or bool(self.urls),
+              "rollout.backend=http needs rollout.url (the server's base URL) or rollout.urls")
+        _need(not (self.url and self.urls), "rollout.url and rollout.urls are both set; give "
+              "one server as url or several as urls")
         _in("rollout", self, "num_engines", 1, 1 << 12)
         _in("rollout", self, "request_timeout_s", 0.0, lo_open=True)
         valid_sync = {"embedded": ("auto",), "ray": ("auto", "object_store"),
-                      "http": ("auto", "distributed", "tensor", "disk")}.get(self.backend)
+                      "http": ("auto", "distributed", "tensor", "disk"),
+                      "serve": ("auto", "distributed", "disk"),
+                      "sglang": ("auto", "distributed", "disk")}.get(self.backend)
         _need(valid_sync is None or self.weight_sync in valid_sync,
               f"rollout.weight_sync={self.weight_sync!r} does not apply to "
               f"rollout.backend={self.backend}; valid there: {list(valid_sync or ())}")
+        _in("rollout", self, "max_engine_restarts", 0, 1 << 20)
         _in("rollout", self, "prompts_per_step", 1, 1 << 20)
         # GRPO normalises rewards within a group: one sample gives zero advantage, no signal.
         _in("rollout", self, "samples_per_prompt", 2, 1 << 12)
@@ -480,7 +495,7 @@ class ExperimentConfig:
                     d["cluster"].pop(k)
         if self.rollout.sglang == SGLangOptions():
             d["rollout"].pop("sglang")
-        for k in ("weight_sync", "request_timeout_s"):  # at defaults: saved as before they existed
+        for k in ("weight_sync", *_FLEET_KEYS):  # at defaults: saved as before they existed
             if d["rollout"][k] == getattr(RolloutConfig, k):
                 d["rollout"].pop(k)
         return d
@@ -500,7 +515,7 @@ class ExperimentConfig:
         # where the API key is read from is not the run's identity; runs written while the key
         # itself was a (null) config field keep their hash
         d["rollout"].pop("api_key_file")
-        for k in ("weight_sync", "request_timeout_s"):  # how weights travel: not the numbers
+        for k in ("weight_sync", "request_timeout_s", "max_engine_restarts"):  # not the numbers
             d["rollout"].pop(k, None)
         d["rollout"]["api_key"] = None
         if self.model.path is None:
@@ -512,6 +527,8 @@ class ExperimentConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# rollout keys of the fleet and its fault handling; left out at their defaults
+_FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
 _PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine")
 

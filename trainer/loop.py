@@ -156,7 +156,7 @@ class Trainer:
     def make_backend(self, model: MoEModel, weight_version: str) -> RolloutBackend:
         """The rollout engine, holding `model`'s weights at `weight_version`."""
         ro = self.cfg.rollout
-        if ro.backend == "http":
+        if ro.backend == "http" and not ro.urls:
             backend = HTTPBackend(ro.url, self.cfg.model, api_key=rollout_api_key(ro),
                                   max_concurrency=ro.prompts_per_step,
                                   timeout_s=ro.request_timeout_s, weights_dir=ro.weights_dir or self.out / "weights",
@@ -168,6 +168,9 @@ class Trainer:
             dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
             max_running=ro.batch_size, max_len=self.source.max_prompt_len + self.max_new_tokens,
             seed=self.cfg.loop.seed)
+        if ro.backend in ("serve", "sglang", "http"):  # a fleet of servers (needs 'ray' but http)
+            from lockstep.rollout.fleet import make_fleet
+            return make_fleet(self.cfg, model, weight_version, engine_cfg, self.out, self.log)
         if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
             from lockstep.rollout.ray_backend import RayBackend
             return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,

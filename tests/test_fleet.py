@@ -1,0 +1,150 @@
+"""The rollout fleet's balancing client over real loopback servers (`lockstep serve`'s app on
+threads, no Ray): results equal the in-process engine's, a request's samples stay on one
+engine, load is spread, a dead server's requests are retried elsewhere with every sample
+exactly once; and the SGLang fleet's launch arguments (SGLang itself is GPU-only)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.client import EngineDown, HTTPBackend, RolloutError
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.fleet import Fleet, FleetError, require_sglang, sglang_config
+from lockstep.rollout.server import ServerThread
+from lockstep.rollout.types import GenerateRequest, SamplingParams
+from lockstep.trainer.config import ExperimentConfigError, load_config
+
+from model_fixtures import tiny_config
+
+ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return MoEModel(tiny_config(max_position_embeddings=64, mlp_only_layers=[0]))
+
+
+def requests(k=6, n=4, seed=100, max_new=10, mask=False):
+    g = torch.Generator().manual_seed(seed)
+    return [GenerateRequest(torch.randint(3, 40, (int(p),), generator=g).tolist(), SamplingParams(
+        temperature=1.0, top_k=20 if mask else -1, max_new_tokens=max_new, n=n,
+        seed=seed + 1000 * i), rid=f"p{i}", return_sampling_mask=mask)
+        for i, p in enumerate(torch.randint(2, 10, (k,), generator=g))]
+
+
+def same(got, want):
+    assert [(r.rid, r.index) for r in got] == [(r.rid, r.index) for r in want]
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids, (a.rid, a.index)
+        assert torch.allclose(a.output_logprobs, b.output_logprobs, atol=1e-6, rtol=0)
+        assert torch.equal(a.routes_NLK, b.routes_NLK)
+
+
+@pytest.fixture
+def servers(model):
+    srv = [ServerThread(Engine.from_model(model, ENGINE, weight_version="0")).start()
+           for _ in range(2)]
+    yield srv
+    for s in srv:
+        s.stop()
+
+
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_results_equal_the_engine_and_groups_stay_on_one_engine(model, servers, fan_out):
+    fleet = Fleet.http([s.url for s in servers], model.cfg, fan_out_samples=fan_out)
+    got = fleet.generate(requests())
+    same(got, Engine.from_model(model, ENGINE).generate(requests()))
+    engines_of = {}
+    for (rid, _), e in fleet.placement.items():
+        engines_of.setdefault(rid, set()).add(e)
+    assert all(len(e) == 1 for e in engines_of.values()), engines_of  # a group on one engine
+    per_engine = [sum(1 for e in engines_of.values() if i in e) for i in range(2)]
+    assert per_engine == [3, 3]  # least-loaded: 6 equal groups over 2 idle engines
+
+
+def test_sampling_mask_groups_fan_out_on_one_engine(model, servers):
+    fleet = Fleet.http([s.url for s in servers], model.cfg)
+    got = fleet.generate(requests(k=3, mask=True))
+    same(got, Engine.from_model(model, ENGINE).generate(requests(k=3, mask=True)))
+    assert all(r.sampling_mask is not None for r in got)
+    by_rid = {}
+    for (rid, _), e in fleet.placement.items():
+        by_rid.setdefault(rid, set()).add(e)
+    assert all(len(e) == 1 for e in by_rid.values())
+
+
+def test_dead_server_requests_are_retried_on_the_live_one(model, servers):
+    fleet = Fleet.http([s.url for s in servers], model.cfg, fan_out_samples=True)
+    servers[1].stop()  # connection refused from now on
+    got = fleet.generate(requests())
+    same(got, Engine.from_model(model, ENGINE).generate(requests()))
+    assert fleet.slots[1].state == "dead" and fleet.slots[0].state == "live"
+    assert set(fleet.placement.values()) == {0}
+    assert fleet.stats.retried_groups >= 1 and fleet.stats.engines_marked_dead == 1
+    # every engine dead: a clear error naming them, not a hang
+    servers[0].stop()
+    with pytest.raises(FleetError, match="no live rollout engine"):
+        fleet.generate(requests(k=1))
+
+
+def test_rids_must_be_unique(model, servers):
+    fleet = Fleet.http([s.url for s in servers], model.cfg)
+    reqs = requests(k=2)
+    reqs[1].rid = reqs[0].rid
+    with pytest.raises(RolloutError, match="share rid"):
+        fleet.generate(reqs)
+
+
+def test_unanswered_post_is_engine_down_other_errors_are_not(model, servers):
+    client = HTTPBackend(servers[0].url, model.cfg, retries=0)
+    bad = requests(k=1)
+    bad[0].input_ids = [10_000]  # outside the vocabulary: HTTP 400, the request's fault
+    with pytest.raises(RolloutError) as e:
+        client.generate(bad)
+    assert not isinstance(e.value, EngineDown)
+    servers[0].stop()
+    with pytest.raises(EngineDown):
+        client.generate(requests(k=1))
+
+
+def test_config_fleet_backends():
+    cfg = load_config(None, ["rollout.backend=serve", "rollout.num_engines=2"])
+    assert cfg.rollout.backend == "serve" and cfg.rollout.request_timeout_s == 600.0
+    cfg = load_config(None, ["rollout.backend=http", "rollout.urls=[http://a:1, http://b:2]"])
+    assert cfg.rollout.urls == ["http://a:1", "http://b:2"]
+    with pytest.raises(ExperimentConfigError, match="url and rollout.urls"):
+        load_config(None, ["rollout.backend=http", "rollout.url=http://a:1",
+                           "rollout.urls=[http://b:2]"])
+    with pytest.raises(ExperimentConfigError, match="request_timeout_s"):
+        load_config(None, ["rollout.request_timeout_s=0"])
+    # the fleet's keys at their defaults do not change a run's hash (old runs resume)
+    assert load_config(None, ["rollout.max_engine_restarts=3"]).hash() == load_config().hash()
+
+
+def test_sglang_fleet_arguments():
+    from lockstep.rollout.sglang_options import sglang_options_dict
+    cfg = load_config(None, ["rollout.backend=sglang", "rollout.sglang.tp_size=4",
+                             "rollout.sglang.ep_size=2", "rollout.lm_head_dtype=fp32",
+                             "rollout.sglang.deterministic_inference=true"])
+    sc = sglang_config(sglang_options_dict(cfg), "/ckpt/hf", "10.1.2.3", 31234, "7", "k")
+    argv = sc.command()
+    for flag, value in (("--tp-size", "4"), ("--ep-size", "2"), ("--port", "31234"),
+                        ("--host", "10.1.2.3"), ("--model-path", "/ckpt/hf"),
+                        ("--weight-version", "7"), ("--dtype", "bfloat16")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init",
+                 "--enable-fp32-lm-head", "--enable-deterministic-inference"):
+        assert flag in argv
+    with pytest.raises(ValueError, match="rollout.sglang.port"):
+        sglang_config({"port": 1}, "/ckpt/hf", "h", 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
+def test_sglang_backend_without_sglang_is_refused_clearly(model):
+    with pytest.raises(FleetError, match="needs SGLang installed"):
+        require_sglang()
+    with pytest.raises(FleetError, match="rollout.backend=serve"):
+        Fleet.sglang({}, "/ckpt/hf", 2, model.cfg)  # before Ray or any bundle is touched
