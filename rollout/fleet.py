@@ -566,7 +566,8 @@ class Fleet(RolloutBackend):
         urls = [s.url for s in targets]
         if self._sync is None or self._sync_urls != urls:  # a new member: a new group
             self._close_sync()
-            self._sync = DistributedWeightSync(urls, api_key=self.api_key,
+            self._sync = DistributedWeightSync(urls, master_addr=_master_addr(urls),
+                                               api_key=self.api_key,
                                                timeout_s=self.request_timeout_s)
             self._sync_urls = urls
         try:
@@ -666,6 +667,18 @@ async def _health(client: HTTPBackend, timeout_s: float) -> None:
         async with s.get(client.url + "/health") as r:
             if r.status != 200:
                 raise RolloutError(f"/health -> {r.status}")
+
+
+def _master_addr(urls: list[str]) -> str:
+    """The trainer's address for the weight group's rendezvous: loopback when every engine
+    is on this machine's loopback, else the local interface that routes to the first engine."""
+    from urllib.parse import urlsplit
+    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
+    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((hosts[0], 9))  # UDP: no packet is sent, only a route is chosen
+        return s.getsockname()[0]
 
 
 def _init_ray(address: str | None) -> bool:
