@@ -59,10 +59,14 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
 
 
 def test_rl_loop_on_two_servers_equals_in_process(cluster, tmp_path):
-    sets = ["warmstart.enabled=false", "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-            "actor.mini_batch_size=16", "actor.micro_batch_size=16", "loop.steps=5",
-            "loop.tensorboard=false", "loop.plots=false", "loop.checkpoint_every=0"]
+    # 1-digit addition after a short supervised warm start (cached for the second run): the
+    # policy earns rewards in some groups, so every step changes the weights (a push that did
+    # not reach the engines would change the samples)
+    sets = ["task.digits=1", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+            "rollout.max_new_tokens=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
+            "loop.steps=5", "loop.tensorboard=false", "loop.plots=false",
+            "loop.checkpoint_every=0", "warmstart.max_steps=60", "warmstart.eval_every=20",
+            "warmstart.eval_size=32", f"warmstart.cache_dir={tmp_path / 'warmstart'}"]
     runs = {}
     for name, extra in (("local", []), ("fleet", ["rollout.backend=serve",
                                                   "rollout.num_engines=2"])):
@@ -93,6 +97,7 @@ def test_rl_loop_on_two_servers_equals_in_process(cluster, tmp_path):
             else:
                 assert abs(a[k] - b[k]) <= 1e-2 * abs(a[k]) + 1e-4, (a["step"], k, a[k], b[k])
     assert remote[-1]["replay/mismatch"] == 0.0
+    assert all(r["actor/grad_norm"] > 0 for r in local)  # the policy moved every step
     if DISTRIBUTED:  # weights travelled by broadcast only: nothing written for them
         assert fleet.stats.disk_bytes_written == 0 and fleet.stats.push_bytes > 0
         assert not (tmp_path / "fleet" / "weights").exists()
