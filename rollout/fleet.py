@@ -231,7 +231,7 @@ class Fleet(RolloutBackend):
         self.api_key = api_key
         self.weight_sync = weight_sync
         self.weights_dir = None if weights_dir is None else Path(weights_dir)
-        self.request_timeout_s = float(request_timeout_s)
+        self._timeout_s = float(request_timeout_s)
         self.max_engine_restarts = int(max_engine_restarts)
         self.startup_timeout_s = float(startup_timeout_s)
         self.max_concurrency = max_concurrency
@@ -322,6 +322,18 @@ class Fleet(RolloutBackend):
             raise ValueError("Fleet.http: rollout.urls is empty")
         slots = [EngineSlot(i, url=u.rstrip("/"), state="live") for i, u in enumerate(urls)]
         return cls(slots, model_cfg, weight_version=kw.pop("weight_version", "unknown"), **kw)
+
+    @property
+    def request_timeout_s(self) -> float:
+        """Seconds a request or push may go unanswered before its engine is marked dead."""
+        return self._timeout_s
+
+    @request_timeout_s.setter
+    def request_timeout_s(self, seconds: float) -> None:
+        self._timeout_s = float(seconds)
+        for s in self.slots:
+            if s.client is not None:
+                s.client.timeout = aiohttp.ClientTimeout(total=self._timeout_s)
 
     def _client(self, url: str) -> HTTPBackend:
         return HTTPBackend(url, self.cfg, api_key=self.api_key,

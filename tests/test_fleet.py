@@ -148,3 +148,78 @@ def test_sglang_backend_without_sglang_is_refused_clearly(model):
         require_sglang()
     with pytest.raises(FleetError, match="rollout.backend=serve"):
         Fleet.sglang({}, "/ckpt/hf", 2, model.cfg)  # before Ray or any bundle is touched
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
+                    reason="sglang-router not installed (optional; not a dependency)")
+def test_sglang_router_drops_the_route_fields(tmp_path):
+    """Why the fleet balances by itself: SGLang's load balancer (sglang-router 0.3.2, CPU wheel)
+    forwards /generate through its own request type, without the fields R2/R3 and
+    sampling-mask replay need. Fails (and says so) once a router version forwards them."""
+    import asyncio
+    import json
+    import shutil
+    import socket
+    import subprocess
+    import threading
+    import time
+    import urllib.request
+
+    from aiohttp import web
+
+    seen = []
+
+    async def generate(request):
+        seen.append(await request.json())
+        return web.json_response({"output_ids": [2], "meta_info": {"id": "x"}})
+
+    async def health(request):
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def free():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rport = free()
+    exe = shutil.which("sglang-router") or pytest.skip("no sglang-router executable")
+    proc = subprocess.Popen([exe, "launch", "--host", "127.0.0.1", "--port", str(rport),
+                             "--worker-urls", f"http://127.0.0.1:{port}", "--policy",
+                             "round_robin", "--prometheus-port", str(free()), "--log-level",
+                             "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}, "rid": "r1",
+                "return_logprob": True, "return_routed_experts": True,
+                "routed_experts_start_len": 0, "return_sampling_mask": True,
+                "sampling_logprobs_mode": "selected"}
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(urllib.request.Request(
+                    f"http://127.0.0.1:{rport}/generate", data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"}), timeout=10).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.skip("sglang-router did not come up here")
+                time.sleep(0.5)
+        fwd = seen[-1]
+        assert fwd["rid"] == "r1" and fwd["input_ids"] == [3, 4]
+        dropped = [k for k in ("return_routed_experts", "routed_experts_start_len",
+                               "return_sampling_mask", "sampling_logprobs_mode") if k not in fwd]
+        assert dropped, ("sglang-router now forwards the route and sampling-mask fields: it "
+                         "could balance the fleet (docs/ray.md, 'sglang-router')")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        loop.call_soon_threadsafe(loop.stop)
