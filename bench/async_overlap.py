@@ -90,7 +90,7 @@ def measure_overlap(backend: str = "ray", engines: int = 2, steps: int = 8, warm
             "lag": statistics.mean(m["rollout/weight_version_lag_mean"] for m in runs["async"])}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["ray", "embedded"], default="ray")
     ap.add_argument("--engines", type=int, default=2)
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for both runs (e.g. rollout.prompts_per_step=16)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     r = measure_overlap(args.backend, args.engines, args.steps, args.warmup, args.set)

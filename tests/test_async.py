@@ -71,6 +71,17 @@ def test_staleness_1_trains_on_the_previous_version_and_logs_the_version_part(tm
     # at equal weights the engine part is the bf16/fp32 mismatch alone: far smaller than the lag
     assert ms[1]["is_split/engine_log_std"] < ms[1]["is_split/version_log_std"]
     assert len(tr.versions.cache) == 1  # at most k versions kept
+    assert all(m["replay/mismatch"] == 0.0 for m in ms)  # R3 replays the engine's routes
+
+
+def test_staleness_1_under_r2_replays_the_pi_old_routes(tmp_path):
+    """R2 replays the routes of the policy that computed pi_old (the current weights), also
+    when the samples come from an older version."""
+    tr = _trainer(tmp_path / "r2", "loop.max_staleness=1", "loop.steps=2", "replay.mode=R2")
+    ms = [tr.step(s) for s in (1, 2)]
+    tr.pipeline.close()
+    assert ms[1]["rollout/weight_version_lag_max"] == 1.0 and ms[1]["is_split/version_mean"] != 1
+    assert all(m["replay/mismatch"] == 0.0 and m["replay/replayed_fraction"] == 1.0 for m in ms)
 
 
 def test_staleness_0_logs_an_exact_version_part_and_no_lag(tmp_path):
