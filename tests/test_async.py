@@ -74,6 +74,18 @@ def test_staleness_1_trains_on_the_previous_version_and_logs_the_version_part(tm
     assert all(m["replay/mismatch"] == 0.0 for m in ms)  # R3 replays the engine's routes
 
 
+def test_staleness_2_fills_a_two_step_pipeline(tmp_path):
+    tr = _trainer(tmp_path / "k2", "loop.max_staleness=2", "loop.steps=4")
+    seen = _recording(tr)
+    ms = [tr.step(s) for s in (1, 2, 3, 4)]
+    tr.pipeline.close()
+    # steps 1-3 were all submitted at step 1 (version 0); step 4 after step 1's push
+    assert seen == {1: ["0"], 2: ["0"], 3: ["0"], 4: ["1"]}
+    assert [m["rollout/weight_version_lag_max"] for m in ms] == [0.0, 1.0, 2.0, 2.0]
+    assert sorted(tr.versions.cache) == ["2", "3"]  # k = 2 copies: what steps 5, 6 may need
+    assert ms[2]["is_split/version_log_std"] > ms[1]["is_split/version_log_std"]  # 2 > 1 behind
+
+
 def test_staleness_1_under_r2_replays_the_pi_old_routes(tmp_path):
     """R2 replays the routes of the policy that computed pi_old (the current weights), also
     when the samples come from an older version."""

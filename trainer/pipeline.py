@@ -40,6 +40,7 @@ from lockstep.rollout.types import GenerateRequest, GenerationResult
 from lockstep.rollout.weight_sync import check_versions
 from lockstep.trainer.batch import Batch, trim_batch
 
+
 def allowed_versions(step: int, max_staleness: int, first_version: int = 0) -> list[str]:
     """The versions step `step`'s samples may carry. Versions are named after the RL step
     whose update made them ("0" = the starting policy); step n trains from version n-1 and,
