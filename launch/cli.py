@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lockstep.launch import compare, diagnose, example, serve, train
+from lockstep.launch import compare, diagnose, example, plan, serve, train
 
 # Optional packages -> the extra that installs them.
 EXTRAS = {"ray": "ray", "megatron": "megatron", "transformer_engine": "gpu", "sglang": "gpu",
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     diagnose.add_parser(sub)
     example.add_parser(sub)
+    plan.add_parser(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show Python tracebacks instead of one-line errors")

@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         if not config.exists():
             return _fail(f"--resume: {args.out} holds no lockstep run (no config.yaml)")
     cfg = load_config(config, args.overrides)  # errors: one line via lockstep.launch.cli
+    from lockstep.launch.plan import check_devices
+    check_devices(cfg, str(config))  # a GPU layout on a machine without those GPUs: refuse now
 
     import torch
 

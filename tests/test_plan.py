@@ -78,3 +78,211 @@ def test_sglang_and_cluster_keys_survive_save_and_load(tmp_path):
     save_config(cfg, tmp_path / "c.yaml")
     back = load_config(tmp_path / "c.yaml")
     assert back == cfg and back.hash() == cfg.hash()
+
+
+# -- lockstep plan -----------------------------------------------------------------------------
+CLUSTER = ROOT / "configs" / "cluster_qwen3_30b_a3b.yaml"
+COLOCATED = ROOT / "configs" / "cluster_qwen3_30b_a3b_colocated.yaml"
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the cluster configs' model.path is relative to the repository
+
+
+def _plan(path, *overrides):
+    from lockstep.launch.plan import make_plan
+
+    return make_plan(load_config(path, list(overrides)), str(path))
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    from lockstep.launch.cli import main
+
+    code = main(list(map(str, argv)))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("path", [CLUSTER, COLOCATED], ids=["disaggregated", "colocated"])
+def test_cluster_config_plan_has_the_launch_flags(path, in_root, capsys):
+    import json
+
+    code, out, err = _cli(capsys, "plan", path.relative_to(ROOT), "--json")
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["refusals"] == []
+    engines = p["placement"]["engines"]
+    assert len(engines) == 2
+    for e in engines:
+        argv = e["command"]["argv"]
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        assert "--enable-return-routed-experts" in argv and "--skip-tokenizer-init" in argv
+        assert _flag(argv, "--tp-size") == "4" and _flag(argv, "--ep-size") == "4"
+        assert _flag(argv, "--dtype") == "bfloat16" and "--enable-fp32-lm-head" in argv
+        assert _flag(argv, "--model-path") == "configs/models/qwen3-30b-a3b"
+        assert len(e["gpus"]) == 4
+        assert e["command"]["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, e["gpus"]))
+    mg = p["actor"]["megatron_args"]
+    assert (mg["tensor_model_parallel_size"], mg["expert_model_parallel_size"],
+            mg["expert_tensor_parallel_size"], mg["pipeline_model_parallel_size"],
+            mg["data_parallel_size"]) == (2, 8, 1, 1, 4)
+    assert mg["moe_router_dtype"] == "fp32" and mg["params_dtype"] == "bfloat16"
+    assert mg["moe_enable_routing_replay"] is True and mg["moe_grouped_gemm"] is True
+    assert p["actor"]["replay"]["mode"] == "R3"
+    assert "engine's routes" in p["actor"]["replay"]["update"]
+    ranks = p["actor"]["rank_layout"]
+    assert [(r["node"], r["gpu"]) for r in ranks] == [(0, g) for g in range(8)]
+    assert [r["experts"] for r in ranks] == [[16 * k, 16 * k + 16] for k in range(8)]
+    if path == CLUSTER:  # the servers on node 1, the actor alone on node 0
+        assert [(e["node"], e["gpus"]) for e in engines] == [(1, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
+        assert [_flag(e["command"]["argv"], "--port") for e in engines] == ["30000", "30001"]
+    else:  # the servers share the actor's GPUs, and the actor's memory stays resident
+        assert [e["shares_gpus_with_actor_ranks"] for e in engines] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        mem = p["rollout"]["memory_per_gpu"]
+        assert mem["colocated_rollout_phase_bytes"] == pytest.approx(
+            p["actor"]["memory_per_rank"]["static_bytes"] + 0.3 * 140 * 2**30, rel=1e-9)
+    # the text a user reads says the same
+    code, text, _ = _cli(capsys, "plan", path.relative_to(ROOT))
+    assert code == 0
+    for s in ("--enable-return-routed-experts", "--tp-size 4", "--ep-size 4", "replay R3",
+              'moe_router_dtype = "fp32"', "tensor_model_parallel_size = 2",
+              "expert_model_parallel_size = 8", "moe_enable_routing_replay = true"):
+        assert s in text, s
+
+
+def test_memory_estimates_scale_with_the_layout(in_root):
+    base = _plan(CLUSTER)
+    mem = base["actor"]["memory_per_rank"]
+    pc_experts = base["model"]["expert_params"]
+    assert mem["expert_params"] == pc_experts // 8  # EP 8, ETP 1: an eighth of the experts each
+    ep4 = _plan(CLUSTER, "actor.megatron.expert_parallel=4")["actor"]["memory_per_rank"]
+    assert ep4["expert_params"] == 2 * mem["expert_params"]  # halving EP doubles them
+    # ... and what is not an expert is split by TP alone (embedding, attention, LM head)
+    non_expert = mem["params"] - mem["expert_params"]
+    assert ep4["params"] - ep4["expert_params"] == non_expert
+    tp1 = _plan(CLUSTER, "actor.megatron.tensor_parallel=1")["actor"]["memory_per_rank"]
+    tp1_non_expert = tp1["params"] - tp1["expert_params"]
+    assert 1.95 < tp1_non_expert / non_expert < 2.0  # norms and routers are not split
+    # precision: bf16 params + fp32 grads + fp32 master + Adam = 18 B/param; fp32: 16 B/param
+    n = mem["params"]
+    assert (mem["weights_bytes"], mem["grads_bytes"], mem["master_bytes"],
+            mem["adam_bytes"]) == (2 * n, 4 * n, 4 * n, 8 * n)
+    fp32 = _plan(CLUSTER, "actor.dtype=fp32", "actor.router_dtype=null")
+    m32 = fp32["actor"]["memory_per_rank"]
+    assert (m32["weights_bytes"], m32["master_bytes"]) == (4 * n, 0)
+    assert fp32["actor"]["megatron_args"]["moe_router_dtype"] is None
+    # engines: TP 8 instead of 4 halves each GPU's share of the weights (up to norms/routers)
+    e4 = base["rollout"]["memory_per_gpu"]
+    e8 = _plan(CLUSTER, "rollout.sglang.tp_size=8", "rollout.sglang.ep_size=8",
+               "rollout.num_engines=1")["rollout"]["memory_per_gpu"]
+    assert 0.5 < e8["weights_bytes"] / e4["weights_bytes"] < 0.51
+    # per-step buffers: [B, T, L, K] uint8 routes split over DP
+    b = base["buffers"]
+    assert b["routes_bytes"] == 256 * 5120 * 48 * 8 and b["routes_dtype"] == "uint8"
+    assert b["routes_per_dp_rank_bytes"] == b["routes_bytes"] // 4
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["actor.megatron.tensor_parallel=3"],
+     r"tensor_parallel=3 does not divide the model's num_attention_heads=32"),
+    (["actor.megatron.expert_parallel=3"],
+     r"expert_parallel=3 does not divide the model's num_experts=128"),
+    (["rollout.sglang.tp_size=6", "rollout.sglang.ep_size=3"],
+     r"rollout\.sglang\.tp_size=6 does not divide the model's num_attention_heads=32"),
+    (["rollout.sglang.ep_size=3", "rollout.sglang.tp_size=3"],
+     r"rollout\.sglang\.ep_size=3 does not divide the model's num_experts=128"),
+    (["cluster.actor_ranks=16"], r"needs 24 GPUs \(16 actor ranks \+ 2 engines x 4 GPUs.*"
+                                 r"the cluster has 16"),
+    (["cluster.gpu_memory_gib=79.6"], r"actor rank: estimated peak .* exceeds "
+                                      r"cluster\.gpu_memory_gib=79\.6"),
+    (["rollout.sglang.mem_fraction_static=0.1", "cluster.gpu_memory_gib=40",
+      "actor.megatron.expert_parallel=8"], r"SGLang engine: weights .* no room for a KV cache"),
+    (["rollout.sglang.tp_size=16", "rollout.sglang.ep_size=16", "rollout.num_engines=1"],
+     r"one SGLang server spans at most one node"),
+])
+def test_bad_layouts_are_refused_naming_the_reason(overrides, reason, in_root):
+    import re
+
+    refusals = _plan(CLUSTER, *overrides)["refusals"]
+    assert any(re.search(reason, r) for r in refusals), refusals
+
+
+def test_colocated_memory_over_the_gpu_is_refused(in_root, capsys):
+    code, out, err = _cli(capsys, "plan", COLOCATED.relative_to(ROOT),
+                          "--set", "rollout.sglang.mem_fraction_static=0.6")
+    assert code == 2
+    assert "engine 0" in out  # the plan is still printed
+    assert err.startswith("lockstep plan: the layout does not fit: (1) colocated: the actor's "
+                          "resident 73.77 GiB + SGLang's mem_fraction_static=0.6")
+    assert "set rollout.sglang.mem_fraction_static below 0.47" in err
+
+
+def test_megatron_arguments_are_what_the_actor_builds(monkeypatch):
+    """The plan's megatron-core arguments equal the TransformerConfig trainer/megatron builds
+    for the same layout (bf16 params with an fp32 router: the cluster configs' precision)."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from lockstep.launch.plan import make_plan
+    from lockstep.trainer.megatron.actor import options_for
+    from lockstep.trainer.megatron.model import transformer_config
+
+    cfg = load_config(TOY, ["cluster.actor_ranks=4", "actor.backend=megatron",
+                            "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
+                            "actor.megatron.token_dispatcher=allgather",
+                            "actor.megatron.recompute_activations=true",
+                            "actor.dtype=bf16", "actor.router_dtype=fp32",
+                            "actor.megatron.use_transformer_engine=false",
+                            "cluster.gpus_per_node=4", "cluster.device=cuda"])
+    plan = make_plan(cfg)
+    assert plan["refusals"] == []
+    with monkeypatch.context() as m:  # options_for refuses bf16 where CUDA is missing
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        opts = options_for(cfg.actor, cfg.actor.megatron)
+    tc = transformer_config(cfg.model, opts)
+    args = plan["actor"]["megatron_args"]
+    skip = {"data_parallel_size", "use_transformer_engine", "ddp", "optimizer", "params_dtype"}
+    for k, v in args.items():
+        if k not in skip:
+            assert getattr(tc, k) == v, (k, getattr(tc, k), v)
+    assert tc.params_dtype == getattr(torch, args["params_dtype"])
+    assert tc.moe_router_dtype == "fp32" and tc.bf16
+
+
+def test_rank_coordinates_follow_megatron_core_groups(in_root):
+    """Each rank's (tp, dp, ep) in the plan is its position in megatron-core's own groups."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    for over in ([], ["actor.megatron.expert_parallel=4"], ["actor.megatron.tensor_parallel=1"]):
+        p = _plan(CLUSTER, *over)
+        lay, ranks = p["actor"]["layout"], p["actor"]["rank_layout"]
+        dense = RankGenerator(tp=lay["tensor_parallel"], ep=1, dp=lay["data_parallel"],
+                              pp=lay["pipeline_parallel"], cp=1, order="tp-cp-ep-dp-pp")
+        expert = RankGenerator(tp=lay["expert_tensor_parallel"], ep=lay["expert_parallel"],
+                               dp=lay["expert_data_parallel"], pp=lay["pipeline_parallel"], cp=1,
+                               order="tp-cp-ep-dp-pp")
+        for axis, gen, key in (("tp", dense, "tp"), ("dp", dense, "dp"), ("ep", expert, "ep")):
+            for group in gen.get_ranks(axis):
+                assert [ranks[r][key] for r in group] == list(range(len(group))), (over, axis)
+
+
+def test_train_refuses_a_gpu_config_on_a_cpu_machine(in_root, capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = _cli(capsys, "train", COLOCATED.relative_to(ROOT), "--out", tmp_path / "r")
+    assert code == 2
+    assert "plans 8 GPUs" in err and "this machine has 0 CUDA device(s)" in err
+    code, _, err = _cli(capsys, "train", CLUSTER.relative_to(ROOT), "--out", tmp_path / "r")
+    assert code == 2 and "cluster.ray_address=auto" in err
+    assert not (tmp_path / "r").exists()  # refused before the run directory
+
+
+def test_plan_works_on_the_toy_config(capsys):
+    code, out, err = _cli(capsys, "plan", TOY)
+    assert code == 0, err
+    assert "actor    torch, 1 rank(s)" in out and "driver" in out
+    assert "rollout  embedded" in out
