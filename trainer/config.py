@@ -375,8 +375,8 @@ class ClusterConfig:
     """disaggregated: rollout engines on GPUs of their own; colocated: engines share the actor
     ranks' GPUs (the engines release their memory while the actor trains)."""
     gpus_per_engine: int | None = None
-    """GPUs of one rollout engine; None = rollout.sglang.tp_size with rollout.backend=sglang,
-    else 1."""
+    """GPUs of one rollout engine; None = rollout.sglang.tp_size with rollout.backend=sglang
+    (the embedded engines of the other backends run on CPU)."""
 
     def __post_init__(self) -> None:
         _in("cluster", self, "actor_ranks", 1, 4096)
