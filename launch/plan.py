@@ -24,7 +24,6 @@ import json
 import math
 import re
 import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -402,6 +401,8 @@ class _Plan:
                 self.notes.append(
                     f"sampling-mask replay sends a finite top_k <= --sampling-mask-max-tokens "
                     f"({cap}); rollout.top_k={ro.top_k}")
+        self.notes.append("the fleet starts each SGLang server on its node's address with a free "
+                          "port; the commands below show 0.0.0.0 / 127.0.0.1 and port 30000 + i")
         out["memory_per_gpu"] = self._engine_memory(g)
         return out
 
@@ -516,7 +517,7 @@ class _Plan:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, engine["gpus"])),
                "SGLANG_RETURN_ORIGINAL_LOGPROB": sc.env()["SGLANG_RETURN_ORIGINAL_LOGPROB"]}
         line = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv)
-        return {"argv": argv, "env": env, "shell": line, "url_port": sc.port}
+        return {"argv": argv, "env": env, "shell": line}
 
     # -- memory fit --------------------------------------------------------------------
     def _memory_fit(self, actor: dict, rollout: dict) -> None:

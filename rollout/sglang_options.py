@@ -54,8 +54,6 @@ class SGLangOptions:
     sampling_mask_max_tokens: int | None = None
     """--sampling-mask-max-tokens: largest kept candidate set returned for sampling-mask replay
     (SGLang's default 4096); truncated sampling needs rollout.top_k at most this."""
-    port: int = 30000
-    """HTTP port of a node's first server; the i-th server on a node listens on port + i."""
     startup_timeout_s: float = 900.0
     """Seconds a server may take to load the model and answer /health."""
     python: str | None = None
@@ -77,7 +75,6 @@ class SGLangOptions:
         for name in ("context_length", "sampling_mask_max_tokens"):
             v = getattr(self, name)
             _check(v is None or v >= 1, f"{p}{name}={v!r} must be a positive integer or null")
-        _check(1 <= self.port <= 65535, f"{p}port={self.port} is outside [1, 65535]")
         _check(self.startup_timeout_s > 0,
                f"{p}startup_timeout_s={self.startup_timeout_s} must be > 0")
         _check(self.python is None or bool(self.python.strip()),
@@ -91,7 +88,7 @@ class SGLangOptions:
 _OWN_FLAGS = {"--model-path": "model.path", "--tp-size": "rollout.sglang.tp_size",
               "--tp": "rollout.sglang.tp_size", "--ep-size": "rollout.sglang.ep_size",
               "--ep": "rollout.sglang.ep_size", "--dtype": "rollout.dtype",
-              "--port": "rollout.sglang.port", "--host": "the fleet",
+              "--port": "the fleet (a free port per server)", "--host": "the fleet",
               "--mem-fraction-static": "rollout.sglang.mem_fraction_static",
               "--random-seed": "loop.seed",
               "--enable-fp32-lm-head": "rollout.lm_head_dtype: fp32",
@@ -123,13 +120,13 @@ def sglang_server_config(cfg: Any, local_index: int = 0, *, host: str = "127.0.0
                          api_key: str | None = None,
                          weight_version: str | None = None) -> SGLangConfig:
     """The `SGLangConfig` of the `local_index`-th server on its node for the experiment `cfg`
-    (an `ExperimentConfig`; port None = rollout.sglang.port + local_index): its `command()` is
-    the exact argv to run."""
+    (an `ExperimentConfig`): its `command()` is the exact argv to run. The fleet passes each
+    server's host and a free port; None = 30000 + local_index (what `lockstep plan` shows)."""
     path = model_path or cfg.model.path
     _check(bool(path), "rollout.sglang: SGLang loads the policy from an HF folder; set "
                        "model.path (the fleet pushes lockstep's weights after the launch)")
     d = sglang_options_dict(cfg)
     d.pop("startup_timeout_s")
     return SGLangConfig(model_path=str(path), host=host,
-                        port=cfg.rollout.sglang.port + local_index if port is None else port,
+                        port=30000 + local_index if port is None else port,
                         api_key=api_key, weight_version=weight_version, **d)
