@@ -361,12 +361,14 @@ class _Plan:
                                "dtype": ro.dtype}
         sglang = ro.backend == "sglang"
         if not sglang:
-            n = ro.num_engines if ro.backend == "ray" else 1
-            out["engines"] = n if ro.backend != "http" else 1
+            urls = list(getattr(ro, "urls", None) or ([ro.url] if ro.url else []))
+            n = {"embedded": 1, "http": len(urls)}.get(ro.backend, ro.num_engines)
+            out["engines"] = n
             out["gpus_per_engine"] = 0
             out["note"] = {"embedded": "one embedded engine in the driver process (CPU)",
                            "ray": f"{n} embedded engines as Ray actors on CPU bundles",
-                           "http": f"an SGLang-compatible server you run at {ro.url}",
+                           "serve": f"{n} `lockstep serve` servers as Ray actors on CPU bundles",
+                           "http": f"SGLang-compatible server(s) you run at {', '.join(urls)}",
                            }.get(ro.backend, f"rollout.backend={ro.backend}")
             if c.gpus_per_engine:
                 self.refuse(f"cluster.gpus_per_engine={c.gpus_per_engine} with rollout.backend="
