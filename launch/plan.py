@@ -151,8 +151,8 @@ class _Plan:
             self.refuse("cluster.device=cuda but cluster.gpus_per_node=0: say how many GPUs "
                         "each node has")
         if self.gpu and c.device == "cpu":
-            self.refuse(f"cluster.gpus_per_node={c.gpus_per_node} but cluster.device=cpu: the "
-                        "actor ranks would not use the GPUs; set cluster.device=cuda")
+            self.notes.append(f"cluster.device=cpu: the actor ranks run on CPU bundles; only "
+                              f"SGLang servers use the {c.gpus_per_node} GPUs per node")
         if c.nodes > 1 and not self.gpu:
             self.notes.append("CPU-only cluster: Ray chooses the node of each bundle")
         model = self._model()
@@ -464,8 +464,8 @@ class _Plan:
                             if N == 1 else "CPU bundles (Ray chooses the nodes: PACK)"}
         G, gpn = c.nodes * c.gpus_per_node, c.gpus_per_node
         colocated = c.placement == "colocated"
-        engine_gpus = M * g if sglang else 0
-        need = max(N, engine_gpus) if colocated else N + engine_gpus
+        need = gpus_needed(self.cfg)
+        N_cpu, N = N, (N if c.device != "cpu" else 0)  # actor ranks on GPUs
         if need > G:
             how = (f"max(actor ranks {N}, engines {M} x {g} GPUs)" if colocated
                    else f"{N} actor ranks + {M} engines x {g} GPUs")
@@ -475,8 +475,8 @@ class _Plan:
         # actor ranks: one GPU bundle each, one placement group (PACK fills node by node)
         for r in actor["rank_layout"]:
             k = r["rank"]
-            r["bundle"] = k
-            r["node"], r["gpu"] = (k // gpn, k % gpn) if k < G else (None, None)
+            r["bundle"] = k if N_cpu > 1 else None  # one rank: the driver process itself
+            r["node"], r["gpu"] = (k // gpn, k % gpn) if k < min(N, G) else (None, None)
         free = [list(range(gpn)) for _ in range(c.nodes)]
         if not colocated:
             for k in range(min(N, G)):
@@ -501,7 +501,8 @@ class _Plan:
             self.notes.append(f"{G - need} of the cluster's {G} GPUs stay idle")
         for x in engines:
             x["command"] = self._sglang_command(x) if x["node"] is not None else None
-        return {"actor_bundles": [{"CPU": 1.0, "GPU": 1.0}] * N if N > 1 else [],
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if N else {})}
+        return {"actor_bundles": [bundle] * N_cpu if N_cpu > 1 else [],
                 "engines": engines, "gpus_needed": need, "gpus_total": G}
 
     def _sglang_command(self, engine: dict) -> dict[str, Any]:
