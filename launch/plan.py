@@ -541,15 +541,20 @@ class _Plan:
                         "lower actor.max_tokens_per_micro_batch")
         eng = rollout.get("memory_per_gpu")
         if c.placement == "colocated" and eng and on_gpu:
-            # the actor's weights, grads and Adam states stay on the GPU while SGLang generates
+            # the actor's weights, grads and Adam states stay on the GPU while SGLang generates;
+            # with loop.max_staleness >= 1 SGLang generates while the actor trains (no release)
             frac = eng["mem_fraction_static"]
-            rollout_phase = mem["static_bytes"] + frac * self.gpu_bytes
+            overlap = getattr(self.cfg.loop, "max_staleness", 0) > 0
+            actor_part = mem["peak_bytes"] if overlap else mem["static_bytes"]
+            rollout_phase = actor_part + frac * self.gpu_bytes
             eng["colocated_rollout_phase_bytes"] = int(rollout_phase)
-            eng["colocated_train_phase_bytes"] = mem["peak_bytes"]
+            eng["colocated_train_phase_bytes"] = int(rollout_phase) if overlap else mem["peak_bytes"]
+            eng["colocated_overlap"] = overlap
             if rollout_phase > self.gpu_bytes:
-                room = (self.gpu_bytes - mem["static_bytes"]) / self.gpu_bytes
-                self.refuse(f"colocated: the actor's resident {_gib(mem['static_bytes'])} GiB + "
-                            f"SGLang's "
+                room = (self.gpu_bytes - actor_part) / self.gpu_bytes
+                what = ("peak (it trains while SGLang generates: loop.max_staleness="
+                        f"{self.cfg.loop.max_staleness})" if overlap else "resident")
+                self.refuse(f"colocated: the actor's {what} {_gib(actor_part)} GiB + SGLang's "
                             f"mem_fraction_static={frac} x {G} GiB = {_gib(rollout_phase)} GiB "
                             f"exceeds cluster.gpu_memory_gib={G}; set "
                             f"rollout.sglang.mem_fraction_static below {max(0.0, room):.2f}")
@@ -704,7 +709,10 @@ def render(p: dict[str, Any]) -> str:
               f"is {em['sequences_per_engine']} rows x {p['buffers']['row_tokens']} tokens = "
               f"{em['step_tokens_per_engine']} per engine ("
               + ("fits at once" if em["step_fits_at_once"] else "generated in waves") + ")")
-        if "colocated_rollout_phase_bytes" in em:
+        if em.get("colocated_overlap"):
+            w(f"  colocated, per GPU: {_size(em['colocated_rollout_phase_bytes'])} (the actor "
+              "trains while SGLang generates, loop.max_staleness >= 1: actor peak + SGLang)")
+        elif "colocated_rollout_phase_bytes" in em:
             w(f"  colocated, per GPU: rollout phase {_size(em['colocated_rollout_phase_bytes'])} "
               f"(actor resident + SGLang), train phase "
               f"{_size(em['colocated_train_phase_bytes'])} (SGLang released)")

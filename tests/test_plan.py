@@ -137,11 +137,17 @@ def test_cluster_config_plan_has_the_launch_flags(path, in_root, capsys):
     if path == CLUSTER:  # the servers on node 1, the actor alone on node 0
         assert [(e["node"], e["gpus"]) for e in engines] == [(1, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
         assert [_flag(e["command"]["argv"], "--port") for e in engines] == ["30000", "30001"]
-    else:  # the servers share the actor's GPUs, and the actor's memory stays resident
+    else:  # the servers share the actor's GPUs; one step off policy, the actor trains while
+        # they generate: its peak and SGLang's fraction at once
         assert [e["shares_gpus_with_actor_ranks"] for e in engines] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-        mem = p["rollout"]["memory_per_gpu"]
+        mem, actor = p["rollout"]["memory_per_gpu"], p["actor"]["memory_per_rank"]
         assert mem["colocated_rollout_phase_bytes"] == pytest.approx(
-            p["actor"]["memory_per_rank"]["static_bytes"] + 0.3 * 140 * 2**30, rel=1e-9)
+            actor["peak_bytes"] + 0.3 * 140 * 2**30, rel=1e-9)
+        sync = _plan(path, "loop.max_staleness=0")  # synchronous: SGLang released in training
+        mem = sync["rollout"]["memory_per_gpu"]
+        assert mem["colocated_rollout_phase_bytes"] == pytest.approx(
+            actor["static_bytes"] + 0.3 * 140 * 2**30, rel=1e-9)
+        assert mem["colocated_train_phase_bytes"] == actor["peak_bytes"]
     # the text a user reads says the same
     code, text, _ = _cli(capsys, "plan", path.relative_to(ROOT))
     assert code == 0
@@ -209,13 +215,18 @@ def test_bad_layouts_are_refused_naming_the_reason(overrides, reason, in_root):
 
 
 def test_colocated_memory_over_the_gpu_is_refused(in_root, capsys):
-    code, out, err = _cli(capsys, "plan", COLOCATED.relative_to(ROOT),
-                          "--set", "rollout.sglang.mem_fraction_static=0.6")
+    code, out, err = _cli(capsys, "plan", COLOCATED.relative_to(ROOT), "--set",
+                          "rollout.sglang.mem_fraction_static=0.6", "--set", "loop.max_staleness=0")
     assert code == 2
     assert "engine 0" in out  # the plan is still printed
     assert err.startswith("lockstep plan: the layout does not fit: (1) colocated: the actor's "
                           "resident 73.77 GiB + SGLang's mem_fraction_static=0.6")
     assert "set rollout.sglang.mem_fraction_static below 0.47" in err
+    code, out, err = _cli(capsys, "plan", COLOCATED.relative_to(ROOT), "--set",
+                          "rollout.sglang.mem_fraction_static=0.45", "--json")
+    assert code == 2 and '"refusals": [' in out
+    assert "the actor's peak (it trains while SGLang generates: loop.max_staleness=1) 81.51 GiB" \
+        in err and "below 0.42" in err
 
 
 def test_megatron_arguments_are_what_the_actor_builds(monkeypatch):
