@@ -180,6 +180,7 @@ def test_bad_bucket_leaves_the_server_unchanged(served, bad):
     assert eng.weight_version == "10"
 
 
+@pytest.mark.slow
 def test_server_dying_mid_push_is_named_within_the_timeout(tmp_path):
     """kill -9 of one server between two buckets: the push fails naming it, well within the
     timeout, and the surviving server loaded nothing."""
@@ -246,3 +247,32 @@ def test_check_versions_names_the_sample():
     check_versions(ok, {"3"})
     with pytest.raises(RolloutError, match=r"request a sample 0 .* version '3'.*\['4'\]"):
         check_versions(ok, {"4"})
+
+
+def test_http_backend_auto_falls_back_to_disk_and_tensor_mode(served, tmp_path):
+    """HTTPBackend: `auto` pushes through disk (saying so) when the server cannot join a group
+    (here: its group name is taken), else distributed, writing nothing; `tensor` sends
+    safetensors buckets over HTTP."""
+    from lockstep.rollout.weight_receiver import RECEIVER
+    _, _, srv = served
+    eng = srv.app[RECEIVER].engine
+    logs = []
+    with DistributedWeightSync([srv.url], timeout_s=30):  # holds "lockstep-weights" there
+        auto = HTTPBackend(srv.url, CFG, weights_dir=tmp_path / "a", weight_sync="auto",
+                           log=logs.append)
+        auto.update_weights(_buckets(_model(6)), "a1")
+    assert auto.last_push["mode"] == "disk" and auto.weight_sync == "disk"
+    assert any("already joined" in line and "through disk" in line for line in logs), logs
+    auto2 = HTTPBackend(srv.url, CFG, weights_dir=tmp_path / "b", weight_sync="auto",
+                        bucket_bytes=BUCKET)
+    auto2.update_weights(_model(7), "a2")
+    assert auto2.last_push["mode"] == "distributed" and auto2.last_push["buckets"] > 2
+    assert not (tmp_path / "b").exists() and eng.weight_version == "a2"
+    auto2.close()
+    tensor = HTTPBackend(srv.url, CFG, weight_sync="tensor", bucket_bytes=BUCKET)
+    new = _model(8)
+    tensor.update_weights(new, "a3")
+    assert tensor.last_push["mode"] == "tensor" and tensor.last_push["buckets"] > 2
+    assert eng.weight_version == "a3"
+    assert all(torch.equal(a, b) for a, b in zip(eng.model.state_dict().values(),
+                                                 new.state_dict().values()))
