@@ -49,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="refuse sampling-mask requests whose support could exceed this (SGLang's flag)")
     p.add_argument("--max-request-mb", type=float, default=64.0,
                    help="largest request body in MiB (HTTP 413 above it; default 64)")
+    p.add_argument("--weight-sync-timeout", type=float, default=600.0, metavar="S",
+                   help="bound on joining a weight-update group and on each weight broadcast "
+                        "(/init_weights_update_group, /update_weights_from_distributed)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -96,6 +99,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ServeError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
     if args.max_len is not None and args.max_len < 2:
         raise ServeError(f"--max-len must be at least 2, got {args.max_len}")
+    if not args.weight_sync_timeout > 0:
+        raise ServeError(f"--weight-sync-timeout must be > 0, got {args.weight_sync_timeout}")
     if not 0 < args.max_request_mb <= 64 * 1024:
         raise ServeError(f"--max-request-mb must be in (0, 65536], got {args.max_request_mb}")
     if not 0 <= args.port <= 65535:
@@ -151,7 +156,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         run_server(engine, host=args.host, port=args.port, api_key=api_key,
                    model_path=args.model, sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-                   max_body_bytes=int(args.max_request_mb * 1024 * 1024))
+                   max_body_bytes=int(args.max_request_mb * 1024 * 1024),
+                   weight_sync_timeout_s=args.weight_sync_timeout)
     except OSError as e:
         raise ServeError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     return 0

@@ -329,7 +329,7 @@ class HTTPBackend(RolloutBackend):
         from .weight_sync import as_buckets  # noqa: PLC0415 (weight_sync imports this module)
         weight_version = weight_version or uuid.uuid4().hex[:8]
         buckets = as_buckets(source, self.bucket_bytes)
-        if self.weight_sync in ("auto", "distributed") and self._join():
+        if self.weight_sync in ("auto", "distributed") and await asyncio.to_thread(self._join):
             return await asyncio.to_thread(self._push_distributed, buckets, weight_version)
         if self.weight_sync == "tensor":
             return await self._push_tensor(buckets, weight_version)

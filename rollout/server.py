@@ -610,10 +610,11 @@ class ServerThread:
 def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 30000,
                api_key: str | None = None, model_path: str | None = None,
                sampling_mask_max_tokens: int | None = 4096,
-               max_body_bytes: int = 64 * 1024 * 1024) -> None:
+               max_body_bytes: int = 64 * 1024 * 1024,
+               weight_sync_timeout_s: float = 600.0) -> None:
     """Serve until interrupted (what `lockstep serve` runs)."""
     app = create_app(engine, api_key=api_key, model_path=model_path,
                      sampling_mask_max_tokens=sampling_mask_max_tokens,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, weight_sync_timeout_s=weight_sync_timeout_s)
     web.run_app(app, host=host, port=port, access_log=None, shutdown_timeout=_SHUTDOWN_S,
                 print=lambda s: print(s, flush=True))
