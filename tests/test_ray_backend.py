@@ -1,11 +1,13 @@
 """RayBackend on a real local Ray cluster (2 CPUs, 2 engine workers): results equal the
-in-process engine's, weight pushes reach every worker, the RL loop runs on it, and a worker
-that dies is named in the error. One cluster for the module; ~1 minute on 2 cores."""
+in-process engine's, weight pushes reach every worker, the RL loop runs on it and survives a
+worker killed -9 mid-step, a hung worker is replaced, and a worker past its restarts is named
+in the error. One cluster for the module; ~1 minute on 2 cores."""
 
 import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -126,34 +128,102 @@ class TestTwoEngines:
         assert backend.update_weights(model, "v2") == "v2"  # one push brings all back in line
         assert {r.weight_version for r in backend.generate(_requests(n_prompts=2))} == {"v2"}
 
-    def test_dead_worker_is_named_and_ends_the_backend(self, backend):
-        # NOTE: last in the class: it kills the shared backend (one start fewer, ~15 s).
-        victim = backend.infos[1]
+    def test_hung_worker_is_killed_and_rebuilt_at_the_new_version(self, backend, model):
+        # SIGSTOP: the process lives but never answers; a weight push must not wait forever,
+        # and the replacement must serve the version being pushed (built from its buckets).
+        backend.request_timeout_s = 4.0
+        new = MoEModel(model.cfg)
+        victim = backend.infos[0].pid
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert backend.update_weights(new, "v3") == "v3"
+        assert time.monotonic() - t0 >= 4.0
+        assert backend.infos[0].restarts == 1 and backend.infos[0].pid not in (victim, -1)
+        _wait_dead(victim)  # killed, not left stopped holding memory
+        local = LocalBackend(Engine.from_model(new, ENGINE, weight_version="v3"))
+        _assert_same(backend.generate(_requests(n_prompts=4)),  # both workers serve v3
+                     local.generate(_requests(n_prompts=4)))
+
+    def test_restarts_past_the_limit_name_the_engine(self, backend):
+        # NOTE: last in the class: it ends the shared backend (one start fewer, ~15 s).
+        backend.max_engine_restarts = 1  # worker 0 was restarted once (the hung test)
+        victim = backend.infos[0]
         os.kill(victim.pid, signal.SIGKILL)
-        with pytest.raises(RolloutError, match=rf"engine worker 1 \(.*pid {victim.pid}.*\) died "
-                                               r"during generate"):
+        with pytest.raises(RolloutError, match=(
+                rf"engine worker 0 \(.*pid {victim.pid}, node {victim.node[:12]}\) died .*during "
+                r"generate; restarted 1 time\(s\) already \(rollout.max_engine_restarts=1\); "
+                r"unanswered requests: \['p0', 'p1'\]")):
             backend.generate(_requests(n_prompts=4))
         assert backend.closed and backend.pg is None
-        survivor = backend.infos[0].pid  # killed by close(), not left holding its CPU
-        deadline = time.monotonic() + 30
-        while _alive(survivor) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(survivor)
+        _wait_dead(backend.infos[1].pid)  # the survivor is killed by close(), not left holding its CPU
         with pytest.raises(RolloutError, match="closed"):
             backend.generate(_requests(n_prompts=1))
 
 
-def test_trainer_runs_two_steps_on_ray(cluster, tmp_path):
+def _wait_dead(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), f"pid {pid} still alive"
+
+
+def _capture(tr, kill_at_step=None, engine=1):
+    """Wrap the trainer's rollout: record each step's results and, at `kill_at_step`, kill -9
+    engine `engine` while its share of the step is in flight (SIGSTOP first, so it cannot
+    answer before the SIGKILL lands 0.5 s into the call)."""
+    seen = {}
+    generate = tr.rollout.generate
+
+    def wrapped(requests):
+        step = int(requests[0].rid[1:].split("p")[0])
+        rec = seen[step] = {"pids": [i.pid for i in getattr(tr.rollout, "infos", [])],
+                            "samples": [i.samples for i in getattr(tr.rollout, "infos", [])]}
+        if step == kill_at_step:
+            victim = tr.rollout.infos[engine].pid
+            os.kill(victim, signal.SIGSTOP)
+            rec["victim"] = victim
+            threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+        rec["results"] = generate(requests)
+        rec["served"] = [i.samples - s for i, s in
+                         zip(getattr(tr.rollout, "infos", []), rec["samples"])]
+        return rec["results"]
+
+    tr.rollout.generate = wrapped
+    return seen
+
+
+def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
+    """3 RL steps on 2 engines; engine 1 is killed -9 in step 2 (after a weight push): the step
+    finishes with every sample exactly once, equal to an uninterrupted (in-process) run, and
+    the restarted engine serves step 3."""
     sets = ["warmstart.enabled=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
             "rollout.max_new_tokens=6", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
-            "loop.steps=2", "loop.tensorboard=false", "loop.plots=false",
-            "rollout.backend=ray", "rollout.num_engines=2"]
-    cfg = load_config(CONFIGS / "toy_r3.yaml", sets)
-    tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+            "loop.steps=3", "loop.tensorboard=false", "loop.plots=false", "rollout.dtype=fp32"]
+    ray_sets = sets + ["rollout.backend=ray", "rollout.num_engines=2"]
+    tr = Trainer(load_config(CONFIGS / "toy_r3.yaml", ray_sets), tmp_path / "ray", progress=False,
+                 log=lambda s: None)
     assert isinstance(tr.rollout, RayBackend) and len(tr.rollout.infos) == 2
-    summary = tr.run()
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[-1]["replay/mismatch"] == 0.0 and summary["steps"] == 2
+    seen = _capture(tr, kill_at_step=2)
+    tr.run()
+    ref = Trainer(load_config(CONFIGS / "toy_r3.yaml", sets), tmp_path / "ref", progress=False,
+                  log=lambda s: None)
+    want = _capture(ref)
+    ref.run()
+    for step in (1, 2, 3):
+        got = seen[step]["results"]
+        keys = [(r.rid, r.index) for r in got]
+        assert len(keys) == len(set(keys)) == 16  # every sample exactly once
+        _assert_same(got, want[step]["results"])
+        assert {r.weight_version for r in got} == {str(step - 1)}
+    victim = seen[2]["victim"]
+    assert victim == seen[1]["pids"][1] and victim not in seen[3]["pids"]
+    assert seen[3]["pids"][0] == seen[1]["pids"][0]  # the survivor was left alone
+    assert [i.restarts for i in tr.rollout.infos] == [0, 1]
+    assert seen[3]["served"] == [8, 8]  # the restarted engine took its share of step 3
+    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["replay/mismatch"] == 0.0
+    for r, w in zip(rows, ref_rows):
+        assert r["reward/mean"] == w["reward/mean"]
+        assert r["rollout_corr/k3_kl"] == pytest.approx(w["rollout_corr/k3_kl"], abs=1e-6)
     assert tr.rollout.closed  # run() released the workers and the placement group

@@ -110,7 +110,7 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     """A request or weight push not answered in this time fails naming its engine; the fleet
     (serve, sglang, http with urls) then marks that engine dead, retries its requests on the
-    others and relaunches it."""
+    others and relaunches it; the ray backend kills and replaces it (docs/ray.md, "Faults")."""
     weight_sync: Literal["auto", "distributed", "tensor", "disk", "object_store"] = "auto"
     """How each step's weights reach the engines (docs/rollout.md, "Weight sync"): http takes
     distributed (a gloo/NCCL group the server joins; no disk), tensor (safetensors over HTTP),

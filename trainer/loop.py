@@ -174,7 +174,9 @@ class Trainer:
         if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
             from lockstep.rollout.ray_backend import RayBackend
             return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,
-                                         address=ro.ray_address)
+                                         address=ro.ray_address,
+                                         request_timeout_s=ro.request_timeout_s,
+                                         max_engine_restarts=ro.max_engine_restarts)
         return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
 
     # -- the RL step -----------------------------------------------------------------------
