@@ -170,7 +170,8 @@ def _wait_dead(pid: int, timeout_s: float = 30.0) -> None:
 def _capture(tr, kill_at_step=None, engine=1):
     """Wrap the trainer's rollout: record each step's results and, at `kill_at_step`, kill -9
     engine `engine` while its share of the step is in flight (SIGSTOP first, so it cannot
-    answer before the SIGKILL lands 0.5 s into the call)."""
+    answer before the SIGKILL lands 0.5 s into the call), then run that step's requests once
+    more (the restarted engine takes half of them)."""
     seen = {}
     generate = tr.rollout.generate
 
@@ -186,6 +187,10 @@ def _capture(tr, kill_at_step=None, engine=1):
         rec["results"] = generate(requests)
         rec["served"] = [i.samples - s for i, s in
                          zip(getattr(tr.rollout, "infos", []), rec["samples"])]
+        if step == kill_at_step:  # the same requests again, on the restarted worker too
+            before = [i.samples for i in tr.rollout.infos]
+            rec["again"] = generate(requests)
+            rec["again_served"] = [i.samples - s for i, s in zip(tr.rollout.infos, before)]
         return rec["results"]
 
     tr.rollout.generate = wrapped
@@ -198,7 +203,9 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
     the restarted engine serves step 3."""
     sets = ["warmstart.enabled=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
             "rollout.max_new_tokens=6", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
-            "loop.steps=3", "loop.tensorboard=false", "loop.plots=false", "rollout.dtype=fp32"]
+            "loop.steps=3", "loop.tensorboard=false", "loop.plots=false", "rollout.dtype=fp32",
+            # every update moves the weights (with all-equal rewards GRPO's gradient is zero)
+            "loss.entropy_coef=0.01", "actor.lr=1e-2"]
     ray_sets = sets + ["rollout.backend=ray", "rollout.num_engines=2"]
     tr = Trainer(load_config(CONFIGS / "toy_r3.yaml", ray_sets), tmp_path / "ray", progress=False,
                  log=lambda s: None)
@@ -215,6 +222,9 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
         assert len(keys) == len(set(keys)) == 16  # every sample exactly once
         _assert_same(got, want[step]["results"])
         assert {r.weight_version for r in got} == {str(step - 1)}
+    # the restarted worker holds the current weights before the next push (same samples)
+    _assert_same(seen[2]["again"], want[2]["results"])
+    assert seen[2]["again_served"] == [8, 8]
     victim = seen[2]["victim"]
     assert victim == seen[1]["pids"][1] and victim not in seen[3]["pids"]
     assert seen[3]["pids"][0] == seen[1]["pids"][0]  # the survivor was left alone
