@@ -3,8 +3,10 @@ the same run on the same seeded requests with ignore_eos (the same token count; 
 samples too: bf16 CPU numerics depend on the batch, and each engine sees a part of it).
 
 (a) generation wall time of one RL batch: in-process engine / RayBackend(N) (speed-up);
-(b) weight push: RayBackend.update_weights (cast, one ray.put, N loads) / in-process
-    Engine.update_weights (a state-dict copy).
+(b) weight push: RayBackend.update_weights (cast, one ray.put per bucket, N loads) / in-process
+    Engine.update_weights (a state-dict copy);
+(c) fault: generate with engine 1 killed -9 as the call starts (its share runs again on the
+    live engines; the call returns once a replacement is up) / generate without a fault.
 Start-up (Ray cluster, worker processes importing torch) is printed but not in the ratios.
 
     OMP_NUM_THREADS=1 python bench/ray_rollout.py [--engines 2] [--preset small] [--repeats 5]
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -73,6 +76,13 @@ def main() -> None:
         gen_ray = median_seconds(lambda: remote.generate(reqs()), args.repeats)
         push_local = median_seconds(lambda: local.update_weights(model), args.repeats)
         push_ray = median_seconds(lambda: remote.update_weights(model), args.repeats)
+        victim = remote.infos[1].pid
+        t = time.perf_counter()
+        os.kill(victim, signal.SIGKILL)
+        same_after_kill = [r.output_ids for r in remote.generate(reqs())] == \
+            [r.output_ids for r in local.generate(reqs())]
+        gen_fault = time.perf_counter() - t
+        gen_after = median_seconds(lambda: remote.generate(reqs()), args.repeats)
     finally:
         remote.close()
         ray.shutdown()
@@ -89,6 +99,9 @@ def main() -> None:
           f"speed-up x{gen_local / gen_ray:.2f}")
     print(f"(b) weight push: in-process {push_local * 1e3:.1f} ms, ray {push_ray * 1e3:.1f} ms: "
           f"x{push_ray / push_local:.1f} the in-process copy")
+    print(f"(c) fault: generate with engine 1 killed -9 {gen_fault:.2f} s (restarts "
+          f"{[i.restarts for i in remote.infos]}, same samples: {same_after_kill}) = "
+          f"x{gen_fault / gen_ray:.1f} a generate without a fault; after it {gen_after:.3f} s")
 
 
 if __name__ == "__main__":

@@ -45,13 +45,14 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, Worker
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from lockstep.moe.buckets import Bucket, bucketize
-from lockstep.moe.checkpoint import read_hf_state_dict
+from lockstep.moe.buckets import Bucket, bucketize, tensor_bytes
+from lockstep.moe.checkpoint import hf_state_dict, read_hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import RolloutBackend, RolloutError
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
+from lockstep.rollout.weight_sync import as_buckets
 
 # Engines run one torch thread each; OpenMP/MKL pools follow the same env var.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -83,11 +84,13 @@ class EngineWorker:
         self.engine.update_weights(weights, weight_version)
 
     def info(self) -> dict[str, Any]:
-        """Where this worker runs and the dtype each weight is held in (for casting pushes)."""
+        """Where this worker runs and the dtype each weight is held in, under its native and
+        its HF name (for casting pushes on the driver)."""
+        model = self.engine.model
+        named = {**model.state_dict(), **hf_state_dict(model)}
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "threads": torch.get_num_threads(), "weight_version": self.engine.weight_version,
-                "model_cfg": self.engine.model.cfg,
-                "dtypes": {k: v.dtype for k, v in self.engine.model.state_dict().items()}}
+                "model_cfg": model.cfg, "dtypes": {k: v.dtype for k, v in named.items()}}
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
         return self.engine.generate(requests)
@@ -194,6 +197,7 @@ class RayBackend(RolloutBackend):
         self.cpus_per_engine, self.startup_timeout_s = cpus_per_engine, startup_timeout_s
         self.request_timeout_s, self.max_engine_restarts = request_timeout_s, max_engine_restarts
         self.bucket_bytes = bucket_bytes
+        self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
         self.closed = False
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -293,10 +297,13 @@ class RayBackend(RolloutBackend):
             v = self.weight_version
             weight_version = str(int(v) + 1) if v.isdigit() else v + "+1"
         weight_version = str(weight_version)
-        refs: list = []
+        t0, nbytes, refs = time.perf_counter(), 0, []
         for bucket in _buckets(source, self.bucket_bytes):
-            # HF-named tensors are not in the map: shipped as they are, cast by the engine.
-            ref = ray.put([(k, t.detach().to(self.dtypes.get(k, t.dtype))) for k, t in bucket])
+            # a name the engines do not hold ships as it is (the engine casts or refuses it)
+            cast = [(k, t.detach().to(self.dtypes.get(k, t.dtype))) for k, t in bucket]
+            nbytes += sum(tensor_bytes(t) for _, t in cast)
+            ref = ray.put(cast)
+            del cast, bucket
             for w in self.workers:  # the answers come with commit_weights (calls run in order)
                 w.load_bucket.remote(len(refs), ref)
             refs.append(ref)
@@ -311,6 +318,8 @@ class RayBackend(RolloutBackend):
 
         self._drive("update_weights", deque(), calls, refs, weight_version, None, accept)
         self._replay, self.weight_version = refs, weight_version
+        self.last_push = {"mode": "object_store", "bytes": nbytes, "buckets": len(refs),
+                          "seconds": time.perf_counter() - t0}
         return weight_version
 
     # -- faults -----------------------------------------------------------------------------
@@ -447,14 +456,13 @@ class RayBackend(RolloutBackend):
 
 
 def _buckets(source: Any, bucket_bytes: int) -> Iterable[Bucket]:
-    """Any weight source as buckets: an iterable of buckets passes through (consumed once)."""
-    if isinstance(source, MoEModel):
-        source = source.state_dict()
-    elif isinstance(source, (str, Path)):
+    """Any weight source as buckets (`as_buckets`, plus HF folders and native-named state
+    dicts); an iterable of buckets passes through, consumed once."""
+    if isinstance(source, (str, Path)):
         source = read_hf_state_dict(source)
-    if isinstance(source, dict):
-        return bucketize(source.items(), bucket_bytes)
-    return source
+    if isinstance(source, dict) and not any(k.startswith("model.") for k in source):
+        return bucketize(((k, t.detach()) for k, t in source.items()), bucket_bytes)  # native
+    return as_buckets(source, bucket_bytes)
 
 
 def release(workers: list, pg: PlacementGroup | None, owns_ray: bool) -> None:

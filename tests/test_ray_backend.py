@@ -17,7 +17,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from lockstep.rollout.ray_backend import RayBackend, shard  # noqa: E402
-from lockstep.moe.checkpoint import save_hf  # noqa: E402
+from lockstep.moe.buckets import bucketize  # noqa: E402
+from lockstep.moe.checkpoint import hf_state_dict, save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.rollout.client import LocalBackend, RolloutError  # noqa: E402
 from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
@@ -118,12 +119,20 @@ class TestTwoEngines:
         assert backend.update_weights(new.state_dict()) == "v1+1"
         _assert_same(backend.generate(_requests(seed=7)),
                      [dataclasses.replace(r, weight_version="v1+1") for r in after])
+        # a stream of HF-named buckets (a generator: consumed once, each bucket put once)
+        stream = bucketize(hf_state_dict(model).items(), 16 << 10)
+        assert backend.update_weights(stream, "v1+2") == "v1+2" and next(stream, None) is None
+        n_bytes = sum(t.numel() * t.element_size() for t in hf_state_dict(model).values())
+        assert backend.last_push["mode"] == "object_store" and backend.last_push["buckets"] > 4
+        assert backend.last_push["bytes"] == n_bytes  # fp32 engines: nothing cast
+        local = LocalBackend(Engine.from_model(model, ENGINE, weight_version="v1+2"))
+        _assert_same(backend.generate(_requests(seed=7)), local.generate(_requests(seed=7)))
 
     def test_stale_weight_version_is_refused(self, backend, model):
         # one worker loads weights behind the backend's back
         ray.get(backend.workers[0].update_weights.remote(model.state_dict(), "rogue"))
         with pytest.raises(RolloutError, match=r"engine worker 0 .* weight version 'rogue', "
-                                               r"expected 'v1\+1'"):
+                                               r"expected 'v1\+2'"):
             backend.generate(_requests(n_prompts=2))
         assert backend.update_weights(model, "v2") == "v2"  # one push brings all back in line
         assert {r.weight_version for r in backend.generate(_requests(n_prompts=2))} == {"v2"}
@@ -146,12 +155,12 @@ class TestTwoEngines:
 
     def test_restarts_past_the_limit_name_the_engine(self, backend):
         # NOTE: last in the class: it ends the shared backend (one start fewer, ~15 s).
-        backend.max_engine_restarts = 1  # worker 0 was restarted once (the hung test)
         victim = backend.infos[0]
+        n = backend.max_engine_restarts = victim.restarts  # 1 after the hung test, else 0
         os.kill(victim.pid, signal.SIGKILL)
         with pytest.raises(RolloutError, match=(
                 rf"engine worker 0 \(.*pid {victim.pid}, node {victim.node[:12]}\) died .*during "
-                r"generate; restarted 1 time\(s\) already \(rollout.max_engine_restarts=1\); "
+                rf"generate; restarted {n} time\(s\) already \(rollout.max_engine_restarts={n}\); "
                 r"unanswered requests: \['p0', 'p1'\]")):
             backend.generate(_requests(n_prompts=4))
         assert backend.closed and backend.pg is None
