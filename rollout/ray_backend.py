@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -199,6 +200,7 @@ class RayBackend(RolloutBackend):
         self.bucket_bytes = bucket_bytes
         self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
         self.closed = False
+        self._lock = threading.Lock()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address, runtime_env={"env_vars": WORKER_ENV})
@@ -242,7 +244,12 @@ class RayBackend(RolloutBackend):
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
         """Shard across the engines, run them concurrently, gather in request order (a dead or
-        hung worker's requests run again elsewhere; see the module docstring)."""
+        hung worker's requests run again elsewhere; see the module docstring). Calls from
+        several threads run one at a time (a push waits for the generate in flight)."""
+        with self._lock:
+            return self._generate(requests)
+
+    def _generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
         self._check_open()
         seen: set[str] = set()
         for k, r in enumerate(requests):  # rids must be unique across engines
@@ -291,7 +298,11 @@ class RayBackend(RolloutBackend):
         as soon as it is put; the driver never holds more than one bucket. The refs are kept
         until the next push: a worker restarted before then is built from them, at this
         version (one copy of the weights in the engines' dtypes in the object store, which Ray
-        may spill to disk; nothing on the driver's heap)."""
+        may spill to disk; nothing on the driver's heap; during a push, the old and the new)."""
+        with self._lock:
+            return self._update_weights(source, weight_version)
+
+    def _update_weights(self, source: Any, weight_version: str | None) -> str:
         self._check_open()
         if weight_version is None:
             v = self.weight_version

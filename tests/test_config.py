@@ -141,3 +141,14 @@ def test_actor_megatron_errors(tmp_path):
                                                     r"actor\.backend=megatron, but actor\.backend"
                                                     r"='torch'"):
         load_config(None, ["actor.megatron.tensor_parallel=2"])
+
+
+def test_rollout_fault_keys_are_checked_and_leave_the_hash():
+    base = load_config(None)
+    cfg = load_config(None, ["rollout.request_timeout_s=5", "rollout.max_engine_restarts=0"])
+    assert (cfg.rollout.request_timeout_s, cfg.rollout.max_engine_restarts) == (5.0, 0)
+    assert cfg.hash() == base.hash()  # a resumed run may change how faults are handled
+    with pytest.raises(ExperimentConfigError, match=r"rollout.request_timeout_s=0\.0 is outside"):
+        load_config(None, ["rollout.request_timeout_s=0"])
+    with pytest.raises(ExperimentConfigError, match=r"rollout.max_engine_restarts=-1 is outside"):
+        load_config(None, ["rollout.max_engine_restarts=-1"])
