@@ -4,7 +4,7 @@ same run, as ratios against the disk path (docs/rollout.md, "Weight sync"):
   disk          HF folder written bucket by bucket + /update_weights_from_disk on both servers
   collective    DistributedWeightSync: /update_weights_from_distributed + one gloo broadcast
                 per bucket to both servers (nothing written)
-  object_store  RayBackend.update_weights: buckets cast, one ray.put, both Ray engine workers
+  object_store  RayBackend.update_weights: each bucket cast and ray.put once, both Ray engine workers
                 load from the object store (nothing written)
 
 Servers are `lockstep serve` processes (bf16 engines) over the same folder; the trainer pushes

@@ -150,7 +150,6 @@ def test_mask_replay_default_and_hash():
     d["rollout"]["api_key"] = None
     d["model"].pop("path"), d.pop("data"), d.pop("reward")  # (as are these when unset)
     d["loop"].pop("max_staleness")  # (and a synchronous loop)
-    d["rollout"].pop("request_timeout_s"), d["rollout"].pop("max_engine_restarts")  # (faults)
     assert base.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()
                                          ).hexdigest()[:16]
     assert run_hash(forced) != run_hash(base)
