@@ -218,7 +218,8 @@ class Fleet(RolloutBackend):
                  request_timeout_s: float = 600.0, max_engine_restarts: int = 3,
                  max_concurrency: int = 64, fan_out_samples: bool = False,
                  sampling_mask_max_tokens: int = 4096, bucket_bytes: int = 64 << 20,
-                 startup_timeout_s: float = 300.0, log: Callable[[str], None] | None = None):
+                 startup_timeout_s: float = 300.0, colocate: bool = False,
+                 log: Callable[[str], None] | None = None):
         if weight_sync not in ("distributed", "disk"):
             raise ValueError(f"Fleet: weight_sync must be 'distributed' or 'disk', got "
                              f"{weight_sync!r}")
@@ -239,6 +240,8 @@ class Fleet(RolloutBackend):
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.bucket_bytes = bucket_bytes
         self.log = log or (lambda s: None)
+        self.colocate = colocate
+        self._released: set[str] = set()  # memory tags released on the servers (colocate)
         self.stats = FleetStats()
         self.placement: dict[tuple[str, int], int] = {}  # (rid, index) -> engine, last generate
         self._sync = None  # DistributedWeightSync over the engines in `_sync_urls`
@@ -359,6 +362,8 @@ class Fleet(RolloutBackend):
                 raise RolloutError(f"two requests share rid {r.rid!r}: results are matched by "
                                    f"(rid, sample index), so rids must be unique")
             seen.add(r.rid)
+        if self._released:  # colocated: take the memory back before generating
+            await asyncio.to_thread(self.resume_memory)
         groups = [_Group(k, r, self._wire(r)) for k, r in enumerate(requests)]
         store: dict[tuple[str, int], GenerationResult] = {}
         self.placement = {}
@@ -411,6 +416,8 @@ class Fleet(RolloutBackend):
         if missing or extra:
             raise RolloutError(f"fleet: results do not match the requests: missing (rid, index) "
                                f"{missing[:5]}, unexpected {extra[:5]}")
+        if self.colocate:  # the actor's phase comes next: give the accelerator back
+            await asyncio.to_thread(self.release_memory)
         return [store[k] for k in want]
 
     def _wire(self, req: GenerateRequest) -> list[tuple[int, GenerateRequest]]:
@@ -529,6 +536,8 @@ class Fleet(RolloutBackend):
         version = str(weight_version)
         t0 = time.perf_counter()
         reiterable = isinstance(source, (MoEModel, dict, str, Path))
+        if "weights" in self._released:  # colocated: the weights' memory back, KV cache not yet
+            self.resume_memory(["weights"])
         for attempt in range(self.max_engine_restarts + 2):
             targets = [s for s in self.slots if s.state in ("live", "joining")]
             if not targets:
@@ -623,21 +632,32 @@ class Fleet(RolloutBackend):
     # -- colocated placement: SGLang's memory release between phases ------------------------
     def release_memory(self, tags: list[str] | None = None) -> None:
         """POST /release_memory_occupation to every live engine (colocated rollout: free the
-        accelerator for the actor's phase). Servers without the endpoint raise, naming it."""
-        self._broadcast("/release_memory_occupation", {"tags": tags} if tags else {})
+        accelerator for the actor's phase; tags None = weights and KV cache). With
+        `colocate` the fleet calls it after each generate, resumes ["weights"] before a push
+        and the rest before the next generate."""
+        self._broadcast("/release_memory_occupation", tags)
+        self._released |= set(tags or ("weights", "kv_cache"))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """POST /resume_memory_occupation (before the weight push: tags=["weights"]; before
-        generating: ["kv_cache"]; None: both)."""
-        self._broadcast("/resume_memory_occupation", {"tags": tags} if tags else {})
+        """POST /resume_memory_occupation (tags None = every released tag)."""
+        self._broadcast("/resume_memory_occupation", tags)
+        self._released -= set(self._released if tags is None else tags)
 
-    def _broadcast(self, path: str, body: dict) -> None:
+    def _broadcast(self, path: str, tags: list[str] | None) -> None:
+        """POST to every live engine; one that does not answer is marked dead (it is
+        relaunched, with its memory in place, at the next push), other errors raise."""
+        live = [s for s in self.slots if s.state == "live"]
+
         async def all_():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
                     total=self.request_timeout_s)) as sess:
-                return await asyncio.gather(*(s.client._post(sess, path, body) for s in
-                                              self.slots if s.state == "live"))
-        asyncio.run(all_())
+                return await asyncio.gather(*(s.client._post(sess, path, {"tags": tags})
+                                              for s in live), return_exceptions=True)
+        for s, got in zip(live, asyncio.run(all_())):
+            if isinstance(got, EngineDown):
+                self._mark_dead(s, f"{path}: {got}")
+            elif isinstance(got, BaseException):
+                raise RolloutError(f"{s}: {path}: {got}") from got
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -790,7 +810,9 @@ def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: Engin
         weight_sync=weight_sync_mode(cfg), weights_dir=ro.weights_dir or Path(out_dir) / "weights",
         request_timeout_s=ro.request_timeout_s, max_engine_restarts=ro.max_engine_restarts,
         max_concurrency=max(ro.prompts_per_step, 1) * ro.samples_per_prompt,
-        bucket_bytes=cfg.cluster.weight_bucket_bytes, log=log)
+        bucket_bytes=cfg.cluster.weight_bucket_bytes, log=log,
+        # colocated with the actor: servers release their memory while it trains
+        colocate=getattr(cfg.cluster, "placement", "disaggregated") == "colocated")
     if ro.backend == "serve":
         return Fleet.serve(model, engine_cfg, ro.num_engines, weight_version,
                            address=ro.ray_address, **kw)

@@ -30,6 +30,7 @@ from aiohttp import web
 from ..replay.codec import ENCODING_INT32, ENCODING_REQUEST_FIELD, ENCODINGS, encode_routes
 from ..replay.trace import RoutingTrace
 from .engine import Engine
+from .memory_occupation import MemoryOccupation
 from .request_fields import check_generate_fields
 from .types import GenerateRequest, GenerationResult, RequestError, SamplingParams
 from .weight_receiver import RECEIVER, WeightReceiver
@@ -361,6 +362,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
     worker = EngineWorker(engine)
     weights_lock = asyncio.Lock()
     receiver = WeightReceiver(engine, worker, weights_lock, weight_sync_timeout_s)
+    memory = MemoryOccupation()  # /release_memory_occupation state (colocated fleets)
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -403,6 +405,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
 
     async def generate(request: web.Request) -> web.Response:
         parsed, batched = await body_of(request, _parse)
+        memory.check_generate()
         busy = [p.req.rid for p in parsed if p.req.rid in worker._waiters]
         if busy:
             raise RequestError(f"rid {busy[0]!r} is already running")
@@ -502,7 +505,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             "waiting": len(engine.waiting), "steps": worker.steps,
             "weight_version": engine.weight_version, "tp_size": 1,
             "sampling_mask_max_tokens": sampling_mask_max_tokens,
-            "max_request_bytes": max_body_bytes})
+            "max_request_bytes": max_body_bytes, "memory_released": sorted(memory.released)})
 
     async def on_startup(app):
         await worker.start()
@@ -521,6 +524,8 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
     for path, handler in receiver.routes(body_of):
         app.router.add_post(path, handler)
     app[RECEIVER] = receiver
+    for path, handler in memory.routes(body_of, lambda: len(engine.running) + len(engine.waiting)):
+        app.router.add_post(path, handler)
     app.router.add_post("/abort_request", abort)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_get("/health", health)

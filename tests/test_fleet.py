@@ -4,6 +4,7 @@ engine, load is spread, a dead server's requests are retried elsewhere with ever
 exactly once; and the SGLang fleet's launch arguments (SGLang itself is GPU-only)."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -223,3 +224,31 @@ def test_sglang_router_drops_the_route_fields(tmp_path):
         proc.terminate()
         proc.wait(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_colocated_fleet_releases_memory_between_phases(model, servers, tmp_path):
+    """With `colocate`, the servers hold no memory while the actor trains (SGLang's
+    /release_memory_occupation after generating, /resume_memory_occupation before the push
+    and the next generate); a server that was not resumed refuses /generate."""
+    import urllib.request
+
+    def released(srv):
+        with urllib.request.urlopen(srv.url + "/server_info") as r:
+            return json.loads(r.read())["memory_released"]
+
+    fleet = Fleet.http([s.url for s in servers], model.cfg, colocate=True, weight_sync="disk",
+                       weights_dir=tmp_path)
+    got = fleet.generate(requests(k=2))
+    assert [released(s) for s in servers] == [["kv_cache", "weights"]] * 2  # actor's turn
+    direct = HTTPBackend(servers[0].url, model.cfg)
+    with pytest.raises(RolloutError, match="resume_memory_occupation"):
+        direct.generate(requests(k=1))
+    fleet.update_weights(model, "1")  # weights back for the push, the KV cache not yet
+    assert [released(s) for s in servers] == [["kv_cache"]] * 2
+    again = fleet.generate(requests(k=2))  # resumes first, releases after
+    assert [r.output_ids for r in again] == [r.output_ids for r in got]
+    assert {r.weight_version for r in again} == {"1"}
+    assert [released(s) for s in servers] == [["kv_cache", "weights"]] * 2
+    fleet.resume_memory()
+    assert [released(s) for s in servers] == [[], []]
+    assert len(direct.generate(requests(k=1))) == 4
