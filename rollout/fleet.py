@@ -484,9 +484,10 @@ class Fleet(RolloutBackend):
         self.log(f"fleet: engine {text}")
 
     # -- relaunch ---------------------------------------------------------------------------
-    def _revive(self) -> list[EngineSlot]:
+    def _revive(self, repush: bool = True) -> list[EngineSlot]:
         """Relaunch dead engines (Ray actors) or re-probe dead URLs; they come back as
-        'joining' (no weights yet). Returns the slots that came back."""
+        'joining' (no weights yet; with disk sync and `repush` they load the last folder and
+        are live at once). Returns the slots that came back."""
         back = []
         for s in self.slots:
             if s.state != "dead":
@@ -517,8 +518,10 @@ class Fleet(RolloutBackend):
             self._event(f"{s.index} relaunched ({s.restarts}/{self.max_engine_restarts}) as "
                         f"pid {s.pid} at {s.url}")
             back.append(s)
-        if back and self._last_folder is not None:  # disk sync: the current weights are on disk
+        if back and repush and self._last_folder is not None:  # disk: current weights on disk
             self._push_disk(self._last_folder, self.weight_version, back)
+            for s in back:
+                s.state = "live"
         return back
 
     # -- weights ----------------------------------------------------------------------------
@@ -529,7 +532,7 @@ class Fleet(RolloutBackend):
         """Push `source` (a model, an HF-named or native state dict, an HF folder, or an
         iterable of buckets) to every engine; relaunched engines rejoin here."""
         self._check_open()
-        self._revive()
+        self._revive(repush=False)  # the push below brings them the new weights
         if weight_version is None:
             v = self.weight_version
             weight_version = str(int(v) + 1) if v.isdigit() else uuid.uuid4().hex[:8]
@@ -556,7 +559,7 @@ class Fleet(RolloutBackend):
                                      + ("the weights were a one-pass stream, so they cannot be "
                                         "pushed again" if not reiterable else
                                         "no engine was found dead")) from e
-                self._revive()
+                self._revive(repush=False)
         for s in self.slots:
             if s.state == "joining":
                 s.state = "live"
