@@ -297,3 +297,26 @@ def test_plan_works_on_the_toy_config(capsys):
     assert code == 0, err
     assert "actor    torch, 1 rank(s)" in out and "driver" in out
     assert "rollout  embedded" in out
+
+
+@pytest.mark.slow  # ~20 s: transformers' import and a 48-layer model on the meta device
+def test_parameter_count_equals_transformers(in_root):
+    """The plan's meta-device count of Qwen3-30B-A3B (from its config.json alone) equals that
+    of transformers' own Qwen3MoeForCausalLM, in total and in the routed experts."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import torch
+
+    from lockstep.launch.plan import count_params
+    from lockstep.moe.config import ModelConfig
+
+    path = ROOT / "configs" / "models" / "qwen3-30b-a3b"
+    d = json.loads((path / "config.json").read_text())
+    hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(hf_cfg)
+    total = sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    pc = count_params(ModelConfig.from_json(path))
+    assert (pc.total, pc.experts) == (total, experts) == (30_532_122_624, 28_991_029_248)
