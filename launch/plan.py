@@ -166,7 +166,8 @@ class _Plan:
                             "gpu_memory_gib": c.gpu_memory_gib, "placement": c.placement,
                             "ray_address": c.ray_address},
                 "placement": placement, "actor": actor, "rollout": rollout,
-                "buffers": self._buffers(actor), "notes": self.notes,
+                "buffers": self._buffers(actor), "host": self._host(actor),
+                "notes": self.notes,
                 "refusals": self.refusals}
 
     def _model(self) -> dict[str, Any]:
@@ -404,7 +405,7 @@ class _Plan:
                     f"sampling-mask replay sends a finite top_k <= --sampling-mask-max-tokens "
                     f"({cap}); rollout.top_k={ro.top_k}")
         self.notes.append("the fleet starts each SGLang server on its node's address with a free "
-                          "port; the commands below show 0.0.0.0 / 127.0.0.1 and port 30000 + i")
+                          "port; the commands above show 0.0.0.0 / 127.0.0.1 and port 30000 + i")
         out["memory_per_gpu"] = self._engine_memory(g)
         return out
 
@@ -559,6 +560,22 @@ class _Plan:
                             f"exceeds cluster.gpu_memory_gib={G}; set "
                             f"rollout.sglang.mem_fraction_static below {max(0.0, room):.2f}")
 
+    # -- host memory -------------------------------------------------------------------
+    def _host(self, actor: dict) -> dict[str, Any]:
+        """Host RAM the code takes today while it starts: the driver loads the policy in fp32,
+        puts it once in Ray's object store for the actor ranks, and every rank builds the whole
+        fp32 model before megatron-core shards it."""
+        c = self.cfg.cluster
+        full = 4 * self.pc.total
+        N = c.actor_ranks
+        per_node = min(N, c.gpus_per_node) if self.gpu and c.device != "cpu" else N
+        out = {"driver_bytes": full, "object_store_bytes": full if N > 1 else 0,
+               "rank_build_bytes": full if N > 1 else 0,
+               "ranks_per_node": per_node if N > 1 else 0}
+        out["node_peak_bytes"] = (out["driver_bytes"] + out["object_store_bytes"]
+                                  + out["rank_build_bytes"] * out["ranks_per_node"])
+        return out
+
     # -- per-step buffers --------------------------------------------------------------
     def _buffers(self, actor: dict) -> dict[str, Any]:
         cfg, m = self.cfg, self.cfg.model
@@ -613,6 +630,11 @@ def check_devices(cfg: ExperimentConfig, source: str | None = None) -> None:
     """Refuse, before any work, a run whose config plans GPUs that are not there: on a machine
     without them (no cluster.ray_address) or over several nodes without a Ray cluster."""
     c = cfg.cluster
+    if c.placement == "colocated" and cfg.rollout.backend == "sglang":
+        raise PlanError("cluster.placement=colocated: the fleet does not place its SGLang "
+                        "servers on the actor ranks' GPUs yet (docs/ray.md), so this layout can "
+                        f"be planned (`lockstep plan {source or 'CONFIG'}`) but not trained; use "
+                        "cluster.placement=disaggregated")
     need = gpus_needed(cfg)
     if c.gpus_per_node == 0 or need == 0 or c.ray_address is not None:
         return  # CPU layouts; on a Ray cluster the placement group reserves (or names) the GPUs
@@ -735,6 +757,12 @@ def render(p: dict[str, Any]) -> str:
     if "candidates_bytes" in b:
         w(f"  sampling-mask candidate sets ({b['candidates_per_token']} per token) "
           f"{_size(b['candidates_bytes'])}, {_size(b['candidates_per_dp_rank_bytes'])} per DP rank")
+    h = p["host"]
+    w(f"host memory while starting: driver {_size(h['driver_bytes'])} (the fp32 policy)"
+      + (f", object store {_size(h['object_store_bytes'])}, each rank builds the whole fp32 "
+         f"model ({_size(h['rank_build_bytes'])}) before sharding: up to "
+         f"{_size(h['node_peak_bytes'])} on a node with the driver and {h['ranks_per_node']} ranks"
+         if h["rank_build_bytes"] else ""))
     for n in p["notes"]:
         w(f"note: {n}")
     return "\n".join(out)

@@ -187,6 +187,10 @@ def test_memory_estimates_scale_with_the_layout(in_root):
     b = base["buffers"]
     assert b["routes_bytes"] == 256 * 5120 * 48 * 8 and b["routes_dtype"] == "uint8"
     assert b["routes_per_dp_rank_bytes"] == b["routes_bytes"] // 4
+    # host RAM while starting: the fp32 policy in the driver, the object store, each rank
+    h = base["host"]
+    assert h["driver_bytes"] == h["rank_build_bytes"] == 4 * base["model"]["params"]
+    assert h["node_peak_bytes"] == (2 + 8) * 4 * base["model"]["params"]
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -284,9 +288,17 @@ def test_train_refuses_a_gpu_config_on_a_cpu_machine(in_root, capsys, tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    code, _, err = _cli(capsys, "train", COLOCATED.relative_to(ROOT), "--out", tmp_path / "r")
+    code, _, err = _cli(capsys, "train", COLOCATED.relative_to(ROOT), "--out", tmp_path / "r",
+                        "--set", "cluster.placement=disaggregated", "--set", "cluster.nodes=2")
+    assert code == 2 and "cluster.ray_address=auto" in err
+    code, _, err = _cli(capsys, "train", CLUSTER.relative_to(ROOT), "--out", tmp_path / "r",
+                        "--set", "cluster.nodes=1", "--set", "cluster.gpus_per_node=16")
     assert code == 2
-    assert "plans 8 GPUs" in err and "this machine has 0 CUDA device(s)" in err
+    assert "plans 16 GPUs" in err and "this machine has 0 CUDA device(s)" in err
+    # colocated SGLang servers are planned, not launched yet: refused even on a Ray cluster
+    code, _, err = _cli(capsys, "train", COLOCATED.relative_to(ROOT), "--out", tmp_path / "r",
+                        "--set", "cluster.ray_address=auto")
+    assert code == 2 and "cluster.placement=colocated: the fleet does not place" in err
     code, _, err = _cli(capsys, "train", CLUSTER.relative_to(ROOT), "--out", tmp_path / "r")
     assert code == 2 and "cluster.ray_address=auto" in err
     assert not (tmp_path / "r").exists()  # refused before the run directory
