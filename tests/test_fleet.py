@@ -252,3 +252,35 @@ def test_colocated_fleet_releases_memory_between_phases(model, servers, tmp_path
     fleet.resume_memory()
     assert [released(s) for s in servers] == [[], []]
     assert len(direct.generate(requests(k=1))) == 4
+
+
+@pytest.mark.slow  # two short RL steps (~10 s on a quiet 2-core host)
+def test_trainer_over_rollout_urls(tmp_path):
+    """`rollout.backend: http` with `rollout.urls`: the loop runs over the balancing client,
+    pushing its weights to both servers by /update_weights_from_distributed (nothing on disk)."""
+    from pathlib import Path
+
+    from lockstep.trainer.loop import Trainer
+    sets = ["warmstart.enabled=false", "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+            "actor.mini_batch_size=8", "actor.micro_batch_size=8", "loop.steps=2",
+            "loop.tensorboard=false", "loop.plots=false", "loop.checkpoint_every=0"]
+    toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
+    mcfg = load_config(toy, sets).model  # the servers start from other weights: pushed at once
+    servers = [ServerThread(Engine(MoEModel(mcfg), EngineConfig(dtype="bf16", max_len=32),
+                                   weight_version="x")).start() for _ in range(2)]
+    try:
+        cfg = load_config(toy, sets + ["rollout.backend=http",
+                                       f"rollout.urls=[{servers[0].url}, {servers[1].url}]"])
+        tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+        tr.run()
+    finally:
+        for s in servers:
+            s.stop()
+    fleet = tr.rollout
+    assert isinstance(fleet, Fleet) and fleet.weight_sync == "distributed"
+    assert fleet.stats.pushes == 3 and fleet.stats.disk_bytes_written == 0  # start + 2 steps
+    assert set(fleet.placement.values()) == {0, 1}
+    assert not (tmp_path / "run" / "weights").exists()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["replay/mismatch"] == 0.0
