@@ -204,7 +204,9 @@ class WeightReceiver:
                 raise WeightError(f"tensor {name!r} has dtype {t.dtype}; weights are floating point")
             if not bool(torch.isfinite(t).all()):
                 raise WeightError(f"tensor {name!r} contains NaN or Inf")
-            out.append((name, t))
+            # Staged in the engine's dtype (the swap would cast the same way): a bf16 engine
+            # holds a bf16 copy of a pushed fp32 tensor, and the received buffer is freed.
+            out.append((name, t.to(targets[name].dtype)))
         return out
 
     # -- the swap --------------------------------------------------------------------------
