@@ -255,7 +255,8 @@ def test_colocated_fleet_releases_memory_between_phases(model, servers, tmp_path
 
 
 @pytest.mark.slow  # two short RL steps (~10 s on a quiet 2-core host)
-def test_trainer_over_rollout_urls(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_trainer_over_rollout_urls(tmp_path, staleness):
     """`rollout.backend: http` with `rollout.urls`: the loop runs over the balancing client,
     pushing its weights to both servers by /update_weights_from_distributed (nothing on disk)."""
     from pathlib import Path
@@ -264,7 +265,8 @@ def test_trainer_over_rollout_urls(tmp_path):
     sets = ["warmstart.enabled=false", "rollout.prompts_per_step=4",
             "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
             "actor.mini_batch_size=8", "actor.micro_batch_size=8", "loop.steps=2",
-            "loop.tensorboard=false", "loop.plots=false", "loop.checkpoint_every=0"]
+            "loop.tensorboard=false", "loop.plots=false", "loop.checkpoint_every=0",
+            f"loop.max_staleness={staleness}"]  # 1: generation on the pipeline's thread
     toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
     mcfg = load_config(toy, sets).model  # the servers start from other weights: pushed at once
     servers = [ServerThread(Engine(MoEModel(mcfg), EngineConfig(dtype="bf16", max_len=32),
