@@ -1,8 +1,10 @@
 """Rollout/train overlap of async rollout: `loop.max_staleness: 1` vs 0 on the toy job, measured
-in the same run with the same engines (default: rollout.backend=ray with 2 engine workers).
+in the same run with the same engines (default: rollout.backend=ray with 2 engine workers;
+`--backend serve`: 2 `lockstep serve` servers on Ray, the fleet).
 
 Both runs train the toy (configs/toy_r3.yaml, no warm start) for `--steps` RL steps from the
-same seed; the first `--warmup` steps are not timed. Printed per run: median step time, the
+same seed, their steps interleaved (sync step 1, async step 1, sync step 2, ...) so that the
+drifting load of a shared host hits both alike; the first `--warmup` steps are not timed. Printed per run: median step time, the
 rollout phase (`time/rollout_s`: the backend's generation call, in the background thread when
 async), the time the step waited for its samples (`time/generate_s`, which also holds collate
 and rewards), the train phase (`time/old_logprob_s` + `time/update_s`) and the weight push
@@ -10,7 +12,7 @@ and rewards), the train phase (`time/old_logprob_s` + `time/update_s`) and the w
 ratio step(max_staleness 0) / step(max_staleness 1). The ideal ratio is
 (rollout + train) / max(rollout, train).
 
-    OMP_NUM_THREADS=1 python bench/async_overlap.py [--backend ray|embedded] [--engines 2]
+    OMP_NUM_THREADS=1 python bench/async_overlap.py [--backend ray|serve|embedded] [--engines 2]
         [--steps 8] [--warmup 2] [--set key=value ...]
 
 `measure_overlap(...)` returns the same numbers as a dict (bench/weight_sync.py imports it).
@@ -35,24 +37,32 @@ PHASES = {"step": ("time/step_s",), "rollout": ("time/rollout_s",),
           "sync": ("time/sync_s",)}
 
 
-def run_steps(max_staleness: int, backend: str, engines: int, steps: int, out: Path,
-              overrides: list[str]) -> list[dict]:
-    """Run `steps` RL steps of the toy; returns each step's metrics."""
+def make_trainer(max_staleness: int, backend: str, engines: int, steps: int, out: Path,
+                 overrides: list[str]) -> Trainer:
+    """A trainer of the toy (no warm start) for `steps` RL steps."""
     cfg = load_config(CONFIG, ["warmstart.enabled=false", f"loop.steps={steps}",
                                "loop.checkpoint_every=0", "loop.tensorboard=false",
                                "loop.plots=false", f"rollout.backend={backend}",
                                f"rollout.num_engines={engines}",
                                f"loop.max_staleness={max_staleness}", *overrides])
-    tr = Trainer(cfg, out, progress=False, log=lambda s: None)
-    ms = []
+    return Trainer(cfg, out, progress=False, log=lambda s: None)
+
+
+def run_interleaved(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]]:
+    """Step every trainer once per round, in turn, so slow drift of a shared host's load hits
+    both alike. Nothing of one runs during another's step: an async trainer's push waits for
+    its generation in flight, and its next generation starts only in its next step."""
+    out: dict[str, list[dict]] = {name: [] for name in trainers}
     try:
         for step in range(1, steps + 1):
-            ms.append(tr.step(step))
+            for name, tr in trainers.items():
+                out[name].append(tr.step(step))
     finally:
-        tr.pipeline.close()
-        tr.rollout.close()
-        tr.actor.close()
-    return ms
+        for tr in trainers.values():
+            tr.pipeline.close()
+            tr.rollout.close()
+            tr.actor.close()
+    return out
 
 
 def phase_medians(ms: list[dict]) -> dict[str, float]:
@@ -69,17 +79,19 @@ def measure_overlap(backend: str = "ray", engines: int = 2, steps: int = 8, warm
     if steps <= warmup:
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     own_ray = False
-    if backend == "ray":
+    if backend in ("ray", "serve"):
         import ray
         if not ray.is_initialized():
-            ray.init(address="local", num_cpus=engines, include_dashboard=False,
+            # both runs' engines exist at once (logical CPUs: only one run works at a time)
+            ray.init(address="local", num_cpus=2 * engines, include_dashboard=False,
                      log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
             own_ray = True
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            runs = {name: run_steps(k, backend, engines, steps, Path(tmp) / name,
-                                    list(overrides or []))[warmup:]
-                    for name, k in (("sync", 0), ("async", 1))}
+            trainers = {name: make_trainer(k, backend, engines, steps, Path(tmp) / name,
+                                           list(overrides or []))
+                        for name, k in (("sync", 0), ("async", 1))}
+            runs = {name: ms[warmup:] for name, ms in run_interleaved(trainers, steps).items()}
     finally:
         if own_ray:
             import ray
@@ -92,7 +104,9 @@ def measure_overlap(backend: str = "ray", engines: int = 2, steps: int = 8, warm
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=["ray", "embedded"], default="ray")
+    ap.add_argument("--backend", choices=["ray", "embedded", "serve"], default="ray",
+                    help="ray: embedded engines as Ray actors; serve: `lockstep serve` servers "
+                         "on Ray (the fleet, weights over the gloo group); embedded: in-process")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -103,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     r = measure_overlap(args.backend, args.engines, args.steps, args.warmup, args.set)
     print(f"toy, rollout.backend={args.backend}"
-          f"{f' x{args.engines} engines' if args.backend == 'ray' else ''}, "
+          f"{f' x{args.engines} engines' if args.backend != 'embedded' else ''}, "
           f"{args.steps - args.warmup} timed steps (medians, seconds)")
     print(f"{'max_staleness':>14} {'step':>7} {'rollout':>8} {'wait':>7} {'train':>7} {'sync':>7}")
     for name, k in (("sync", 0), ("async", 1)):
