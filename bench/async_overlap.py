@@ -24,6 +24,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +47,30 @@ def make_trainer(max_staleness: int, backend: str, engines: int, steps: int, out
                                f"rollout.num_engines={engines}",
                                f"loop.max_staleness={max_staleness}", *overrides])
     return Trainer(cfg, out, progress=False, log=lambda s: None)
+
+
+def record_spans(tr: Trainer) -> dict[str, list[tuple[float, float]]]:
+    """Wall-clock spans of the trainer's generation calls (in whichever thread runs them) and
+    of its training calls (old log-probs, update), recorded by wrapping them."""
+    spans: dict[str, list[tuple[float, float]]] = {"rollout": [], "train": []}
+
+    def timed(fn, kind):
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spans[kind].append((t0, time.perf_counter()))
+        return wrapped
+    tr.rollout.generate = timed(tr.rollout.generate, "rollout")
+    tr.actor.old_logprobs = timed(tr.actor.old_logprobs, "train")
+    tr.actor.policy_update = timed(tr.actor.policy_update, "train")
+    return spans
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time inside some span of `a` and some span of `b` (each list non-overlapping)."""
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
 def run_interleaved(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]]:
@@ -73,6 +98,7 @@ def phase_medians(ms: list[dict]) -> dict[str, float]:
 def measure_overlap(backend: str = "ray", engines: int = 2, steps: int = 8, warmup: int = 2,
                     overrides: list[str] | None = None) -> dict:
     """{"sync": phase medians at max_staleness 0, "async": at 1, "ratio": step time 0 / 1,
+    "hidden": per run, the fraction of generation time that ran while the actor trained,
     "ideal": (rollout + train) / max(rollout, train) of the synchronous run, "lag": mean
     weight-version lag of the async run's timed steps}. With backend=ray a local Ray
     cluster is started for the measurement (unless one is running) and shut down after."""
@@ -91,13 +117,17 @@ def measure_overlap(backend: str = "ray", engines: int = 2, steps: int = 8, warm
             trainers = {name: make_trainer(k, backend, engines, steps, Path(tmp) / name,
                                            list(overrides or []))
                         for name, k in (("sync", 0), ("async", 1))}
+            spans = {name: record_spans(tr) for name, tr in trainers.items()}
             runs = {name: ms[warmup:] for name, ms in run_interleaved(trainers, steps).items()}
     finally:
         if own_ray:
             import ray
             ray.shutdown()
     sync, asyn = phase_medians(runs["sync"]), phase_medians(runs["async"])
+    hidden = {name: overlap_seconds(sp["rollout"], sp["train"]) /
+              max(1e-9, sum(e - b for b, e in sp["rollout"])) for name, sp in spans.items()}
     return {"sync": sync, "async": asyn, "ratio": sync["step"] / asyn["step"],
+            "hidden": hidden,
             "ideal": (sync["rollout"] + sync["train"]) / max(sync["rollout"], sync["train"]),
             "lag": statistics.mean(m["rollout/weight_version_lag_mean"] for m in runs["async"])}
 
@@ -124,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         p = r[name]
         print(f"{k:>14} {p['step']:7.3f} {p['rollout']:8.3f} {p['wait']:7.3f} {p['train']:7.3f} "
               f"{p['sync']:7.3f}")
+    print(f"generation time spent while the actor trained: {r['hidden']['sync']:.0%} "
+          f"(max_staleness 0), {r['hidden']['async']:.0%} (max_staleness 1)")
     print(f"step time ratio max_staleness 0 / 1: {r['ratio']:.2f}x "
           f"(ideal (rollout + train) / max: {r['ideal']:.2f}x); async mean version lag "
           f"{r['lag']:.2f}")
