@@ -112,6 +112,10 @@ def measure_overlap(backend: str = "ray", engines: int = 2, steps: int = 8, warm
             ray.init(address="local", num_cpus=2 * engines, include_dashboard=False,
                      log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
             own_ray = True
+        elif ray.cluster_resources().get("CPU", 0) < 2 * engines:
+            raise RuntimeError(f"measure_overlap: the running Ray cluster has "
+                               f"{ray.cluster_resources().get('CPU', 0)} CPUs; both runs' "
+                               f"engines need {2 * engines} (shut it down, or start it with more)")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             trainers = {name: make_trainer(k, backend, engines, steps, Path(tmp) / name,
