@@ -58,6 +58,10 @@ class EngineConfig:
     """Record routed experts (off only to measure its cost)."""
     seed: int = 0
     """Seeds the per-request seeds of requests that do not give one."""
+    device: str = "cpu"
+    """Where the model, KV cache, sampling and route capture run: "cpu", "cuda", "cuda:N"
+    (or "auto": cuda when this process sees a GPU). Results move to the CPU once per
+    finished sample."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "router_dtype", "lm_head_dtype"):
@@ -70,6 +74,12 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
         if self.max_len is not None and not (isinstance(self.max_len, int) and self.max_len >= 2):
             raise ValueError(f"EngineConfig.max_len must be an integer >= 2, got {self.max_len!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"EngineConfig.device must be 'auto', 'cpu', 'cuda' or "
+                                 f"'cuda:N', got {self.device!r}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
@@ -91,6 +101,16 @@ class _Seq:
     support_logprobs: list | None = None
 
 
+def engine_device(device: str) -> torch.device:
+    """EngineConfig.device -> a torch.device ("auto": cuda when this process sees a GPU)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={device!r} but torch sees no CUDA device here")
+    return dev
+
+
 class Engine:
     """Batched generation with exact route and log-prob capture. Owns (and casts) `model`."""
 
@@ -98,10 +118,12 @@ class Engine:
                  weight_version: str = "0"):
         self.cfg = cfg = cfg or EngineConfig()
         mcfg = model.cfg
+        self.device = dev = engine_device(cfg.device)
         self.model = model.eval().requires_grad_(False)
         self.model.set_precision(DTYPES[cfg.dtype],
                                  router_dtype=DTYPES.get(cfg.router_dtype),
                                  lm_head_dtype=DTYPES.get(cfg.lm_head_dtype))
+        self.model.to(dev)
         self.weight_version = weight_version
         self._decode_weights = make_decode_weights(self.model)
         self.vocab_size = mcfg.vocab_size
@@ -110,20 +132,22 @@ class Engine:
             raise ValueError(f"max_len={self.max_len} exceeds the model's "
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
-        self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype])
+        # Every per-slot buffer lives on the engine's device; the host keeps only Python
+        # bookkeeping (which slot runs which request).
+        self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype], device=dev)
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
-        self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype)
-        self.tokens_SM = torch.zeros(S, M, dtype=torch.long)      # generated ids
-        self.logprobs_SM = torch.zeros(S, M, dtype=torch.float32)
-        self.sel_logprobs_SM = torch.zeros(S, M, dtype=torch.float32)
-        self.gen_S = torch.zeros(S, dtype=torch.long)             # tokens generated so far
-        self.prompt_len_S = torch.zeros(S, dtype=torch.long)
-        self.max_new_S = torch.zeros(S, dtype=torch.long)
-        self.min_new_S = torch.zeros(S, dtype=torch.long)
-        self.stop_SJ = torch.full((S, 1), -1, dtype=torch.long)   # -1 = no stop id
+        self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype, device=dev)
+        self.tokens_SM = torch.zeros(S, M, dtype=torch.long, device=dev)      # generated ids
+        self.logprobs_SM = torch.zeros(S, M, dtype=torch.float32, device=dev)
+        self.sel_logprobs_SM = torch.zeros(S, M, dtype=torch.float32, device=dev)
+        self.gen_S = torch.zeros(S, dtype=torch.long, device=dev)  # tokens generated so far
+        self.prompt_len_S = torch.zeros(S, dtype=torch.long, device=dev)
+        self.max_new_S = torch.zeros(S, dtype=torch.long, device=dev)
+        self.min_new_S = torch.zeros(S, dtype=torch.long, device=dev)
+        self.stop_SJ = torch.full((S, 1), -1, dtype=torch.long, device=dev)  # -1 = no stop id
         self.params_S: list[tuple] = [(1.0, -1, 1.0, 0.0)] * S    # temperature, top_k, top_p, min_p
-        self.uniforms = RowUniforms(S)
+        self.uniforms = RowUniforms(S, device=dev)
         self._seed_rng = random.Random(cfg.seed)
         self.free_slots = list(range(S - 1, -1, -1))
         self.running: dict[int, _Seq] = {}                        # slot -> sequence
@@ -191,7 +215,7 @@ class Engine:
         return out + [self._finish(s, reason) for s in hit]
 
     def _aborted_in_queue(self, req: GenerateRequest, index: int, reason: dict) -> GenerationResult:
-        empty = torch.zeros(0, dtype=torch.float32)
+        empty = torch.zeros(0, dtype=torch.float32, device="cpu")  # a result: host side
         return GenerationResult(
             rid=req.rid, index=index, prompt_ids=list(req.input_ids), output_ids=[],
             output_logprobs=empty, sampling_logprobs=empty.clone(), finish_reason=dict(reason),
@@ -282,10 +306,10 @@ class Engine:
         return self._prefill(batch) if batch else []
 
     def _prefill(self, reqs: list[GenerateRequest]) -> list[GenerationResult]:
-        Bp, T = len(reqs), max(len(r.input_ids) for r in reqs)
-        ids_BT = torch.zeros(Bp, T, dtype=torch.long)
-        for b, r in enumerate(reqs):
-            ids_BT[b, :len(r.input_ids)] = torch.tensor(r.input_ids)
+        Bp, T, dev = len(reqs), max(len(r.input_ids) for r in reqs), self.device
+        # one host-to-device copy of the padded prompts
+        ids_BT = torch.tensor([r.input_ids + [0] * (T - len(r.input_ids)) for r in reqs],
+                              dtype=torch.long, device=dev)
         seqs: list[_Seq] = []
         for r in reqs:
             sp = r.sampling
@@ -295,16 +319,17 @@ class Engine:
                 seed = (sp.seed + j) if sp.seed is not None else self._seed_rng.getrandbits(63)
                 self.uniforms.assign(slot, seed)
                 self._init_slot(slot, r)
-        first = torch.tensor([next(s.slot for s in seqs if s.req is r) for r in reqs])
+        first_b = [next(s.slot for s in seqs if s.req is r) for r in reqs]
+        first = torch.tensor(first_b, device=dev)
         out = self.model(ids_BT, kv_cache=self.cache, cache_slots_B=first, compute_logits=False)
-        P_B = torch.tensor([len(r.input_ids) for r in reqs])
-        logits_BV = self.model.logits(out.hidden_BTD[torch.arange(Bp), P_B - 1])
+        last_B = torch.tensor([len(r.input_ids) - 1 for r in reqs], device=dev)
+        logits_BV = self.model.logits(out.hidden_BTD[torch.arange(Bp, device=dev), last_B])
         row_of = {id(r): b for b, r in enumerate(reqs)}
         prompt_lp: dict[int, tuple] = {}
         for s in seqs:
             b, P = row_of[id(s.req)], s.prompt_len
-            if s.slot != first[b]:
-                self.cache.copy_slot(int(first[b]), s.slot, P)
+            if s.slot != first_b[b]:
+                self.cache.copy_slot(first_b[b], s.slot, P)
             if self.cfg.capture_routes and s.req.return_routes:
                 self.routes_SMLK[s.slot, :P] = out.routes_BTLK[b, :P].to(self.route_dtype)
             if s.req.return_input_logprobs:  # same prompt for all n samples: computed once
@@ -319,8 +344,8 @@ class Engine:
         seqs = [s for s in seqs if s.req.sampling.max_new_tokens > 0]
         if not seqs:
             return finished
-        rows = torch.tensor([row_of[id(s.req)] for s in seqs])
-        slots = torch.tensor([s.slot for s in seqs])
+        rows = torch.tensor([row_of[id(s.req)] for s in seqs], device=dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
         return finished + self._sample_and_record(logits_BV[rows], slots, seqs)
 
     def _decode(self) -> list[GenerationResult]:
@@ -364,14 +389,15 @@ class Engine:
             (self.stop_SJ[slots_B], self.max_new_S[slots_B])
         stop_B = (tok_B[:, None] == stop_BJ).any(-1)
         done_B = stop_B | (gen_B >= max_new_B)
-        if not bool(done_B.any()):
+        if not bool(done_B.any()):  # the step's one wait for the device
             return []
-        out = []
-        for b in done_B.nonzero()[:, 0].tolist():
-            seq = self.running[int(slots_B[b])]
-            reason = {"type": "stop", "matched": int(tok_B[b])} if bool(stop_B[b]) else \
-                {"type": "length", "length": int(gen_B[b])}
-            out.append(self._finish(seq, reason))
+        b_N = done_B.nonzero()[:, 0]
+        out = []  # what the finished rows need, to the host in one copy
+        for slot, stopped, tok, gen in torch.stack(
+                [slots_B[b_N], stop_B[b_N].long(), tok_B[b_N], gen_B[b_N]], 1).tolist():
+            reason = {"type": "stop", "matched": tok} if stopped else \
+                {"type": "length", "length": gen}
+            out.append(self._finish(self.running[slot], reason))
         return out
 
     # -- helpers ----------------------------------------------------------------------------
@@ -381,11 +407,13 @@ class Engine:
         eos = self.model.cfg.eos_token_id
         if eos is not None and not sp.ignore_eos and eos not in stops:
             stops.append(eos)
-        if len(stops) > self.stop_SJ.shape[1]:
-            pad = torch.full((self.stop_SJ.shape[0], len(stops) - self.stop_SJ.shape[1]), -1)
+        J = self.stop_SJ.shape[1]
+        if len(stops) > J:
+            pad = self.stop_SJ.new_full((self.stop_SJ.shape[0], len(stops) - J), -1)
             self.stop_SJ = torch.cat([self.stop_SJ, pad], dim=1)
-        self.stop_SJ[slot] = -1
-        self.stop_SJ[slot, :len(stops)] = torch.tensor(stops, dtype=torch.long)
+        J = self.stop_SJ.shape[1]
+        self.stop_SJ[slot] = torch.tensor(stops + [-1] * (J - len(stops)), dtype=torch.long,
+                                          device=self.device)
         self.gen_S[slot] = 0
         self.prompt_len_S[slot] = len(r.input_ids)
         # As SGLang does, max_new_tokens is clamped to what fits in the context.
@@ -395,7 +423,8 @@ class Engine:
 
     def _active(self) -> torch.Tensor:
         if self._active_B is None:
-            self._active_B = torch.tensor(sorted(self.running), dtype=torch.long)
+            self._active_B = torch.tensor(sorted(self.running), dtype=torch.long,
+                                          device=self.device)
             self._st = self._sampling_tensors(self._active_B)
             self._stop_BJ = self.stop_SJ[self._active_B]
             self._max_new_B = self.max_new_S[self._active_B]
@@ -409,7 +438,7 @@ class Engine:
 
     def _sampling_tensors(self, slots_B: torch.Tensor) -> SamplingTensors:
         cols = list(zip(*(self.params_S[s] for s in slots_B.tolist())))
-        return SamplingTensors.build(*cols, vocab_size=self.vocab_size)
+        return SamplingTensors.build(*cols, vocab_size=self.vocab_size, device=self.device)
 
     def _banned(self, slots_B: torch.Tensor, gen_B: torch.Tensor) -> torch.Tensor | None:
         """Stop ids are excluded from the support until min_new_tokens were generated."""
@@ -419,7 +448,8 @@ class Engine:
                 self._any_min_new = False  # generation only grows: stays false for this batch
             return None
         stop_BJ = self.stop_SJ[slots_B]
-        banned_BV = torch.zeros(len(slots_B), self.vocab_size + 1, dtype=torch.bool)
+        banned_BV = torch.zeros(len(slots_B), self.vocab_size + 1, dtype=torch.bool,
+                                device=self.device)
         banned_BV.scatter_(1, torch.where(stop_BJ < 0, self.vocab_size, stop_BJ), True)
         return banned_BV[:, :-1] & pending_B[:, None]
 
@@ -435,41 +465,41 @@ class Engine:
             if seq.req.return_sampling_mask or seq.req.return_support_logprobs:
                 kept = None if o.support_BV is None or bool(o.support_BV[b].all()) else \
                     o.support_BV[b].nonzero()[:, 0]
-                if seq.req.return_sampling_mask:
+                if seq.req.return_sampling_mask:  # per token and row: these are host results
                     seq.sampling_mask = (seq.sampling_mask or []) + [
-                        None if kept is None else kept.to(torch.int32)]
+                        None if kept is None else kept.to("cpu", torch.int32)]
                 if seq.req.return_support_logprobs:
                     lp = o.logprobs_BV[b] if kept is None else o.logprobs_BV[b, kept]
                     seq.support_logprobs = (seq.support_logprobs or []) + [
-                        lp - torch.logsumexp(lp, 0)]
+                        (lp - torch.logsumexp(lp, 0)).cpu()]
 
     def _input_logprobs(self, hidden_TD: torch.Tensor, req: GenerateRequest):
         """Prompt log-probs (same distribution as the outputs), entry 0 NaN; top-N if asked."""
         sp = req.sampling
         temp = 1.0 if sp.greedy else sp.temperature
         logp_TV = torch.log_softmax(self.model.logits(hidden_TD).float() / temp, dim=-1)
-        ids = torch.tensor(req.input_ids)
-        lp = torch.full((len(ids),), float("nan"))
+        ids = torch.tensor(req.input_ids, device=self.device)
+        lp = torch.full((len(ids),), float("nan"), device=self.device)
         lp[1:] = logp_TV[:-1].gather(1, ids[1:, None])[:, 0]
         top = None
         if req.top_logprobs_num:
             v, i = logp_TV[:-1].topk(req.top_logprobs_num, dim=-1)
             top = [None] + [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
-        return lp, top
+        return lp.cpu(), top
 
     def _finish(self, seq: _Seq, reason: dict) -> GenerationResult:
         slot, P = seq.slot, seq.prompt_len
         R = int(self.gen_S[slot])
-        routes = None
+        routes = None  # results go to the host here, once per finished sample (copies)
         if self.cfg.capture_routes and seq.req.return_routes:
-            routes = self.routes_SMLK[slot, :P + R - 1].clone()
+            routes = self.routes_SMLK[slot, :P + R - 1].to("cpu", copy=True)
             if routes.dtype == torch.int16:
                 routes = routes.view(torch.uint16)
         res = GenerationResult(
             rid=seq.req.rid, index=seq.index, prompt_ids=list(seq.req.input_ids),
             output_ids=self.tokens_SM[slot, :R].tolist(),
-            output_logprobs=self.logprobs_SM[slot, :R].clone(),
-            sampling_logprobs=self.sel_logprobs_SM[slot, :R].clone(),
+            output_logprobs=self.logprobs_SM[slot, :R].to("cpu", copy=True),
+            sampling_logprobs=self.sel_logprobs_SM[slot, :R].to("cpu", copy=True),
             finish_reason=reason, weight_version=self.weight_version, routes_NLK=routes,
             input_logprobs=seq.input_logprobs, top_logprobs=seq.top_logprobs,
             input_top_logprobs=seq.input_top_logprobs, sampling_mask=seq.sampling_mask,

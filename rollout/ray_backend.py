@@ -201,18 +201,23 @@ class RayBackend(RolloutBackend):
         self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
         self.closed = False
         self._lock = threading.Lock()
+        self._env = {"OMP_NUM_THREADS": str(threads_per_engine),
+                     "MKL_NUM_THREADS": str(threads_per_engine)}
+        # an engine on CUDA gets a GPU of its own (Ray shows it as device 0 to the worker)
+        self.gpus = gpus = 1.0 if engine_cfg.device.startswith("cuda") else 0.0
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=address, runtime_env={"env_vars": WORKER_ENV})
+            ray.init(address=address, runtime_env={"env_vars": self._env})
         self.pg: PlacementGroup | None = None
         self._remote_cls = ray.remote(EngineWorker)
         try:
-            self.pg = placement_group([{"CPU": cpus_per_engine}] * num_engines, strategy=strategy,
+            bundle = {"CPU": cpus_per_engine, **({"GPU": gpus} if gpus else {})}
+            self.pg = placement_group([bundle] * num_engines, strategy=strategy,
                                       name=f"{name}-{os.getpid()}-{id(self):x}")
             if not self.pg.wait(startup_timeout_s):
                 raise RolloutError(
-                    f"RayBackend: could not reserve {num_engines} bundles of {cpus_per_engine} "
-                    f"CPU ({strategy}) within {startup_timeout_s:.0f}s; the cluster has "
+                    f"RayBackend: could not reserve {num_engines} bundles {bundle} "
+                    f"({strategy}) within {startup_timeout_s:.0f}s; the cluster has "
                     f"{ray.available_resources().get('CPU', 0)} CPUs free of "
                     f"{ray.cluster_resources().get('CPU', 0)}")
             # What a restarted worker is built from: the source until the first push, then the
@@ -407,7 +412,8 @@ class RayBackend(RolloutBackend):
         """A new worker in bundle `w`, built from `source` at `version` (no Ray restarts: a
         dead worker is replaced here, from the weights of the last push)."""
         return self._remote_cls.options(
-            num_cpus=self.cpus_per_engine, max_restarts=0, runtime_env={"env_vars": WORKER_ENV},
+            num_cpus=self.cpus_per_engine, num_gpus=self.gpus, max_restarts=0,
+            runtime_env={"env_vars": self._env},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=w),
         ).remote(source, self.model_cfg, self.engine_cfg, version, self.threads)

@@ -50,18 +50,20 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
-              min_p: list[float], vocab_size: int) -> "SamplingTensors":
+              min_p: list[float], vocab_size: int,
+              device: str | torch.device = "cpu") -> "SamplingTensors":
+        """From per-row Python lists (host work once per batch change), on `device`."""
         greedy = [t < _GREEDY_EPS for t in temperature]
         k = [vocab_size if (kk == -1 or kk >= vocab_size) else kk for kk in top_k]
         any_trunc = any(kk < vocab_size for kk in k) or any(p < 1.0 for p in top_p) \
             or any(m > 0.0 for m in min_p)
         return cls(
             temperature_B=torch.tensor([1.0 if g else t for t, g in zip(temperature, greedy)],
-                                       dtype=torch.float32),
-            greedy_B=torch.tensor(greedy, dtype=torch.bool),
-            top_k_B=torch.tensor(k, dtype=torch.long),
-            top_p_B=torch.tensor(top_p, dtype=torch.float32),
-            min_p_B=torch.tensor(min_p, dtype=torch.float32),
+                                       dtype=torch.float32, device=device),
+            greedy_B=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k_B=torch.tensor(k, dtype=torch.long, device=device),
+            top_p_B=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p_B=torch.tensor(min_p, dtype=torch.float32, device=device),
             any_truncation=any_trunc,
             any_greedy=any(greedy),
         )
@@ -124,10 +126,10 @@ def sample(logits_BV: torch.Tensor, st: SamplingTensors, uniform_B: torch.Tensor
     ids_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
     ids_B = ids_B.clamp_(max=logits_BV.shape[1] - 1)
     # Rounding can put the target past the last positive weight: fall back to the row's argmax
-    # (rare, so the argmax runs only when it happens).
+    # (rare; computed for every row anyway, since asking whether it happened would wait for
+    # the device).
     zero_B = weights_BV.gather(1, ids_B[:, None]).squeeze(1) <= 0
-    if bool(zero_B.any()):
-        ids_B = torch.where(zero_B, weights_BV.argmax(-1), ids_B)
+    ids_B = torch.where(zero_B, weights_BV.argmax(-1), ids_B)
     lp_B = logp_BV.gather(1, ids_B[:, None]).squeeze(1)
     if keep_BV is None:
         sel_B = lp_B
@@ -170,17 +172,22 @@ class RowUniforms:
     """Per-slot uniforms from per-request `torch.Generator`s, drawn C at a time.
 
     A request's stream depends only on its seed, so a seeded request reproduces its tokens
-    whatever else is in the batch. Refills happen once per C steps per row.
+    whatever else is in the batch. Refills happen once per C steps per row. The generators
+    are CPU generators on every device (the same seed gives the same stream on CPU and GPU);
+    the buffer and pointers live on `device`, and a refill copies C uniforms there.
     """
 
-    def __init__(self, num_slots: int, chunk: int = 64) -> None:
+    def __init__(self, num_slots: int, chunk: int = 64, device: str | torch.device = "cpu"
+                 ) -> None:
         self.chunk = chunk
-        self.buf_SC = torch.zeros(num_slots, chunk, dtype=torch.float64)
-        self.ptr_S = torch.full((num_slots,), chunk, dtype=torch.long)  # == chunk -> refill
+        self.device = torch.device(device)
+        self.buf_SC = torch.zeros(num_slots, chunk, dtype=torch.float64, device=self.device)
+        self.ptr_S = torch.full((num_slots,), chunk, dtype=torch.long,
+                                device=self.device)  # == chunk -> refill
         self.gens: list[torch.Generator | None] = [None] * num_slots
 
     def assign(self, slot: int, seed: int) -> None:
-        g = torch.Generator()
+        g = torch.Generator(device="cpu")
         g.manual_seed(seed % (1 << 63))
         self.gens[slot] = g
         self._refill(slot)
@@ -189,7 +196,8 @@ class RowUniforms:
         g = self.gens[slot]
         if g is None:
             raise RuntimeError(f"slot {slot} has no generator assigned")
-        self.buf_SC[slot] = torch.rand(self.chunk, generator=g, dtype=torch.float64)
+        self.buf_SC[slot] = torch.rand(self.chunk, generator=g, dtype=torch.float64,
+                                       device="cpu").to(self.device)
         self.ptr_S[slot] = 0
 
     def next(self, slots_B: torch.Tensor) -> torch.Tensor:

@@ -247,3 +247,17 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
         assert r["reward/mean"] == w["reward/mean"]
         assert r["rollout_corr/k3_kl"] == pytest.approx(w["rollout_corr/k3_kl"], abs=1e-6)
     assert tr.rollout.closed  # run() released the workers and the placement group
+
+
+def test_trainer_engine_workers_run_threads_per_rank(cluster, tmp_path):
+    """cluster.threads_per_rank reaches the Ray engine workers the loop starts (each sets its
+    own torch thread count; the driver keeps its own)."""
+    cfg = load_config(CONFIGS / "toy_r3.yaml", [
+        "warmstart.enabled=false", "rollout.prompts_per_step=4", "actor.mini_batch_size=32",
+        "actor.micro_batch_size=32", "loop.tensorboard=false", "loop.plots=false",
+        "rollout.backend=ray", "rollout.num_engines=2", "cluster.threads_per_rank=2"])
+    tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+    try:
+        assert [i.threads for i in tr.rollout.infos] == [2, 2]
+    finally:
+        tr.rollout.close()

@@ -167,11 +167,13 @@ class TorchActor(RankActor):
         this forward ran (R2 replays them in `update`)."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
-        lp_BT = torch.zeros(B, T)
-        ent_BT = torch.zeros(B, T)
-        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
-        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store) if record else None
-        for idx in micro_batches(torch.arange(B), batch.seq_lens_B, self.cfg):
+        host = torch.device("cpu")  # results: one copy back per micro-batch
+        lp_BT = torch.zeros(B, T, device=host)
+        ent_BT = torch.zeros(B, T, device=host)
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device=host)
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device=host) \
+            if record else None
+        for idx in micro_batches(torch.arange(B, device="cpu"), batch.seq_lens_B, self.cfg):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
             r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
@@ -198,8 +200,9 @@ class TorchActor(RankActor):
         metrics are then already weighted to add up over micro-batches and ranks."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
-        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
-        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store)
+        # routes run and natural top-k: host results (R2's replay plan is made on the host)
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device="cpu")
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device="cpu")
         self.compute.train()
         if steps is None:
             metrics = run_minibatches(
@@ -244,8 +247,8 @@ class TorchActor(RankActor):
         mini_size = len(mini) if mini_size is None else mini_size
         step_metrics: dict[str, float] = {}
         mcfg = self.master.cfg
-        load_LE = torch.zeros(mcfg.num_moe_layers, mcfg.num_experts) \
-            if cfg.expert_bias_update_rate > 0 else None
+        load_LE = torch.zeros(mcfg.num_moe_layers, mcfg.num_experts, device=self.device) \
+            if cfg.expert_bias_update_rate > 0 else None  # on device: NCCL all-reduces it
         T = batch.input_ids_BT.shape[1]
         for idx in (micro_batches(mini, batch.seq_lens_B, cfg) if len(mini) else []):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
@@ -263,7 +266,8 @@ class TorchActor(RankActor):
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store).cpu()
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store).cpu()
             if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
-                load_LE += self.compute.expert_loads(out.routes_BTLK, mb.token_mask_BT).cpu()
+                load_LE += self.compute.expert_loads(out.routes_BTLK,
+                                                     mb.token_mask_BT.to(self.device))
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
                 step_metrics[k] = step_metrics.get(k, 0.0) + (
                     v if weighted else v * len(idx) / mini_size)

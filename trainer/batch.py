@@ -53,7 +53,7 @@ class Batch:
     def token_mask_BT(self) -> torch.Tensor:
         """bool: real (non-padding) tokens."""
         T = self.input_ids_BT.shape[1]
-        return torch.arange(T)[None, :] < self.seq_lens_B[:, None]
+        return torch.arange(T, device=self.seq_lens_B.device)[None, :] < self.seq_lens_B[:, None]
 
     def rows(self, idx: torch.Tensor) -> "Batch":
         """The sub-batch of rows `idx` (long [b])."""
@@ -166,8 +166,8 @@ def minibatch_schedule(batch_size: int, mini_batch_size: int, epochs: int,
     gen = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
     steps: list[torch.Tensor] = []
     for _ in range(epochs):
-        order = (torch.arange(batch_size) if gen is None
-                 else torch.randperm(batch_size, generator=gen))
+        order = (torch.arange(batch_size, device="cpu") if gen is None
+                 else torch.randperm(batch_size, generator=gen, device="cpu"))
         steps.extend(order.split(mini_batch_size))
     return steps
 
@@ -197,7 +197,7 @@ def micro_batches(rows: torch.Tensor, seq_lens_B: torch.Tensor, cfg) -> list[tor
         else:
             out.append([i])
             first = lens[i]
-    return [rows[torch.tensor(m)] for m in out]
+    return [rows[torch.tensor(m, device=rows.device)] for m in out]
 
 
 def trim(x: torch.Tensor, rows_b: torch.Tensor, t: int) -> torch.Tensor:

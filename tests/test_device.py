@@ -1,0 +1,143 @@
+"""Device placement of the hot loops without a GPU (cluster.device / EngineConfig.device).
+
+The check: run the embedded engine (and the torch actor) with `torch.set_default_device("meta")`
+while their own device is "cpu". A tensor the code creates without naming a device
+(`torch.tensor(..)`, `torch.zeros(..)` with no `device=`) then becomes a meta tensor; a
+TorchDispatchMode records every op that touches one (or fails where the op cannot mix it with
+real tensors). On a GPU that tensor would have been a CPU tensor in a CUDA loop: a host copy per
+step, or a device-mismatch error. Deliberate host tensors (results going back, the CPU
+generators' uniforms) name their device explicitly and are not flagged. The same mode counts
+the host syncs (`aten._local_scalar_dense`: `int()`, `bool()`, `.item()` of a tensor) per
+decode step, so a new wait on the device in the step fails the bound below.
+"""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.types import GenerateRequest, SamplingParams
+from lockstep.trainer.actor import TorchActor
+from lockstep.trainer.config import ActorConfig
+
+from model_fixtures import tiny_config
+
+SYNC = torch.ops.aten._local_scalar_dense.default
+
+
+class DeviceAudit(TorchDispatchMode):
+    """Records ops that see a meta tensor (made without a device) and counts host syncs."""
+
+    def __init__(self, strict: bool = True):
+        super().__init__()
+        self.strict = strict
+        self.strays: Counter = Counter()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is SYNC:
+            self.syncs += 1
+        out = func(*args, **kwargs)
+        if any(isinstance(t, torch.Tensor) and t.device.type == "meta"
+               for t in tree_leaves((args, kwargs, out))):
+            self.strays[str(func)] += 1
+            if self.strict:  # the traceback shows where the device-less tensor is used
+                raise AssertionError(f"{func} on a tensor made without a device")
+        return out
+
+
+class audited:
+    """`with audited() as audit:` default device meta + DeviceAudit."""
+
+    def __enter__(self) -> DeviceAudit:
+        self.audit = DeviceAudit()
+        torch.set_default_device("meta")
+        self.audit.__enter__()
+        return self.audit
+
+    def __exit__(self, *exc):
+        self.audit.__exit__(*exc)
+        torch.set_default_device(None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return MoEModel(tiny_config(max_position_embeddings=64, mlp_only_layers=[0], eos_token_id=5))
+
+
+def _requests():
+    """Every per-step path: n > 1 (prefix copy), min_new_tokens (banned stop ids), top-p /
+    top-k truncation, a greedy row, sampling masks, top log-probs, prompt log-probs."""
+    return [
+        GenerateRequest([3, 9, 14, 7], SamplingParams(max_new_tokens=10, n=3, seed=1,
+                                                      temperature=0.9, top_p=0.8,
+                                                      min_new_tokens=4)),
+        GenerateRequest([11, 4], SamplingParams(max_new_tokens=7, seed=2, top_k=5),
+                        return_sampling_mask=True, top_logprobs_num=2,
+                        return_input_logprobs=True),
+        GenerateRequest([8, 8, 30, 2, 17, 6], SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                             seed=3)),
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # "cuda": tests/gpu/check_engine_cuda.py
+def test_engine_makes_no_tensor_off_its_device_and_one_sync_per_step(model, device):
+    want = Engine.from_model(model, EngineConfig(dtype="bf16", max_running=6, max_len=32,
+                                                 device=device)).generate(_requests())
+    src = copy.deepcopy(model)
+    with audited() as audit:
+        eng = Engine(src, EngineConfig(dtype="bf16", max_running=6, max_len=32, device=device))
+        built = sum(audit.strays.values())
+        got = eng.generate(_requests())
+        assert not eng.running
+        # decode-only steps (nothing admitted, nothing finishing mid-way is fine): syncs per step
+        eng.add_request(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=9, seed=4,
+                                                                  ignore_eos=True)))
+        eng.step()  # prefill + first decode
+        before, steps = audit.syncs, 5
+        for _ in range(steps):
+            eng.step()
+        per_step = (audit.syncs - before) / steps
+    assert built == 0 and not audit.strays, dict(audit.strays)
+    assert [(r.output_ids, r.routes_NLK.tolist(), r.output_logprobs.tolist()) for r in got] == \
+        [(r.output_ids, r.routes_NLK.tolist(), r.output_logprobs.tolist()) for r in want]
+    for r in got:  # results are host tensors, moved once per finished sample
+        assert r.output_logprobs.device.type == "cpu" and r.routes_NLK.device.type == "cpu"
+    # decode_step: max position, first slot, consecutive slots; the uniform refill check;
+    # "did a row finish" (rollout/engine.py); nothing per row or per layer
+    assert per_step <= 5, per_step
+
+
+def test_torch_actor_makes_no_tensor_off_its_device():
+    """The rank interface's hot loop (old_logprobs, policy_update with the KL reference,
+    aux loss and expert-bias update) creates every tensor on the actor's device or, for the
+    host-side results and batch bookkeeping, names the CPU."""
+    from lockstep.replay import ReplayMode
+    from lockstep.trainer.correction import CorrectionConfig
+    from lockstep.trainer.losses import LossConfig
+    from lockstep.trainer.rank import UpdateInputs
+    from lockstep.trainer.reference import ReferencePolicy
+    from test_router_families import _actor_batch, make
+    model = make("deepseek_mla")  # MLA, sigmoid router with the expert bias it updates
+    batch = _actor_batch(model)
+    cfg = ActorConfig(dtype="bf16", mini_batch_size=2, micro_batch_size=1, aux_loss_coef=0.01,
+                      expert_bias_update_rate=0.01)
+    reference = ReferencePolicy(copy.deepcopy(model), cfg, temperature=1.0)
+    actor = TorchActor(model, cfg, 2)
+    actor.set_reference(reference)
+    mask_BT = batch.response_mask_BT.float()
+    with audited() as audit:
+        old = actor.old_logprobs(batch, ReplayMode.R2, 1)
+        inputs = UpdateInputs(old.logprobs_BT, torch.linspace(-1, 1, 4, device="cpu")[:, None]
+                              * mask_BT, mask_BT, None, 7, LossConfig(kl_coef=0.1),
+                              CorrectionConfig())
+        upd = actor.policy_update(batch, inputs, ReplayMode.R2, 1)
+    assert not audit.strays, dict(audit.strays)
+    assert upd.stats["actor/kl_loss"][1] > 0 and upd.logprobs_BT.device.type == "cpu"
