@@ -817,8 +817,10 @@ def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: Engin
         # colocated with the actor: servers release their memory while it trains
         colocate=getattr(cfg.cluster, "placement", "disaggregated") == "colocated")
     if ro.backend == "serve":
+        gpu = engine_cfg.device.startswith("cuda")  # cluster.device: a GPU per engine
         return Fleet.serve(model, engine_cfg, ro.num_engines, weight_version,
-                           address=ro.ray_address, **kw)
+                           address=ro.ray_address, gpus_per_engine=1 if gpu else 0,
+                           threads_per_engine=cfg.cluster.threads_per_rank, **kw)
     if ro.backend == "sglang":
         from lockstep.rollout.sglang_options import sglang_options_dict
         opts = sglang_options_dict(cfg)

@@ -22,6 +22,7 @@ from lockstep.trainer.batch import collate, minibatch_schedule  # noqa: E402
 from lockstep.trainer.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from lockstep.trainer.config import load_config  # noqa: E402
 from lockstep.trainer.correction import correct  # noqa: E402
+from lockstep.trainer.dump import ACTOR_FIELDS, read_dump  # noqa: E402
 from lockstep.trainer.group import ActorGroupError  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 from lockstep.trainer.rank import shuffle_seed, stats_values  # noqa: E402
@@ -146,10 +147,33 @@ def _replay_check(tr: Trainer, mode: ReplayMode, step: int) -> None:
 
 
 def test_replay_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_path):
-    one = _trainer(tmp_path, "one", "replay.mode=R2")
-    group = _trainer(tmp_path, "group", "replay.mode=R2", "cluster.actor_ranks=2")
+    """Also: loop.dump_every and loss.kl_coef on the group (the dump's actor fields computed
+    by each rank on its rows; the KL reference on every rank) equal the one-process run, and
+    each rank runs cluster.threads_per_rank torch threads."""
+    extra = ("replay.mode=R2", "loss.kl_coef=0.1", "loop.dump_every=1")
+    one = _trainer(tmp_path, "one", *extra)
+    group = _trainer(tmp_path, "group", *extra, "cluster.actor_ranks=2",
+                     "cluster.threads_per_rank=2")
     try:
+        assert [i.threads for i in group.actor.infos] == [2, 2]
         a, b = one.step(1), group.step(1)
+        # the KL term against the reference: zero at the first (on-policy) optimiser step,
+        # positive at the second; the group's equals the one-process value (DP tolerance)
+        assert a["actor/kl_loss"] > 0
+        assert abs(b["actor/kl_loss"] - a["actor/kl_loss"]) <= 1e-3 * a["actor/kl_loss"], \
+            (a["actor/kl_loss"], b["actor/kl_loss"])
+        d1, d2 = (read_dump(tmp_path / n / "dumps/step_1.safetensors") for n in ("one", "group"))
+        assert d1.tensors.keys() == d2.tensors.keys()
+        tok, routed = d1.token_mask, d1.rollout_routes_valid
+        for k in ACTOR_FIELDS:  # the same weights, row-wise forwards: equal where defined
+            where = routed if k in ("actor_routes", "router_margin") else tok
+            x, y = d1.tensors[k][where], d2.tensors[k][where]
+            if k == "actor_routes":
+                assert torch.equal(x, y), k
+            else:  # fp32 forwards of other micro-batch shapes: rounding only
+                assert torch.allclose(x, y, atol=1e-5, rtol=0), (k, float((x - y).abs().max()))
+        for k in set(d1.tensors) - set(ACTOR_FIELDS):
+            assert torch.equal(d1.tensors[k], d2.tensors[k]), k
         # R2: each rank replays the routes its own old-log-prob forward recorded (kept there)
         assert b["replay/mismatch"] == 0.0 and b["replay/replayed_fraction"] == 1.0
         assert b["routing/flip_rate"] == a["routing/flip_rate"]

@@ -440,10 +440,6 @@ class ExperimentConfig:
         _need(B % self.actor.mini_batch_size == 0,
               f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
               f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
-        _need(self.loss.kl_coef == 0 or self.cluster.actor_ranks == 1,
-              f"loss.kl_coef={self.loss.kl_coef} with cluster.actor_ranks="
-              f"{self.cluster.actor_ranks}: the reference policy runs only next to an "
-              "in-process actor so far; set cluster.actor_ranks=1 or loss.kl_coef=0")
         c, sg = self.cluster, self.rollout.sglang
         _need(c.gpus_per_engine in (None, sg.tp_size) or self.rollout.backend != "sglang",
               f"cluster.gpus_per_engine={c.gpus_per_engine} but an SGLang server takes "

@@ -112,8 +112,10 @@ def router_margins(model, batch, routes_BTLK, replay_mask_BT) -> tuple[torch.Ten
     its selection bias and group limit)."""
     from lockstep.moe.router import router_probs
 
-    out = model(batch.input_ids_BT, routed_experts_BTLK=routes_BTLK,
-                replay_mask_BT=replay_mask_BT if routes_BTLK is not None else None,
+    dev = next(model.parameters()).device  # the actor's device; the batch is on the host
+    out = model(batch.input_ids_BT.to(dev),
+                routed_experts_BTLK=None if routes_BTLK is None else routes_BTLK.to(dev),
+                replay_mask_BT=replay_mask_BT.to(dev) if routes_BTLK is not None else None,
                 compute_logits=False)
     B, T = batch.input_ids_BT.shape
     K = model.cfg.num_experts_per_tok
@@ -126,29 +128,48 @@ def router_margins(model, batch, routes_BTLK, replay_mask_BT) -> tuple[torch.Ten
     return out.natural_BTLK, torch.stack(margins, -1)
 
 
-def record_step(actor, batch, rewards_B: torch.Tensor, header: dict[str, Any],
-                old=None) -> StepRecord:
-    """Everything a dump holds for `batch`, from `actor` (before its update). `old` is the
-    `LogprobResult` of the step's pi_old forward when the caller already has it (the loop);
-    otherwise it is computed here exactly as the loop does. Adds up to two actor forwards
-    (natural / replayed log-probs, whichever pi_old is not) and one model forward (margins)."""
-    mode = ReplayMode.parse(header["replay_mode"])
+ACTOR_FIELDS = ("old_logprobs", "natural_logprobs", "replayed_logprobs", "actor_routes",
+                "router_margin")
+"""The per-token fields of a dump that come from the actor (the rest is the batch's)."""
+
+
+@torch.no_grad()
+def actor_fields(actor, batch, mode: ReplayMode, old=None) -> dict[str, torch.Tensor]:
+    """ACTOR_FIELDS of `batch` (host tensors), from an actor with `logprobs` and `compute` /
+    `master` (before its update). `old` is the `LogprobResult` of the step's pi_old forward
+    when the caller has it; otherwise it is computed here exactly as the loop does. Adds up to
+    two actor forwards (natural / replayed log-probs, whichever pi_old is not) and one model
+    forward (margins). A rank of the actor group calls this on its own rows."""
     plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
     if old is None:
         old = actor.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)
     natural = old.logprobs_BT if not plan.replays else actor.logprobs(batch).logprobs_BT
     replayed = old.logprobs_BT if plan.replays else actor.logprobs(
         batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT).logprobs_BT
-    model = getattr(actor, "compute", actor.master)
+    model = actor.compute if hasattr(actor, "compute") else actor.master
     _, margin_BTL = router_margins(model, batch, plan.routes_BTLK, plan.replay_mask_BT)
+    return {"old_logprobs": old.logprobs_BT.float().cpu(), "natural_logprobs": natural.float().cpu(),
+            "replayed_logprobs": replayed.float().cpu(),
+            "actor_routes": old.natural_BTLK.to("cpu", batch.rollout_routes_BTLK.dtype),
+            "router_margin": margin_BTL.float().cpu()}
+
+
+def record_step(actor, batch, rewards_B: torch.Tensor, header: dict[str, Any],
+                old=None) -> StepRecord:
+    """Everything a dump holds for `batch`, from `actor` (before its update). The actor's
+    fields come from `actor.dump_fields(batch, mode, step)` where it has one (the rank
+    interface: an in-process actor, or the actor group, whose ranks compute their own rows),
+    else from `actor_fields` (with `old`, the pi_old forward's `LogprobResult`, if given)."""
+    mode = ReplayMode.parse(header["replay_mode"])
+    if old is None and hasattr(actor, "dump_fields"):
+        a = actor.dump_fields(batch, mode, int(header["step"]))
+    else:
+        a = actor_fields(actor, batch, mode, old)
     prompt_lens = (batch.seq_lens_B - batch.response_mask_BT.sum(1)).long()
     t = {"input_ids": batch.input_ids_BT.long(), "seq_lens": batch.seq_lens_B.long(),
          "prompt_lens": prompt_lens, "rollout_logprobs": batch.rollout_logprobs_BT.float(),
-         "old_logprobs": old.logprobs_BT.float(), "natural_logprobs": natural.float(),
-         "replayed_logprobs": replayed.float(), "rollout_routes": batch.rollout_routes_BTLK,
-         "rollout_routes_valid": batch.rollout_routes_valid_BT,
-         "actor_routes": old.natural_BTLK.to(batch.rollout_routes_BTLK.dtype),
-         "router_margin": margin_BTL.float(), "rewards": rewards_B.float()}
+         **a, "rollout_routes": batch.rollout_routes_BTLK,
+         "rollout_routes_valid": batch.rollout_routes_valid_BT, "rewards": rewards_B.float()}
     if batch.candidates_BTS is not None:
         t["candidates"] = batch.candidates_BTS
     return StepRecord(header, {k: v.detach().cpu().clone() for k, v in t.items()})

@@ -61,6 +61,7 @@ class RankWorker:
         torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.actor = None
+        self.cfg: ExperimentConfig | None = None
         self._shards: dict[int, Batch] = {}
 
     def info(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ class RankWorker:
               total_updates: int) -> tuple[int, int]:
         """The rank's actor over `weights` (HF names); returns its (dp_rank, dp_size)."""
         import torch.distributed as dist
+        self.cfg = cfg
         model = MoEModel(cfg.model)
         load_hf_state_dict(model, weights)
         temperature = cfg.rollout.temperature
@@ -114,6 +116,23 @@ class RankWorker:
             raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step")
         return self.actor.policy_update(self._shards.pop(step), inputs, mode, step, steps)
 
+    def dump_fields(self, mode: ReplayMode, step: int) -> dict[str, torch.Tensor]:
+        """The dump's actor fields of this rank's rows (`RankActor.dump_fields`)."""
+        if step not in self._shards:
+            raise RuntimeError(f"dump_fields(step={step}) without old_logprobs of that step")
+        return self.actor.dump_fields(self._shards[step], mode, step)
+
+    def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        """The frozen KL reference (HF-named weights) on this rank, next to its actor: its
+        `policy_update` computes pi_ref of the rank's rows with the update's replay plan."""
+        from lockstep.trainer.reference import ReferencePolicy
+        model = MoEModel(self.cfg.model)
+        load_hf_state_dict(model, weights)
+        device = "cpu" if self.cfg.actor.backend == "megatron" else \
+            resolve_device(self.cfg.cluster.device)
+        self.actor.set_reference(ReferencePolicy(model, self.cfg.actor,
+                                                 self.cfg.rollout.temperature, device))
+
     def export_weights(self, bucket_bytes: int, send: bool):
         """Every rank runs the export (sharded backends gather in it); only `send` yields.
         Buckets are copied to the CPU: a view would ship its whole storage."""
@@ -135,6 +154,7 @@ class RankInfo:
     rank: int
     pid: int = -1
     node: str = "?"
+    threads: int = 0  # torch threads the rank runs (cluster.threads_per_rank)
 
     def __str__(self) -> str:
         where = "starting" if self.pid < 0 else f"pid {self.pid}, node {self.node[:12]}"
@@ -153,9 +173,10 @@ class ActorGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg, self.world = cfg, cfg.cluster.actor_ranks
-        if cfg.loop.dump_every:
-            raise ValueError("loop.dump_every needs the in-process actor (cluster.actor_ranks=1):"
-                             " a dump re-runs the actor on the whole batch")
+        if cfg.loop.dump_every and cfg.actor.backend == "megatron":
+            raise ValueError("loop.dump_every with actor.backend=megatron needs the in-process "
+                             "actor (cluster.actor_ranks=1): the group's dump runs the torch "
+                             "actor's rank interface")
         self.device = resolve_device(cfg.cluster.device)
         self.infos = [RankInfo(r) for r in range(self.world)]
         self.workers: list[Any] = []
@@ -190,7 +211,7 @@ class ActorGroup:
             infos = self._gather("start", [w.info.remote() for w in self.workers],
                                  timeout_s=startup_timeout_s)
             for info, got in zip(self.infos, infos):
-                info.pid, info.node = got["pid"], got["node"]
+                info.pid, info.node, info.threads = got["pid"], got["node"], got["threads"]
             port = self._gather("start", [self.workers[0].free_port.remote()], [0])[0]
             backend = "nccl" if gpu else "gloo"
             self._gather("init_process_group", [
@@ -231,6 +252,26 @@ class ActorGroup:
         lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
         return UpdateResult(lp_BT, add_stats([g.stats for g in got]))
 
+    def dump_fields(self, batch: Batch, mode: ReplayMode, step: int) -> dict[str, torch.Tensor]:
+        """The dump's actor fields (`trainer.dump.ACTOR_FIELDS`) of the whole batch: each
+        rank computes its own rows (between old_logprobs and policy_update of `step`); the
+        driver puts them in batch order, as the dump writes them (0 past a row's shard)."""
+        if step not in self._plans:
+            raise RuntimeError(f"dump_fields(step={step}) without old_logprobs of that step")
+        plan = self._plans[step]
+        got = self._by_dp(self._gather("dump_fields", [w.dump_fields.remote(mode, step)
+                                                       for w in self.workers]))
+        return {k: self._unshard(plan, [g[k] for g in got], batch) for k in got[0]}
+
+    def set_reference(self, reference) -> None:
+        """Ship the KL reference's weights (`ReferencePolicy`) to every rank, which keeps its
+        own copy next to its actor; the driver keeps none."""
+        import ray
+        weights = ray.put({k: v.detach().to("cpu", copy=True)
+                           for k, v in hf_state_dict(reference.actor.master).items()})
+        self._gather("set_reference", [w.set_reference.remote(weights) for w in self.workers])
+        del weights
+
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._check_open()
         gens = [w.export_weights.options(num_returns="streaming").remote(bucket_bytes, r == 0)
@@ -266,9 +307,12 @@ class ActorGroup:
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
     def _unshard(plan: ShardPlan, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-        """Per-rank [b, t] rows back into a zero-padded [B, T] tensor in batch order."""
+        """Per-rank [b, t, ...] rows back into a zero-padded [B, T, ...] tensor in batch order."""
+        if parts[0].dtype == torch.uint16:  # no index_put for uint16 on CPU: int16 bits
+            return ActorGroup._unshard(plan, [p.view(torch.int16) for p in parts],
+                                       batch).view(torch.uint16)
         B, T = batch.input_ids_BT.shape
-        out = torch.zeros(B, T, dtype=parts[0].dtype)
+        out = torch.zeros(B, T, *parts[0].shape[2:], dtype=parts[0].dtype)
         for rows_b, part in zip(plan.rows, parts):
             out[rows_b, :part.shape[1]] = part
         return out

@@ -122,9 +122,9 @@ class Trainer:
                 (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
         self.state = state
         model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
-        reference = (ReferencePolicy.for_run(cfg, self.out, None if resume else model,
-                                             device=resolve_device(cfg.cluster.device))
-                     if cfg.loss.kl_coef > 0 else None)
+        reference = (ReferencePolicy.for_run(  # the group ships it to its ranks
+            cfg, self.out, None if resume else model, device="cpu" if cfg.cluster.actor_ranks > 1
+            else resolve_device(cfg.cluster.device)) if cfg.loss.kl_coef > 0 else None)
         ro = cfg.rollout
         self.rollout = self.make_backend(model, state.weight_version)
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
@@ -167,7 +167,7 @@ class Trainer:
         engine_cfg = EngineConfig(
             dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
             max_running=ro.batch_size, max_len=self.source.max_prompt_len + self.max_new_tokens,
-            seed=self.cfg.loop.seed)
+            seed=self.cfg.loop.seed, device=str(resolve_device(self.cfg.cluster.device)))
         if ro.backend in ("serve", "sglang", "http"):  # a fleet of servers (needs 'ray' but http)
             from lockstep.rollout.fleet import make_fleet
             return make_fleet(self.cfg, model, weight_version, engine_cfg, self.out, self.log)
@@ -176,7 +176,8 @@ class Trainer:
             return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,
                                          address=ro.ray_address,
                                          request_timeout_s=ro.request_timeout_s,
-                                         max_engine_restarts=ro.max_engine_restarts)
+                                         max_engine_restarts=ro.max_engine_restarts,
+                                         threads_per_engine=self.cfg.cluster.threads_per_rank)
         return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
 
     # -- the RL step -----------------------------------------------------------------------

@@ -225,6 +225,12 @@ class RankActor:
             stats["replay/mismatch"] = (0.0, first)
         return UpdateResult(current_BT.cpu(), stats)
 
+    def dump_fields(self, batch: Batch, mode: ReplayMode, step: int) -> dict[str, torch.Tensor]:
+        """The actor's fields of a rollout dump (`trainer.dump.ACTOR_FIELDS`) for this rank's
+        rows, [b, t, ...] host tensors; called between `old_logprobs` and `policy_update`."""
+        from lockstep.trainer.dump import actor_fields
+        return actor_fields(self, batch, mode)
+
     def set_reference(self, reference) -> None:
         """Use `reference` (`trainer.reference.ReferencePolicy`: `logprobs(batch, routes,
         mask)`) for the KL loss; policy_update then computes pi_ref of the rank's rows."""
