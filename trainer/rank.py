@@ -263,13 +263,11 @@ class RankActor:
         for rows in steps:
             mask = loss_mask_bT[rows]
             out.append((mask.sum(), (mask.sum(-1) > 0).sum()))
-        if self.dp_size > 1:
-            both = torch.tensor([[float(t), float(s)] for t, s in out], dtype=torch.float64)
+        if self.dp_size > 1:  # on the actor's device (NCCL), no wait for the host
+            both = torch.stack([torch.stack([t.double(), s.double()]) for t, s in out])
             both = both.to(self._device())
             self._all_reduce(both)
-            both = both.cpu()
-            out = [(torch.tensor(float(t), dtype=torch.float32), torch.tensor(int(s)))
-                   for t, s in both.tolist()]
+            out = [(row[0].float(), row[1].long()) for row in both]
         return [(t.clamp(min=1), s.clamp(min=1)) for t, s in out]
 
     def _device(self) -> torch.device:
