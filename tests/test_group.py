@@ -189,7 +189,7 @@ def test_replay_on_every_rank_and_a_dead_rank_stops_the_run(cluster, tmp_path):
         ckpt = group.save()
         os.kill(group.actor.infos[1].pid, signal.SIGKILL)
         with pytest.raises(ActorGroupError, match=r"actor rank 1 \(pid \d+.*died"):
-            group.step(5)
+            group.step(3)  # the engine holds step 2's weights (the replay checks sync none)
     finally:
         group.actor.close()
         one.actor.close()
