@@ -247,3 +247,51 @@ def test_chunked_logprobs_equal_the_full_logits_path(mask_replay):
         assert (a - b)[s].abs().max() <= 1e-5, f
     scale = max(x.abs().max() for x in grads[False].values())
     assert max((grads[True][k] - grads[False][k]).abs().max() for k in grads[False]) <= 1e-5 * scale
+
+
+def test_micro_batches_trimmed_and_packed_by_token_budget(monkeypatch):
+    """Each micro-batch runs at its own longest row, packed by actor.max_tokens_per_micro_batch
+    as the torch actor packs them (rows of 9, 7, 8, 6 tokens, budget 16: [9], [8, 7], [6]);
+    log-probs, update metrics (load-balancing loss included) and the step equal the torch
+    actor's with the same budget, and the loss metrics equal one untrimmed micro-batch's."""
+    from lockstep.trainer.megatron import actor as mod
+    cfg, model, batch, adv_B = setup(seed=4)
+    seen, real_forward = [], mod.forward_logits
+    monkeypatch.setattr(mod, "forward_logits",
+                        lambda m, ids: seen.append(tuple(ids.shape)) or real_forward(m, ids))
+    want_shapes = [(1, 9), (2, 8), (1, 6)]
+    r, v = batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT
+    loss_fn = make_loss(batch, adv_B)
+    ta, ma = actors(model, max_tokens_per_micro_batch=16, aux_loss_coef=0.5)
+    t_lp, m_lp = ta.logprobs(batch, r, v), ma.logprobs(batch, r, v)
+    assert seen == want_shapes, seen
+    s = scored(batch)
+    assert (t_lp.logprobs_BT - m_lp.logprobs_BT)[s].abs().max() <= TOL
+    seen.clear()
+    (tm, _, _), (mm, mused, _) = (a.update(batch, loss_fn, r, v, shuffle_seed=1) for a in (ta, ma))
+    assert seen == want_shapes, seen
+    assert torch.equal(mused[v], r[v])
+    for k in ("actor/aux_loss", "actor/grad_norm", "loss/pg_mean", "loss/entropy"):
+        assert abs(tm[k] - mm[k]) <= 1e-5 * max(1.0, abs(tm[k])), (k, tm[k], mm[k])
+    tw, mw = weights(ta), weights(ma)
+    assert max((tw[k] - mw[k]).abs().max() for k in tw) <= 1e-4
+    # without the load-balancing loss (it balances each micro-batch's own tokens), the
+    # budgeted, trimmed micro-batches give one untrimmed [4, 9] micro-batch's metrics
+    mask = batch.response_mask_BT.float()
+
+    def share_loss(lp_bT, ent_bT, rows, mini):  # its metric: the mini-batch loss, additive
+        loss = -(lp_bT * adv_B[rows, None] * mask[rows]).sum() / mask[mini].sum()
+        return loss, {"loss/pg": float(loss.detach()) * len(mini) / len(rows)}
+    got = {}
+    for name, kw in (("budget", dict(max_tokens_per_micro_batch=16)),
+                     ("whole", dict(micro_batch_size=4))):
+        seen.clear()
+        acfg = ActorConfig(lr=1e-2, mini_batch_size=4, grad_clip=1.0,
+                           **{"micro_batch_size": 2, **kw})
+        actor = MegatronActor(copy.deepcopy(model), acfg, total_updates=4)
+        got[name] = actor.update(batch, share_loss, r, v, shuffle_seed=1)[0], weights(actor)
+        assert seen == (want_shapes if name == "budget" else [(4, 9)]), seen
+    for k in ("actor/grad_norm", "loss/pg"):
+        a, b = got["whole"][0][k], got["budget"][0][k]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (k, a, b)
+    assert max((got["whole"][1][k] - got["budget"][1][k]).abs().max() for k in tw) <= 1e-5

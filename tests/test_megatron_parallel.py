@@ -87,9 +87,14 @@ def _worker(rank: int, port: int, path: str) -> None:
     dist.destroy_process_group()
 
 
-ACTOR_LAYOUTS = {"ep2": dict(expert_parallel=2), "tp2_sp": dict(tensor_parallel=2),
+ACTOR_LAYOUTS = {"ep2": dict(expert_parallel=2),
+                 # TP: vocab-parallel log-probs in chunks of 5 tokens (rows are 6 long)
+                 "tp2_sp": dict(tensor_parallel=2, logprob_chunk_tokens=5),
                  # stage 0: layers 0 (MoE), 1 (dense); stage 1: layers 2, 3 (MoE)
                  "pp2": dict(pipeline_parallel=2)}
+# PP=2 also packs micro-batches by a token budget (rows of 7, 5, 6, 3 tokens -> [7], [6, 5],
+# [3]): micro-batches of different rows and lengths travel between the stages
+ACTOR_CFG = {"pp2": dict(max_tokens_per_micro_batch=12)}
 
 
 def _batch(data):
@@ -113,18 +118,20 @@ def _loss_fn(batch, adv_B):
 AUX = 0.1  # load-balancing loss weight (its TP / DP reductions are under test too)
 
 
-def _actor_cfg():
+def _actor_cfg(**kw):
     from lockstep.trainer.config import ActorConfig
     return ActorConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, grad_clip=1.0,
-                       aux_loss_coef=AUX)
+                       aux_loss_coef=AUX, **kw)
 
 
-def _torch_grads(model, batch, adv_B):
+def _torch_grads(model, batch, adv_B, cfg):
     """HF-named gradients of the loss over the whole batch as one mini-batch of micro-batches
-    of 2 rows on our torch model (R3 replay), load-balancing loss as TorchActor adds it."""
+    (as `cfg` packs them) on our torch model (R3 replay), load-balancing loss as TorchActor
+    adds it."""
+    from lockstep.trainer.batch import micro_batches
     m = copy.deepcopy(model)
     mini = torch.arange(batch.size)
-    for rows in mini.split(2):
+    for rows in micro_batches(mini, batch.seq_lens_B, cfg):
         mb = batch.rows(rows)
         out = m(mb.input_ids_BT, routed_experts_BTLK=mb.rollout_routes_BTLK,
                 replay_mask_BT=mb.rollout_routes_valid_BT)
@@ -143,7 +150,7 @@ def _torch_grads(model, batch, adv_B):
 def _actor_step(actor, batch, adv_B):
     grads = actor.gradients(batch, _loss_fn(batch, adv_B), batch.rollout_routes_BTLK,
                             batch.rollout_routes_valid_BT) if hasattr(actor, "gradients") \
-        else _torch_grads(actor.master, batch, adv_B)
+        else _torch_grads(actor.master, batch, adv_B, actor.cfg)
     rec = actor.logprobs(batch, record=True)  # R2's old-log-prob pass: recorded routes
     r2 = actor.logprobs(batch, rec.routes_BTLK, batch.token_mask_BT, record=True)
     before = actor.logprobs(batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
@@ -174,7 +181,7 @@ def _actor_checks(cfg, sd, data):
     for layout, kw in ACTOR_LAYOUTS.items():
         model = MoEModel(cfg)
         load_hf_state_dict(model, sd)
-        actor = MegatronActor(model, _actor_cfg(), total_updates=2,
+        actor = MegatronActor(model, _actor_cfg(**ACTOR_CFG.get(layout, {})), total_updates=2,
                               options=MegatronOptions(**kw))
         out[layout] = _actor_step(actor, _batch(data), data["adv"])
     return out
@@ -242,9 +249,13 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
     from lockstep.trainer.actor import TorchActor
     data = torch.load(path)
     batch = _batch(data)
-    ref = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),
-                      batch, adv)
+    refs = {None: _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),
+                              batch, adv)}
+    for layout, kw in ACTOR_CFG.items():
+        refs[layout] = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(**kw),
+                                              total_updates=2), batch, adv)
     for layout in ACTOR_LAYOUTS:
+        ref = refs[layout if layout in ACTOR_CFG else None]
         for rank in range(2):
             got = results[rank]["actors"][layout]
             err = (got["lp_before"] - ref["lp_before"])[scored_all].abs().max()

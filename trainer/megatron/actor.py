@@ -35,9 +35,11 @@ from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
 from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
                                     run_minibatches)
+from lockstep.trainer.batch import micro_batches, trim, trim_batch
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor
 from lockstep.trainer.megatron import convert
+from lockstep.trainer.megatron.logprob import vocab_parallel_logprobs
 from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model, forward_logits,
                                              initialize_parallel, is_last_stage, padded_length,
                                              token_logprobs_entropy, transformer_config)
@@ -105,15 +107,27 @@ def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.
 
 
 @contextlib.contextmanager
-def _hidden_out(gpt, on: bool):
+def _hidden_out(gpt, on: bool, tp: int = 1):
     """While `on`: the GPTModel's output layer passes its input through, so the model returns
     its final (normed) hidden states [B, S, D] instead of logits (the log-prob kernel applies
-    the output layer's weight itself, chunk by chunk)."""
+    the output layer's weight itself, chunk by chunk). Under TP the hidden states come back
+    whole on every TP rank, through the TP mapping megatron-core's output layer applies to its
+    input (sequence-parallel all-gather, or copy): its backward sums the ranks' vocabulary
+    shares of the hidden-state gradient."""
     if not on:
         yield
         return
+    from megatron.core import tensor_parallel as tpar
+
     layer = gpt.output_layer
-    layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+
+    def passthrough(hidden, weight=None, runtime_gather_output=None):
+        if tp > 1:
+            hidden = (tpar.gather_from_sequence_parallel_region(hidden, True)
+                      if layer.sequence_parallel
+                      else tpar.copy_to_tensor_model_parallel_region(hidden))
+        return hidden, None
+    layer.forward = passthrough
     try:
         yield
     finally:
@@ -165,9 +179,9 @@ class MegatronActor(RankActor):
         first = sum(1 for i in range(moe_ids[0]) if mcfg.is_moe_layer(i)) if moe_ids else 0
         self.moe_slice = slice(first, first + len(moe_ids))
         self._update_lp = torch.zeros(0)
-        # log-probs from the final hidden states with the chunked kernel (no [tokens, V]
-        # logits); under TP the vocabulary-parallel path over megatron's logit shards
-        self.chunked_logprobs = self.tp == 1
+        # log-probs from the final hidden states with a chunked kernel: no [tokens, V/TP]
+        # logits (False: megatron-core's output layer and the unchunked vocab-parallel path)
+        self.chunked_logprobs = True
         self._set_lr()
 
     # -- helpers -------------------------------------------------------------------------
@@ -216,8 +230,8 @@ class MegatronActor(RankActor):
         def forward_step(data_iterator, model):
             nonlocal aux_sum
             idx = next(data_iterator)
-            mb = batch.rows(idx)
-            b = len(idx)
+            mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
+            b, t = mb.input_ids_BT.shape
             if train:
                 # the torch actor adds aux_loss_coef * (layer mean) * len(idx) / len(mini); the
                 # schedule and DDP divide what is attached by micro-batches * dp (undone here)
@@ -225,31 +239,29 @@ class MegatronActor(RankActor):
                     mb.token_mask_BT, self.aux_coef / self.num_moe_layers * b / mini_size
                     * len(micro) * self.dp)
             if routes_BTLK is not None and self.replay.num_layers:
-                self.replay.set_routes(routes_BTLK[idx][:, :, self.moe_slice],
-                                       None if mask_BT is None else mask_BT[idx])
+                self.replay.set_routes(trim(routes_BTLK, idx, t)[:, :, self.moe_slice],
+                                       None if mask_BT is None else trim(mask_BT, idx, t))
             ids = mb.input_ids_BT.to(self.device)
             out = self.replay.backward_replays(forward_logits(model, ids))  # hidden if chunked
             if self.replay.num_layers:
-                used[idx, :, self.moe_slice] = self.replay.used(b, T)
-                nat[idx, :, self.moe_slice] = self.replay.natural(b, T)
+                used[idx, :t, self.moe_slice] = self.replay.used(b, t)
+                nat[idx, :t, self.moe_slice] = self.replay.natural(b, t)
             if train and self.aux_coef > 0 and self.replay.num_layers:
                 aux_sum += float(self.replay.aux_loss_sum()) * b / mini_size
             if not last:
                 return out, None  # hidden states for the next stage; no loss here
             cand = None if mb.candidates_BTS is None else mb.candidates_BTS[:, 1:].to(self.device)
             if chunked:  # position t-1's hidden state predicts the token at t
-                lp, ent = chunked_logprobs(out[:, :-1], self._lm_head_weight(), ids[:, 1:],
-                                           temperature=self.temperature, candidates_NS=cand,
-                                           chunk_size=self.cfg.logprob_chunk)
+                lp, ent = self._chunked_logprobs(out[:, :-1], ids[:, 1:], cand)
             else:
                 logits = out[:, :-1]
                 if cand is not None:  # sampling-mask replay: softmax over kept ids
                     logits = _keep_candidates(logits, cand)
                 lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
-            zero = lp.new_zeros(b, 1)
-            # results live on the CPU like the batch the loss function indexes (a
-            # differentiable copy: the backward pass still reaches the model on its device)
-            lp, ent = torch.cat([zero, lp], 1).cpu(), torch.cat([zero, ent], 1).cpu()
+            # [b, T] as the loss function takes them: 0 at position 0 and past the trimmed
+            # time; on the CPU like the batch the loss function indexes (a differentiable
+            # copy: the backward pass still reaches the model on its device)
+            lp, ent = (torch.nn.functional.pad(x, (1, T - t)).cpu() for x in (lp, ent))
 
             def loss_func(_output):
                 if not train:
@@ -267,21 +279,41 @@ class MegatronActor(RankActor):
         self.ddp.train(train)
         mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
         chunked = last and self.chunked_logprobs
-        with self.replay.session(mode), _hidden_out(self.gpt, chunked):
+        with self.replay.session(mode), _hidden_out(self.gpt, chunked, self.tp):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
-                num_microbatches=len(micro), seq_length=padded_length(T, self.tp),
+                num_microbatches=len(micro),
+                seq_length=padded_length(int(batch.seq_lens_B[torch.cat(micro)].max()), self.tp),
                 micro_batch_size=max(len(m) for m in micro), forward_only=not train)
         if train and self.aux_coef > 0:
             metrics["actor/aux_loss"] = aux_sum
         return metrics
 
+    def _chunked_logprobs(self, hidden_BTD, targets_BT, cand_BTS):
+        """(log-probs, entropies) [b, t] from the final hidden states without [tokens, V]
+        logits: TP = 1 chunks the vocabulary (`chunked_logprobs`); TP > 1 chunks the tokens
+        over this rank's vocabulary shard (`vocab_parallel_logprobs`)."""
+        if self.tp == 1:
+            return chunked_logprobs(hidden_BTD, self._lm_head_weight(), targets_BT,
+                                    temperature=self.temperature, candidates_NS=cand_BTS,
+                                    chunk_size=self.cfg.logprob_chunk)
+        from megatron.core import parallel_state as ps
+        w = self._lm_head_weight()
+        return vocab_parallel_logprobs(
+            hidden_BTD, w, targets_BT, vocab_start=ps.get_tensor_model_parallel_rank() * len(w),
+            group=ps.get_tensor_model_parallel_group(), temperature=self.temperature,
+            candidates_NS=cand_BTS, chunk_tokens=self.opts.logprob_chunk_tokens)
+
     def _lm_head_weight(self) -> torch.Tensor:
         return self.gpt.shared_embedding_or_output_weight() \
             if self.model_cfg.tie_word_embeddings else self.gpt.output_layer.weight
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return list(rows.split(self.cfg.micro_batch_size))
+    def _micro_batches(self, rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """Micro-batches of `rows` as the torch actor takes them (`batch.micro_batches`:
+        micro_batch_size rows, or packed by actor.max_tokens_per_micro_batch); each runs
+        trimmed to its own longest row (under PP every micro-batch travels with its own
+        shape: megatron-core's `variable_seq_lengths`, set in `transformer_config`)."""
+        return micro_batches(rows, batch.seq_lens_B, self.cfg)
 
     # -- log-probs -----------------------------------------------------------------------
     @torch.no_grad()
@@ -297,7 +329,7 @@ class MegatronActor(RankActor):
         lp_BT, ent_BT = torch.zeros(B, T), torch.zeros(B, T)
         nat = torch.zeros(B, T, L, K, dtype=torch.int64)
         used = torch.zeros(B, T, L, K, dtype=torch.int64)
-        micro = self._micro_batches(self._my_rows(torch.arange(B)))
+        micro = self._micro_batches(self._my_rows(torch.arange(B)), batch)
         self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat, lp_BT=lp_BT,
                   ent_BT=ent_BT)
         for x in (lp_BT, ent_BT, used, nat):  # rows over DP, stages' layers / logits over PP
@@ -343,7 +375,7 @@ class MegatronActor(RankActor):
         megatron-core's schedule; metrics are the mini-batch's on every rank. Under PP the
         loss is computed on the last stage; earlier stages then hand `loss_fn` the same
         log-probs (no grad) so its side effects (the loop keeps them) happen on every rank."""
-        micro = self._micro_batches(mini if sharded else self._my_rows(mini))
+        micro = self._micro_batches(mini if sharded else self._my_rows(mini), batch)
         self._update_lp = torch.zeros(batch.input_ids_BT.shape)
         metrics = self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat,
                             loss_fn=loss_fn, mini=mini,

@@ -59,10 +59,13 @@ class MegatronOptions:
     """Weight of the load-balancing loss (the torch model's, see replay.py); 0 = none."""
     seed: int = 1234
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
+    logprob_chunk_tokens: int = 1024
+    """TP > 1: tokens per chunk of the vocabulary-parallel log-prob kernel (logprob.py); a
+    chunk holds [chunk, V/TP] fp32 logits per rank (TP = 1 uses actor.logprob_chunk)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel",
-                     "pipeline_parallel"):
+                     "pipeline_parallel", "logprob_chunk_tokens"):
             v = getattr(self, name)
             if v is None and name == "expert_tensor_parallel":
                 continue
