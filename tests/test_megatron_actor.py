@@ -295,3 +295,15 @@ def test_micro_batches_trimmed_and_packed_by_token_budget(monkeypatch):
         a, b = got["whole"][0][k], got["budget"][0][k]
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (k, a, b)
     assert max((got["whole"][1][k] - got["budget"][1][k]).abs().max() for k in tw) <= 1e-5
+
+
+def test_split_to_count_gives_every_expert_parallel_rank_the_same_micro_batch_count():
+    """Under EP across DP ranks each micro-batch is a collective: a rank whose token budget
+    packed fewer micro-batches halves its costliest ones (rows x longest row) to match."""
+    from lockstep.trainer.megatron.actor import split_to_count
+    lens = torch.tensor([9, 7, 8, 6, 3])
+    micro = [torch.tensor([0]), torch.tensor([2, 1, 3, 4])]
+    assert [m.tolist() for m in split_to_count(micro, 4, lens)] == [[0], [2], [1], [3, 4]]
+    assert split_to_count(micro, 2, lens) == micro
+    with pytest.raises(ValueError, match="cannot run 6 micro-batches on 5 rows"):
+        split_to_count(micro, 6, lens)

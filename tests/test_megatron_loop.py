@@ -107,3 +107,12 @@ def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(se
                       "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
                       "actor.megatron.token_dispatcher=allgather"])
     check_megatron_world(ok)  # the same layout with the allgather dispatcher is allowed
+
+
+def test_virtual_pipeline_is_refused_when_read():
+    with pytest.raises(Exception, match=r"virtual_pipeline_parallel=2 is not supported: the "
+                                        r"megatron actor builds one model chunk per pipeline stage"):
+        load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
+                    ["actor.backend=megatron", "cluster.actor_ranks=4",
+                     "actor.megatron.pipeline_parallel=2",
+                     "actor.megatron.virtual_pipeline_parallel=2"])

@@ -134,6 +134,23 @@ def _hidden_out(gpt, on: bool, tp: int = 1):
         del layer.forward
 
 
+def split_to_count(micro: list[torch.Tensor], n: int, seq_lens_B: torch.Tensor,
+                   ) -> list[torch.Tensor]:
+    """`micro` (row ids per micro-batch) with its costliest micro-batches (rows x longest row)
+    halved until there are `n` of them, keeping each one's row order."""
+    micro = list(micro)
+    while len(micro) < n:
+        cost = [len(m) * int(seq_lens_B[m].max()) if len(m) > 1 else -1 for m in micro]
+        i = max(range(len(micro)), key=lambda j: cost[j])
+        if cost[i] < 0:
+            raise ValueError(f"cannot run {n} micro-batches on {sum(len(m) for m in micro)} "
+                             "rows: another rank of the expert-parallel group needs that many "
+                             "(actor.max_tokens_per_micro_batch); raise the budget")
+        half = (len(micro[i]) + 1) // 2
+        micro[i:i + 1] = [micro[i][:half], micro[i][half:]]
+    return micro
+
+
 class MegatronActor(RankActor):
     """Policy log-probs and updates on megatron-core (the only copy of the weights)."""
 
@@ -179,6 +196,8 @@ class MegatronActor(RankActor):
         first = sum(1 for i in range(moe_ids[0]) if mcfg.is_moe_layer(i)) if moe_ids else 0
         self.moe_slice = slice(first, first + len(moe_ids))
         self._update_lp = torch.zeros(0)
+        # MoE layers exchange tokens over EP x ETP ranks; more than TP of them = other DP ranks
+        self._experts_span_dp = self.opts.expert_parallel * self.opts.etp > self.tp
         # log-probs from the final hidden states with a chunked kernel: no [tokens, V/TP]
         # logits (False: megatron-core's output layer and the unchunked vocab-parallel path)
         self.chunked_logprobs = True
@@ -313,7 +332,14 @@ class MegatronActor(RankActor):
         micro_batch_size rows, or packed by actor.max_tokens_per_micro_batch); each runs
         trimmed to its own longest row (under PP every micro-batch travels with its own
         shape: megatron-core's `variable_seq_lengths`, set in `transformer_config`)."""
-        return micro_batches(rows, batch.seq_lens_B, self.cfg)
+        micro = micro_batches(rows, batch.seq_lens_B, self.cfg)
+        if self.cfg.max_tokens_per_micro_batch is not None and self._experts_span_dp:
+            # every micro-batch's forward is a collective over the expert-parallel group,
+            # whose ranks hold other rows: all ranks run as many micro-batches as the busiest
+            n = torch.tensor([len(micro)])
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            micro = split_to_count(micro, int(n), batch.seq_lens_B)
+        return micro
 
     # -- log-probs -----------------------------------------------------------------------
     @torch.no_grad()

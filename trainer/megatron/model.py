@@ -59,6 +59,8 @@ class MegatronOptions:
     """Weight of the load-balancing loss (the torch model's, see replay.py); 0 = none."""
     seed: int = 1234
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
+    virtual_pipeline_parallel: int | None = None
+    """Virtual pipeline stages (interleaved 1F1B); only None / 1 (refused otherwise, below)."""
     logprob_chunk_tokens: int = 1024
     """TP > 1: tokens per chunk of the vocabulary-parallel log-prob kernel (logprob.py); a
     chunk holds [chunk, V/TP] fp32 logits per rank (TP = 1 uses actor.logprob_chunk)."""
@@ -79,6 +81,15 @@ class MegatronOptions:
                               f"expert_parallel=1 must equal tensor_parallel="
                               f"{self.tensor_parallel}: megatron-core would not sum the "
                               "expert gradients over the ranks that share an expert")
+        if self.virtual_pipeline_parallel not in (None, 1):
+            raise ConfigError(
+                f"megatron.virtual_pipeline_parallel={self.virtual_pipeline_parallel!r} is not "
+                "supported: the megatron actor builds one model chunk per pipeline stage, and "
+                "interleaving needs a list of chunks through megatron-core's interleaved "
+                "schedule (one data iterator per chunk), a replay session and route slice per "
+                "chunk (a stage's MoE layers are then no longer one contiguous part of the "
+                "routes' layer axis), and the HF export and checkpoints over chunks; use "
+                "pipeline_parallel alone")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"megatron.params_dtype {self.params_dtype!r} is not one of "
                               "'float32', 'bfloat16', 'float16'")
