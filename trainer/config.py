@@ -504,6 +504,10 @@ class ExperimentConfig:
         d = self.to_dict()
         if self.actor.megatron == MegatronOptions():
             d["actor"].pop("megatron")
+        else:  # megatron options added later are left out at their defaults, likewise
+            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel"):
+                if getattr(self.actor.megatron, k) == getattr(MegatronOptions(), k):
+                    d["actor"]["megatron"].pop(k)
         if self.rollout.sampling_mask_replay is None:
             d["rollout"].pop("sampling_mask_replay")
         if self.loop.max_staleness == 0 and "loop" in d:  # synchronous runs hash as before
