@@ -1,7 +1,7 @@
-"""The megatron actor hosted by the Ray actor group (cluster.actor_ranks=2, gloo, one thread per
-rank): TP=2 and PP=2 give the one-process megatron run's first RL step (R3 replay on every
-rank, rewards and routing metrics exactly, losses and grad norm within rounding) and the same
-exported weights."""
+"""The megatron actor hosted by the Ray actor group (gloo, one thread per rank): TP=2 and PP=2
+on 2 ranks give the one-process megatron run's first RL step (R3 replay on every rank, rewards
+and routing metrics exactly, losses and grad norm within rounding) and the same exported
+weights (TP=2 + EP=2 on 4 ranks: test_megatron_group4.py); a TP=2 run SIGKILLed after a checkpoint resumes to the uninterrupted run's metrics exactly."""
 
 from pathlib import Path
 
@@ -24,6 +24,9 @@ def _trainer(tmp_path, name: str, *sets: str) -> Trainer:
     cfg = load_config(CONFIGS / "toy_r3.yaml", [
         "warmstart.enabled=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
         "actor.mini_batch_size=8", "actor.micro_batch_size=4", "actor.aux_loss_coef=0.01",
+        # without a warm start the rewards (so the policy gradient) may all be 0: the entropy
+        # term keeps a gradient through the log-prob kernel and the LM head
+        "loss.entropy_coef=0.05",
         "actor.backend=megatron", "model.num_hidden_layers=4", "loop.plots=false", "loop.tensorboard=false", *sets])
     return Trainer(cfg, tmp_path / name, progress=False, log=lambda s: None)
 
@@ -122,34 +125,3 @@ def test_tp2_group_resumes_after_sigkill_exactly(tmp_path):
     assert "resuming from" in text
     assert _metrics(tmp_path / "run") == want
 
-
-# |a - b| <= rtol * |a| + atol after 3 RL steps (docs/cluster.md derives them)
-TOLERANCE = {"reward/mean": (0.0, 0.0), "routing/flip_rate": (0.0, 0.0),
-             "rollout_corr/k3_kl": (1e-2, 1e-7), "actor/grad_norm": (1e-3, 0.0),
-             "actor/pg_loss": (1e-2, 1e-4), "actor/entropy": (1e-3, 0.0)}
-
-
-def test_tp2_ep2_on_four_ranks_matches_one_process(tmp_path):
-    """TP=2 + EP=2 with expert_tensor_parallel=1 (alltoall dispatcher) on 4 ranks: dense TP=2
-    x DP=2, each TP pair also an expert-parallel pair (half the experts each), micro-batches
-    packed by a token budget: 3 RL steps give the one-process run's metrics and pushed
-    weights within the group tolerance (docs/cluster.md)."""
-    sets = ["loss.entropy_coef=0.05", "actor.aux_loss_coef=0",
-            "actor.max_tokens_per_micro_batch=24"]
-    one = _trainer(tmp_path, "one", *sets)
-    want = [one.step(s) for s in (1, 2, 3)]
-    want_w = _export(one.actor)
-    group = _trainer(tmp_path, "tp2ep2", *sets, "cluster.actor_ranks=4",
-                     "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
-                     "actor.megatron.expert_tensor_parallel=1")
-    try:
-        got = [group.step(s) for s in (1, 2, 3)]
-        got_w = _export(group.actor)
-    finally:
-        group.actor.close()
-    for a, b in zip(want, got):
-        assert b["replay/mismatch"] == 0.0 and a["actor/grad_norm"] > 0
-        for k, (rtol, atol) in TOLERANCE.items():
-            assert abs(a[k] - b[k]) <= rtol * abs(a[k]) + atol, (k, a[k], b[k])
-    lr = one.cfg.actor.lr
-    assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= lr / 10

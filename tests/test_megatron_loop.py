@@ -90,6 +90,13 @@ def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
       "actor.megatron.expert_parallel=2"],
      r"expert_parallel=2 with actor\.megatron\.expert_tensor_parallel=2 and .*alltoall on CPU: "
      r".*gloo cannot"),
+    (["cluster.actor_ranks=4", "actor.megatron.tensor_parallel=2",
+      "actor.megatron.expert_parallel=2", "actor.megatron.token_dispatcher=allgather"],
+     r"allgather with actor\.megatron\.expert_parallel=2 x .*expert_tensor_parallel=2 > .*"
+     r"tensor_parallel=2: .* span data-parallel ranks"),
+    (["cluster.actor_ranks=2", "actor.megatron.expert_parallel=2",
+      "actor.megatron.token_dispatcher=allgather"],
+     r"allgather with actor\.megatron\.expert_parallel=2 x .*expert_tensor_parallel=1 > "),
     (["cluster.actor_ranks=3", "actor.megatron.tensor_parallel=2"],
      r"tensor_parallel=2 x actor\.megatron\.pipeline_parallel=1 does not divide the 3 actor"),
     (["cluster.actor_ranks=2", "actor.megatron.pipeline_parallel=2"],
@@ -105,8 +112,8 @@ def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(se
     ok = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
                      ["actor.backend=megatron", "cluster.actor_ranks=4",
                       "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
-                      "actor.megatron.token_dispatcher=allgather"])
-    check_megatron_world(ok)  # the same layout with the allgather dispatcher is allowed
+                      "actor.megatron.expert_tensor_parallel=1"])
+    check_megatron_world(ok)  # the same layout with expert TP 1 is allowed (and tested)
 
 
 def test_virtual_pipeline_is_refused_when_read():

@@ -145,8 +145,18 @@ def check_layout(opts: MegatronOptions, world: int, on_gpu: bool,
     if not on_gpu and opts.token_dispatcher == "alltoall" and ep > 1 and etp > 1:
         raise ConfigError(f"{f}expert_parallel={ep} with {f}expert_tensor_parallel={etp} and "
                           f"{f}token_dispatcher=alltoall on CPU: the dispatcher all-gathers "
-                          "tensors of unequal sizes over the expert-TP group, which gloo cannot "
-                          f"do; use {f}token_dispatcher=allgather or expert_tensor_parallel=1")
+                          "tensors of unequal sizes over the expert-TP group (each expert-TP "
+                          "rank receives its own count of tokens from the all-to-all), which "
+                          f"gloo cannot do; use {f}expert_tensor_parallel=1")
+    if opts.token_dispatcher == "allgather" and ep * etp > tp:
+        raise ConfigError(f"{f}token_dispatcher=allgather with {f}expert_parallel={ep} x "
+                          f"{f}expert_tensor_parallel={etp} > {f}tensor_parallel={tp}: the "
+                          "dispatcher all-gathers each micro-batch's tokens over the "
+                          f"{ep * etp} expert ranks assuming equal counts, but they span "
+                          "data-parallel ranks whose shards are trimmed to their own longest "
+                          "row (and packed by actor.max_tokens_per_micro_batch), so counts "
+                          f"differ; use {f}token_dispatcher=alltoall (with "
+                          f"{f}expert_tensor_parallel=1 on CPU)")
 
 
 def te_available() -> bool:
