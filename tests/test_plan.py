@@ -246,6 +246,8 @@ def test_megatron_arguments_are_what_the_actor_builds(monkeypatch):
     cfg = load_config(TOY, ["cluster.actor_ranks=4", "actor.backend=megatron",
                             "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
                             "actor.megatron.token_dispatcher=allgather",
+                            # expert ranks = TP ranks (allgather refuses experts across DP)
+                            "actor.megatron.expert_tensor_parallel=1",
                             "actor.megatron.recompute_activations=true",
                             "actor.dtype=bf16", "actor.router_dtype=fp32",
                             "actor.megatron.use_transformer_engine=false",
