@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import socket
 import threading
 import time
@@ -86,7 +87,7 @@ def _worker(rank: int, port: int, variant: str, args, q) -> None:
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    q.put((rank, peak.rise, sorted(times)[len(times) // 2], lp, gw))
+    q.put(pickle.dumps((rank, peak.rise, sorted(times)[len(times) // 2], lp, gw)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -100,7 +101,7 @@ def _measure(variant: str, args):
     procs = [ctx.Process(target=_worker, args=(r, port, variant, args, q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict((r, rest) for r, *rest in (q.get(timeout=600) for _ in procs))
+    got = dict((r, rest) for r, *rest in (pickle.loads(q.get(timeout=600)) for _ in procs))
     for p in procs:
         p.join()
     return (max(got[r][0] for r in got), max(got[r][1] for r in got),

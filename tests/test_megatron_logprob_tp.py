@@ -7,6 +7,7 @@ and a chunk's logits are [chunk, V/TP], never [tokens, V/TP].
 Shapes: N tokens, D model dim, V vocabulary, S candidates.
 """
 
+import pickle
 import socket
 
 import pytest
@@ -72,7 +73,9 @@ def _worker(rank: int, port: int, q) -> None:
         dist.all_reduce(gh)  # the TP mapping before the kernel sums the hidden-state grads
         out[chunk] = (lp.detach(), ent.detach(), gh, ww.grad.clone(), list(shapes))
         shapes.clear()
-    q.put((rank, out))
+    # as bytes: a tensor put on the queue as is shares its storage by a file descriptor that
+    # is gone once this process exits
+    q.put(pickle.dumps((rank, out)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -86,7 +89,7 @@ def test_tp2_chunked_logprobs_and_grads_equal_unchunked():
     procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=120) for _ in procs)
+    got = dict(pickle.loads(q.get(timeout=120)) for _ in procs)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
