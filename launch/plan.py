@@ -629,12 +629,13 @@ def gpus_needed(cfg: ExperimentConfig) -> int:
 def check_devices(cfg: ExperimentConfig, source: str | None = None) -> None:
     """Refuse, before any work, a run whose config plans GPUs that are not there: on a machine
     without them (no cluster.ray_address) or over several nodes without a Ray cluster."""
+    from lockstep.rollout.colocate import colocation_refusal
+
     c = cfg.cluster
-    if c.placement == "colocated" and cfg.rollout.backend == "sglang":
-        raise PlanError("cluster.placement=colocated: the fleet does not place its SGLang "
-                        "servers on the actor ranks' GPUs yet (docs/ray.md), so this layout can "
-                        f"be planned (`lockstep plan {source or 'CONFIG'}`) but not trained; use "
-                        "cluster.placement=disaggregated")
+    why = colocation_refusal(cfg)  # a colocated layout the fleet cannot put in the ranks' bundles
+    if why is not None:
+        raise PlanError(f"{why}. This layout can be planned (`lockstep plan {source or 'CONFIG'}`) "
+                        "but not trained (docs/ray.md, \"Colocated placement\")")
     need = gpus_needed(cfg)
     if c.gpus_per_node == 0 or need == 0 or c.ray_address is not None:
         return  # CPU layouts; on a Ray cluster the placement group reserves (or names) the GPUs

@@ -52,6 +52,7 @@ from lockstep.moe.checkpoint import hf_state_dict, save_hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import EngineDown, HTTPBackend, RolloutBackend, RolloutError
+from lockstep.rollout.colocate import SERVER_SHARE, colocates_fleet, engine_bundles
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 
@@ -213,7 +214,8 @@ class Fleet(RolloutBackend):
 
     def __init__(self, slots: list[EngineSlot], model_cfg: ModelConfig, *,
                  launch: Callable[[int], tuple[Any, dict]] | None = None, pg: Any = None,
-                 owns_ray: bool = False, weight_version: str = "0", api_key: str | None = None,
+                 owns_pg: bool = True, owns_ray: bool = False, weight_version: str = "0",
+                 api_key: str | None = None,
                  weight_sync: str = "distributed", weights_dir: str | Path | None = None,
                  request_timeout_s: float = 600.0, max_engine_restarts: int = 3,
                  max_concurrency: int = 64, fan_out_samples: bool = False,
@@ -227,7 +229,7 @@ class Fleet(RolloutBackend):
             raise ValueError("Fleet: weight_sync='disk' needs weights_dir (a folder every "
                              "server can read)")
         self.slots, self.cfg, self._launch, self.pg = slots, model_cfg, launch, pg
-        self._owns_ray = owns_ray
+        self._owns_ray, self._owns_pg = owns_ray, owns_pg
         self.weight_version = str(weight_version)
         self.api_key = api_key
         self.weight_sync = weight_sync
@@ -258,11 +260,13 @@ class Fleet(RolloutBackend):
               weight_version: str = "0", *, model_cfg: ModelConfig | None = None,
               address: str | None = None, cpus_per_engine: float = 1.0, gpus_per_engine: float = 0,
               threads_per_engine: int = 1, startup_timeout_s: float = 300.0,
-              **kw: Any) -> "Fleet":
+              colocate_in: tuple[Any, list[int]] | None = None, **kw: Any) -> "Fleet":
         """`num_engines` embedded engines behind our SGLang-wire servers, one Ray actor each,
         one `{CPU: cpus_per_engine[, GPU: gpus_per_engine]}` bundle each in a placement group.
         `source`: a model (its fp32 state dict is put in the object store once, for start-up
-        only) or an HF folder every node can read."""
+        only) or an HF folder every node can read. `colocate_in=(pg, bundles)`: no placement
+        group of its own; engine i runs in bundle `bundles[i]` of `pg` (the actor group's) with
+        `colocate.SERVER_SHARE` of its CPU (and GPU when `gpus_per_engine`)."""
         import ray
         if isinstance(source, MoEModel):
             model_cfg, src = source.cfg, None
@@ -272,8 +276,12 @@ class Fleet(RolloutBackend):
             model_cfg = model_cfg or ModelConfig.from_json(Path(src) / "config.json")
         api_key = kw.pop("api_key", None) or secrets.token_hex(16)
         owns = _init_ray(address)
-        pg = _placement(num_engines, cpus_per_engine, gpus_per_engine, startup_timeout_s,
-                        "lockstep-serve")
+        if colocate_in is not None:
+            pg, bundles = _shared_bundles(colocate_in, num_engines)
+            cpus_per_engine, gpus_per_engine = SERVER_SHARE, SERVER_SHARE if gpus_per_engine else 0
+        else:
+            pg, bundles = _placement(num_engines, cpus_per_engine, gpus_per_engine,
+                                     startup_timeout_s, "lockstep-serve"), list(range(num_engines))
         # start-up weights: put once, dropped once every server holds them (no copy kept)
         start = {"ref": ray.put(state)} if state is not None else {}
         remote = ray.remote(ServerWorker)
@@ -284,20 +292,23 @@ class Fleet(RolloutBackend):
             actor = remote.options(
                 num_cpus=cpus_per_engine, num_gpus=gpus_per_engine, max_restarts=0,
                 runtime_env={"env_vars": WORKER_ENV},
-                scheduling_strategy=_in_bundle(pg, i)).remote(
+                scheduling_strategy=_in_bundle(pg, bundles[i])).remote(
                 source_i, model_cfg, engine_cfg, str(weight_version), api_key, threads_per_engine)
             return actor, actor.info
 
         return _start(cls, num_engines, launch, pg, owns, model_cfg, weight_version, api_key,
-                      startup_timeout_s, kw, drop=start.clear)
+                      startup_timeout_s, kw, drop=start.clear, owns_pg=colocate_in is None)
 
     @classmethod
     def sglang(cls, options: dict[str, Any] | None, model_path: str, num_engines: int,
                model_cfg: ModelConfig, weight_version: str = "0", *, address: str | None = None,
                cpus_per_engine: float = 1.0, startup_timeout_s: float = 900.0,
-               log_dir: str | None = None, **kw: Any) -> "Fleet":
+               log_dir: str | None = None, colocate_in: tuple[Any, list[int]] | None = None,
+               **kw: Any) -> "Fleet":
         """`num_engines` real SGLang servers, one Ray actor each with a `{GPU: tp_size}` bundle
-        (`options`: the `rollout.sglang` section, SGLangConfig fields). GPU machines only."""
+        (`options`: the `rollout.sglang` section, SGLangConfig fields). GPU machines only.
+        `colocate_in=(pg, bundles)`: in the actor group's bundles instead, with
+        `colocate.SERVER_SHARE` of a bundle's CPU and GPU each (tp_size 1)."""
         import ray
         require_sglang()  # on the driver too: fail before reserving anything
         opts = dict(options or {})
@@ -305,18 +316,26 @@ class Fleet(RolloutBackend):
         gpus = int(opts.get("tp_size", 1))
         api_key = kw.pop("api_key", None) or secrets.token_hex(16)
         owns = _init_ray(address)
-        pg = _placement(num_engines, cpus_per_engine, gpus, startup_timeout_s, "lockstep-sglang")
+        if colocate_in is not None:
+            if gpus != 1:
+                raise FleetError(f"colocated SGLang servers take one GPU each (the bundle of one "
+                                 f"actor rank); rollout.sglang.tp_size={gpus}")
+            pg, bundles = _shared_bundles(colocate_in, num_engines)
+            cpus_per_engine, gpus = SERVER_SHARE, SERVER_SHARE
+        else:
+            pg, bundles = _placement(num_engines, cpus_per_engine, gpus, startup_timeout_s,
+                                     "lockstep-sglang"), list(range(num_engines))
         remote = ray.remote(SGLangWorker)
 
         def launch(i: int, first: bool = False) -> tuple[Any, dict]:
             actor = remote.options(
                 num_cpus=cpus_per_engine, num_gpus=gpus, max_restarts=0,
-                scheduling_strategy=_in_bundle(pg, i)).remote(
+                scheduling_strategy=_in_bundle(pg, bundles[i])).remote(
                 opts, model_path, str(weight_version) if first else _UNLOADED, api_key, log_dir)
             return actor, actor.info
 
         return _start(cls, num_engines, launch, pg, owns, model_cfg, weight_version, api_key,
-                      startup_timeout_s, kw, drop=lambda: None)
+                      startup_timeout_s, kw, drop=lambda: None, owns_pg=colocate_in is None)
 
     @classmethod
     def http(cls, urls: list[str], model_cfg: ModelConfig, **kw: Any) -> "Fleet":
@@ -683,7 +702,8 @@ class Fleet(RolloutBackend):
         self._close_sync()
         if self._launch is not None:
             from lockstep.rollout.ray_backend import release
-            release([s.actor for s in self.slots if s.actor is not None], self.pg, self._owns_ray)
+            release([s.actor for s in self.slots if s.actor is not None],
+                    self.pg if self._owns_pg else None, self._owns_ray)  # not the group's
 
     def __enter__(self) -> "Fleet":
         return self
@@ -739,6 +759,14 @@ def _placement(n: int, cpus: float, gpus: float, timeout_s: float, name: str):
     return pg
 
 
+def _shared_bundles(colocate_in: tuple[Any, list[int]], n: int) -> tuple[Any, list[int]]:
+    pg, bundles = colocate_in
+    if pg is None or len(bundles) != n:
+        raise FleetError(f"colocated fleet: needs a placement group and one bundle per engine "
+                         f"({n}), got {pg!r} and bundles {bundles}")
+    return pg, list(bundles)
+
+
 def _in_bundle(pg, i: int):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
@@ -767,7 +795,8 @@ def _connect(slot: EngineSlot, launch, timeout_s: float, first: bool = False) ->
     slot.url, slot.pid, slot.node = info["url"], int(info["pid"]), str(info["node"])
 
 
-def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout_s, kw, drop):
+def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout_s, kw, drop,
+           owns_pg=True):
     import ray
     slots = [EngineSlot(i) for i in range(n)]
     handles: list = []
@@ -779,10 +808,10 @@ def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout
             s.state = "live"
     except BaseException:
         from lockstep.rollout.ray_backend import release
-        release([h[0] for h in handles], pg, owns)
+        release([h[0] for h in handles], pg if owns_pg else None, owns)
         raise
     drop()
-    fleet = cls(slots, model_cfg, launch=launch, pg=pg, owns_ray=owns,
+    fleet = cls(slots, model_cfg, launch=launch, pg=pg, owns_pg=owns_pg, owns_ray=owns,
                 weight_version=weight_version, api_key=api_key, startup_timeout_s=timeout_s, **kw)
     for s in slots:  # every server started with these weights: results must say so
         s.client._pushed_version = str(weight_version)
@@ -804,11 +833,22 @@ def weight_sync_mode(cfg: Any) -> str:
 
 
 def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: EngineConfig,
-               out_dir: str | Path, log: Callable[[str], None] | None = None) -> Fleet:
+               out_dir: str | Path, log: Callable[[str], None] | None = None,
+               actor_pg: Any = None) -> Fleet:
     """The fleet `rollout.backend` (serve, sglang, or http with `rollout.urls`) asks for,
-    holding `model`'s weights at `weight_version`."""
+    holding `model`'s weights at `weight_version`. Colocated (`cluster.placement`, rollout/colocate.py): the servers
+    go into `actor_pg`, the actor group's placement group."""
+    from lockstep.rollout.colocate import colocation_refusal
     from lockstep.trainer.config import rollout_api_key
     ro = cfg.rollout
+    shared = None
+    if colocates_fleet(cfg):
+        why = colocation_refusal(cfg)
+        if why is None and actor_pg is None:
+            why = "cluster.placement=colocated: the actor group's placement group was not given"
+        if why is not None:
+            raise ValueError(why)
+        shared = (actor_pg, engine_bundles(cfg.cluster.actor_ranks, ro.num_engines))
     kw: dict[str, Any] = dict(
         weight_sync=weight_sync_mode(cfg), weights_dir=ro.weights_dir or Path(out_dir) / "weights",
         request_timeout_s=ro.request_timeout_s, max_engine_restarts=ro.max_engine_restarts,
@@ -820,7 +860,8 @@ def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: Engin
         gpu = engine_cfg.device.startswith("cuda")  # cluster.device: a GPU per engine
         return Fleet.serve(model, engine_cfg, ro.num_engines, weight_version,
                            address=ro.ray_address, gpus_per_engine=1 if gpu else 0,
-                           threads_per_engine=cfg.cluster.threads_per_rank, **kw)
+                           threads_per_engine=cfg.cluster.threads_per_rank, colocate_in=shared,
+                           **kw)
     if ro.backend == "sglang":
         from lockstep.rollout.sglang_options import sglang_options_dict
         opts = sglang_options_dict(cfg)
@@ -832,7 +873,7 @@ def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: Engin
                              address=ro.ray_address, log_dir=str(out_dir),
                              fan_out_samples=cfg.rollout.sglang.deterministic_inference,
                              sampling_mask_max_tokens=cfg.rollout.sglang.sampling_mask_max_tokens
-                             or 4096, **kw)
+                             or 4096, colocate_in=shared, **kw)
     else:
         fleet = Fleet.http(list(ro.urls), cfg.model, api_key=rollout_api_key(ro), **kw)
     try:

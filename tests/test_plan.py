@@ -297,10 +297,18 @@ def test_train_refuses_a_gpu_config_on_a_cpu_machine(in_root, capsys, tmp_path):
                         "--set", "cluster.nodes=1", "--set", "cluster.gpus_per_node=16")
     assert code == 2
     assert "plans 16 GPUs" in err and "this machine has 0 CUDA device(s)" in err
-    # colocated SGLang servers are planned, not launched yet: refused even on a Ray cluster
+    # colocated TP-4 SGLang servers are planned, not launched (a Ray actor holds one bundle's
+    # GPUs): refused even on a Ray cluster, naming the reason
     code, _, err = _cli(capsys, "train", COLOCATED.relative_to(ROOT), "--out", tmp_path / "r",
                         "--set", "cluster.ray_address=auto")
-    assert code == 2 and "cluster.placement=colocated: the fleet does not place" in err
+    assert code == 2 and "rollout.sglang.tp_size=4 cannot take the GPUs of 4 ranks'" in err
+    # colocated servers need actor ranks' bundles: one per engine, none with the driver's actor
+    for ranks, want in (("1", "cluster.actor_ranks=1 runs the actor in the driver process"),
+                        ("2", "needs cluster.actor_ranks (2) >= rollout.num_engines (3)")):
+        code, _, err = _cli(capsys, "train", TOY, "--out", tmp_path / "r", "--set",
+                            "cluster.placement=colocated", "--set", "rollout.backend=serve",
+                            "--set", "rollout.num_engines=3", "--set", f"cluster.actor_ranks={ranks}")
+        assert code == 2 and want in err, err
     code, _, err = _cli(capsys, "train", CLUSTER.relative_to(ROOT), "--out", tmp_path / "r")
     assert code == 2 and "cluster.ray_address=auto" in err
     assert not (tmp_path / "r").exists()  # refused before the run directory

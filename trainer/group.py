@@ -11,6 +11,9 @@ on an in-process actor), so `Trainer.step` does not change.
 Placement: one bundle per rank (`{CPU: 1}`, plus `{GPU: 1}` with cluster.device=cuda) in one
 placement group (PACK); each rank runs `cluster.threads_per_rank` torch threads. The world is
 gloo on CPU, NCCL on GPU; rank 0 picks a free port on its own node for the rendezvous.
+With `cluster.placement: colocated` (a serve/sglang fleet) each rank takes
+`colocate.RANK_SHARE` of its bundle and the fleet puts its servers into the rest of the same
+bundles (`placement_group`; rollout/colocate.py).
 
 Data plane: the driver collates once; `plan_shards` (trainer/batch.py) fixes, per RL step, which
 rows each DP rank holds and its part of every optimiser step. `old_logprobs` sends each rank its
@@ -44,6 +47,7 @@ from lockstep.moe.buckets import Bucket
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
+from lockstep.rollout.colocate import RANK_SHARE, colocates_fleet
 from lockstep.trainer.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
 from lockstep.trainer.config import ExperimentConfig
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, UpdateResult, add_stats,
@@ -202,9 +206,10 @@ class ActorGroup:
                     f"{startup_timeout_s:.0f}s; the cluster has {ray.available_resources()} "
                     f"free of {ray.cluster_resources()}")
             remote = ray.remote(RankWorker)
+            share = RANK_SHARE if colocates_fleet(cfg) else 1.0  # the rest: a rollout server
             for r in range(self.world):
                 self.workers.append(remote.options(
-                    num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
+                    num_cpus=share, num_gpus=share if gpu else 0, max_restarts=0, runtime_env=env,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=r),
                 ).remote(r, self.world, threads))
@@ -226,6 +231,13 @@ class ActorGroup:
             raise
         self.dp_rank = [d for d, _ in layout]
         self.dp_size = layout[0][1]
+
+    @property
+    def placement_group(self):
+        """The group's placement group (bundle r holds rank r; None once closed): a colocated
+        fleet puts its servers into these bundles (rollout/colocate.py). Read-only: the
+        group removes it in `close`."""
+        return self.pg
 
     # -- the rank interface (driver side) -------------------------------------------------
     def old_logprobs(self, batch: Batch, mode: ReplayMode, step: int) -> OldLogprobs:

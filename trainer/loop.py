@@ -23,6 +23,7 @@ import torch
 from lockstep.moe.checkpoint import hf_state_dict, load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
+from lockstep.rollout.colocate import colocates_fleet
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
@@ -126,16 +127,27 @@ class Trainer:
             cfg, self.out, None if resume else model, device="cpu" if cfg.cluster.actor_ranks > 1
             else resolve_device(cfg.cluster.device)) if cfg.loss.kl_coef > 0 else None)
         ro = cfg.rollout
-        self.rollout = self.make_backend(model, state.weight_version)
+        updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
+        total_updates = cfg.loop.steps * updates_per_step
+        self.actor = None
+        if colocates_fleet(cfg) and cfg.cluster.actor_ranks > 1:  # servers join its bundles
+            from lockstep.trainer.group import ActorGroup
+            self.actor = ActorGroup(cfg, model, total_updates)
+        try:
+            self.rollout = self.make_backend(model, state.weight_version)
+        except BaseException:
+            if self.actor is not None:
+                self.actor.close()
+            raise
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
         self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
                                         cfg.loop.steps, first_version=int(state.weight_version))
         self.versions = VersionCache(cfg.loop.max_staleness, model, cfg.actor, ro.temperature,
                                      resolve_device(cfg.cluster.device))
         self.versions.set_current(state.weight_version, hf_state_dict(model))
-        updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
-        total_updates = cfg.loop.steps * updates_per_step
-        if cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
+        if self.actor is not None:  # built above (colocated)
+            pass
+        elif cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
             from lockstep.trainer.group import ActorGroup
             self.actor = ActorGroup(cfg, model, total_updates)
         elif cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
@@ -170,7 +182,9 @@ class Trainer:
             seed=self.cfg.loop.seed, device=str(resolve_device(self.cfg.cluster.device)))
         if ro.backend in ("serve", "sglang", "http"):  # a fleet of servers (needs 'ray' but http)
             from lockstep.rollout.fleet import make_fleet
-            return make_fleet(self.cfg, model, weight_version, engine_cfg, self.out, self.log)
+            return make_fleet(self.cfg, model, weight_version, engine_cfg, self.out, self.log,
+                              actor_pg=getattr(getattr(self, "actor", None), "placement_group",
+                                               None))  # colocated: the group's bundles
         if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
             from lockstep.rollout.ray_backend import RayBackend
             return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,
