@@ -72,13 +72,13 @@ def test_colocated_servers_share_the_ranks_bundles_and_train_like_disaggregated(
         ranks = [_placement_of(w) for w in group.workers]
         servers = [_placement_of(s.actor) for s in fleet.slots]
         if name == "colocated":
-            assert fleet.colocate and fleet.pg is group.placement_group
             for r, (pg, bundles, res) in enumerate(ranks):
                 assert (pg, bundles) == (group_pg, {r})
                 assert res[f"CPU_group_{r}_{pg}"] == pytest.approx(0.8)
             for i, (pg, bundles, res) in enumerate(servers):  # engine i: bundle of rank i
                 assert (pg, bundles) == (group_pg, {i}), (i, pg, bundles, group_pg)
                 assert res[f"CPU_group_{i}_{pg}"] == pytest.approx(0.2)
+            assert fleet.colocate and fleet.pg is group.placement_group
             # nothing reserved beyond the ranks' 2 bundles
             assert ray.available_resources().get("CPU", 0) == pytest.approx(2.0)
             calls = {"release": 0, "resume": 0}
