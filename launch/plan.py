@@ -27,6 +27,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.rollout.colocate import (RANK_SHARE, SERVER_SHARE, colocates_fleet,
+                                       colocation_refusal, engine_bundles)
 from lockstep.trainer.config import ExperimentConfig, ExperimentConfigError, load_config
 
 GiB = float(1 << 30)
@@ -155,6 +157,8 @@ class _Plan:
                               f"SGLang servers use the {c.gpus_per_node} GPUs per node")
         if c.nodes > 1 and not self.gpu:
             self.notes.append("CPU-only cluster: Ray chooses the node of each bundle")
+        if c.placement == "colocated":
+            self.notes.append(_colocated_note(cfg))
         model = self._model()
         actor = self._actor()
         rollout = self._rollout()
@@ -457,6 +461,9 @@ class _Plan:
                 r["bundle"] = r["rank"] if N > 1 else None
                 r["node"], r["gpu"] = None, None
             engines = [{"engine": e, "node": None, "gpus": [], "bundle": e} for e in range(M)]
+            if colocates_fleet(self.cfg) and N >= M > 0:  # in the actor ranks' bundles
+                for x, b in zip(engines, engine_bundles(N, M)):
+                    x["bundle"], x["shares_bundle_with_actor_rank"] = None, b
             if sglang:
                 self.refuse("rollout.backend=sglang needs GPUs: set cluster.gpus_per_node")
             return {"actor_bundles": ([{"CPU": 1.0}] * N) if N > 1 else [],
@@ -485,6 +492,14 @@ class _Plan:
         engines = []
         for e in range(M if sglang else 0):
             node = next((n for n in range(c.nodes) if len(free[n]) >= g), None)
+            b = engine_bundles(N, M)[e] if N else 0
+            if colocated and N and M * g <= N and b // gpn == (b + g - 1) // gpn:
+                # where `lockstep train` puts it: from the bundle (GPU) of actor rank e * N // M
+                node, gpus = b // gpn, [(b + j) % gpn for j in range(g)]
+                engines.append({"engine": e, "node": node, "gpus": gpus,
+                                "local_index": sum(1 for x in engines if x["node"] == node),
+                                "shares_gpus_with_actor_ranks": list(range(b, b + g))})
+                continue
             if node is None:
                 engines.append({"engine": e, "node": None, "gpus": []})
                 continue
@@ -626,11 +641,23 @@ def gpus_needed(cfg: ExperimentConfig) -> int:
     return max(actor, engines) if c.placement == "colocated" else actor + engines
 
 
+def _colocated_note(cfg: ExperimentConfig) -> str:
+    """What `lockstep train` does with a colocated layout (or why it refuses it)."""
+    why = colocation_refusal(cfg)
+    if why is not None:
+        return f"colocated: planned only, `lockstep train` refuses it: {why}"
+    if not colocates_fleet(cfg):
+        return (f"cluster.placement=colocated with rollout.backend={cfg.rollout.backend}: no "
+                f"fleet of servers to place (serve and sglang are placed)")
+    return (f"colocated: `lockstep train` runs server i in the placement-group bundle of actor "
+            f"rank i x {cfg.cluster.actor_ranks} // {cfg.rollout.num_engines} with "
+            f"{SERVER_SHARE} of its CPU/GPU (the rank: {RANK_SHARE}); the servers release their "
+            f"memory while the actor trains (rollout/colocate.py)")
+
+
 def check_devices(cfg: ExperimentConfig, source: str | None = None) -> None:
     """Refuse, before any work, a run whose config plans GPUs that are not there: on a machine
     without them (no cluster.ray_address) or over several nodes without a Ray cluster."""
-    from lockstep.rollout.colocate import colocation_refusal
-
     c = cfg.cluster
     why = colocation_refusal(cfg)  # a colocated layout the fleet cannot put in the ranks' bundles
     if why is not None:

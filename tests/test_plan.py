@@ -342,3 +342,18 @@ def test_parameter_count_equals_transformers(in_root):
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
     pc = count_params(ModelConfig.from_json(path))
     assert (pc.total, pc.experts) == (total, experts) == (30_532_122_624, 28_991_029_248)
+
+
+def test_colocated_plan_places_servers_where_train_does():
+    """Colocated, server i sits on the GPUs of actor rank i x R // M (where `lockstep train`
+    puts it, rollout/colocate.py), and the plan says whether train runs the layout."""
+    one = _plan(COLOCATED, "rollout.sglang.tp_size=1", "rollout.sglang.ep_size=1")
+    got = [(e["node"], e["gpus"], e["shares_gpus_with_actor_ranks"])
+           for e in one["placement"]["engines"]]
+    assert got == [(0, [0], [0]), (0, [4], [4])]  # 8 ranks, 2 engines: ranks 0 and 4
+    assert any(n.startswith("colocated: `lockstep train` runs server i in the placement-group "
+                            "bundle of actor rank i x 8 // 2") for n in one["notes"])
+    tp4 = _plan(COLOCATED)  # TP 4: the same GPUs as before; planned, not trained
+    assert [e["gpus"] for e in tp4["placement"]["engines"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert any(n.startswith("colocated: planned only") and "tp_size=4" in n
+               for n in tp4["notes"])
