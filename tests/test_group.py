@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ from lockstep.trainer.dump import ACTOR_FIELDS, read_dump  # noqa: E402
 from lockstep.trainer.group import ActorGroupError  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 from lockstep.trainer.rank import shuffle_seed, stats_values  # noqa: E402
+
+from kill_fixtures import kill_when_written  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each run starts a local Ray cluster (~5 s) and its ranks
 
@@ -93,20 +94,7 @@ def test_dp2_equals_one_process_and_resumes_after_sigkill(tmp_path):
     # SIGKILL the driver after the step-1 checkpoint; --resume reproduces the dp2 run exactly
     victim = _train(tmp_path / "run", cache, "loop.steps=1000", "cluster.actor_ranks=2")
     done = tmp_path / "run/checkpoints/step_1/state.json"
-    deadline = time.monotonic() + 600
-    try:
-        while not done.exists():
-            assert victim.poll() is None, victim.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 1"
-            time.sleep(0.01)
-        victim.send_signal(signal.SIGKILL)
-        victim.communicate(timeout=60)
-    finally:
-        time.sleep(1)
-        try:  # Ray agents the dead driver started outlive it: end its whole session
-            os.killpg(victim.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_when_written(victim, done, "step 1", whole_session=True)
     assert victim.returncode == -signal.SIGKILL
     assert len(_metrics(tmp_path / "run")) < 3
     text = _run(tmp_path / "run", cache, "loop.steps=3", "cluster.actor_ranks=2", resume=True)

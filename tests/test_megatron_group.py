@@ -14,6 +14,8 @@ pytest.importorskip("megatron.core")
 from lockstep.trainer.config import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
+from kill_fixtures import kill_when_written  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -96,29 +98,14 @@ def test_tp2_group_resumes_after_sigkill_exactly(tmp_path):
     """TP=2 on two ranks (each rank's optimiser state is its own shard): SIGKILL the driver
     after the step-1 checkpoint, `--resume` gives the uninterrupted run's metrics bit for bit
     (every rank gets its own optimiser state back from `trainer_state["ranks"]`)."""
-    import os
     import signal
-    import time
     _finish(_cli(tmp_path / "whole", "loop.steps=2"))
     want = _metrics(tmp_path / "whole")
     assert [r["step"] for r in want] == [1, 2]
     assert all(r["actor/grad_norm"] > 0 for r in want)
     victim = _cli(tmp_path / "run", "loop.steps=1000")
     done = tmp_path / "run/checkpoints/step_1/state.json"
-    deadline = time.monotonic() + 600
-    try:
-        while not done.exists():
-            assert victim.poll() is None, victim.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 1"
-            time.sleep(0.01)
-        victim.send_signal(signal.SIGKILL)
-        victim.communicate(timeout=60)
-    finally:
-        time.sleep(1)
-        try:  # Ray processes the dead driver started outlive it: end its whole session
-            os.killpg(victim.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_when_written(victim, done, "step 1", whole_session=True)
     assert victim.returncode == -signal.SIGKILL
     assert len(_metrics(tmp_path / "run")) < 2
     text = _finish(_cli(tmp_path / "run", "loop.steps=2", resume=True))

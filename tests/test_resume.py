@@ -5,8 +5,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from kill_fixtures import kill_when_written
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Small and fast, but every part of the state matters: the entropy bonus moves the weights and
@@ -47,13 +48,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     # is the one setting a resume may change (with a constant LR schedule it changes nothing).
     victim = _fresh(tmp_path / "run", 1000)
     done = tmp_path / "run/checkpoints/step_3/state.json"
-    deadline = time.monotonic() + 600
-    while not done.exists():
-        assert victim.poll() is None, victim.communicate()[0]
-        assert time.monotonic() < deadline, "no checkpoint at step 3"
-        time.sleep(0.005)
-    victim.send_signal(signal.SIGKILL)
-    victim.communicate(timeout=60)
+    kill_when_written(victim, done, "step 3", poll_s=0.005)
     assert victim.returncode == -signal.SIGKILL
     killed_at = len(_metrics(tmp_path / "run"))
     last = max(int(p.name[5:]) for p in (tmp_path / "run/checkpoints").glob("step_*[0-9]"))
