@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="where the engine runs: cpu (default), cuda, cuda:N, or auto (cuda "
+                        "when torch sees a GPU)")
     p.set_defaults(run=run)
     return p
 
@@ -105,6 +108,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ServeError(f"--max-request-mb must be in (0, 65536], got {args.max_request_mb}")
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in [0, 65535], got {args.port}")
+    from lockstep.rollout.engine import engine_device
+    try:
+        engine_device(args.device)
+    except RuntimeError:  # torch's parse error lists every device type torch knows
+        raise ServeError(f"--device {args.device}: expected 'cpu', 'cuda', 'cuda:N' or "
+                         f"'auto'") from None
+    except ValueError as e:  # cuda without a GPU here
+        raise ServeError(f"--device {args.device}: {str(e).split(' but ')[-1]}") from None
 
 
 def _check_port(host: str, port: int) -> None:
@@ -147,7 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         cfg = EngineConfig(dtype=args.dtype, router_dtype=args.router_dtype,
                            lm_head_dtype=args.lm_head_dtype, max_running=args.max_running,
-                           max_len=args.max_len, seed=args.seed)
+                           max_len=args.max_len, seed=args.seed, device=args.device)
         engine = Engine.from_hf(args.model, cfg, weight_version=args.weight_version)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         raise ServeError(f"cannot load {args.model}: {e}") from None

@@ -109,6 +109,10 @@ def test_serve_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "trunc" / "model.safetensors").write_bytes(data[:len(data) // 3])
     base = ["--port", "0", "--model"]
     _one_line_error(capsys, base + [str(folder), "--threads", "0"], "--threads must be a positive")
+    _one_line_error(capsys, base + [str(folder), "--device", "gpu"], "--device gpu", "'cuda'")
+    if not torch.cuda.is_available():
+        _one_line_error(capsys, base + [str(folder), "--device", "cuda"], "--device cuda",
+                        "no CUDA device")
     _one_line_error(capsys, base + [str(tmp_path / "missing")], "cannot load", "config.json")
     _one_line_error(capsys, base + [str(tmp_path / "trunc")],
                     str(tmp_path / "trunc" / "model.safetensors"), "truncated")
