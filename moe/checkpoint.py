@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .hf_lazy import (INDEX_FILE, SINGLE_FILE, CheckpointError, LazyHF,  # noqa: F401
+                      regular_file)
 from .model import MoEModel
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or state dict that does not match the model."""
 
 
 def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
@@ -74,10 +67,12 @@ def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
     return sd
 
 
-def check_tensors(targets: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
+def check_tensors(targets: dict[str, torch.Tensor], sd: Mapping[str, torch.Tensor],
+                  values: bool = True) -> None:
     """Validate `sd` against `targets` (same names, shapes; floating point; finite) without
     touching either: every missing, unexpected or mis-shaped tensor in one error, then the
-    first integer-typed or non-finite tensor by name."""
+    first integer-typed or non-finite tensor by name (`values=False`: names and shapes only;
+    `sd` then needs only `.shape`s)."""
     missing = sorted(k for k in targets if k not in sd)
     unexpected = sorted(k for k in sd if k not in targets)
     misshaped = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(t.shape)}"
@@ -92,7 +87,7 @@ def check_tensors(targets: dict[str, torch.Tensor], sd: dict[str, torch.Tensor])
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n  "
                               + "\n  ".join(problems))
-    for k, t in targets.items():
+    for k, t in targets.items() if values else ():
         src = sd[k]
         if t.is_floating_point() and not src.is_floating_point():
             raise CheckpointError(f"tensor {k} has dtype {src.dtype}; weights must be floating "
@@ -102,20 +97,36 @@ def check_tensors(targets: dict[str, torch.Tensor], sd: dict[str, torch.Tensor])
 
 
 @torch.no_grad()
-def load_hf_state_dict(model: MoEModel, sd: dict[str, torch.Tensor]) -> None:
+def load_hf_state_dict(model: MoEModel, sd: Mapping[str, torch.Tensor]) -> None:
     """Copy HF-named tensors into the model (casting to each parameter's dtype).
 
     Validate, then swap: every tensor is checked (`check_tensors`) before any is copied, so a
     bad checkpoint leaves the model as it was. A tied model accepts (and ignores) a
-    `lm_head.weight` equal in shape.
+    `lm_head.weight` equal in shape. A `LazyHF` is read one tensor at a time (`_load_lazily`).
     """
     targets = hf_state_dict(model)
+    if isinstance(sd, LazyHF):
+        return _load_lazily(targets, sd, tied=model.lm_head is None)
     extra = dict(sd)
     if model.lm_head is None:
         extra.pop("lm_head.weight", None)
     check_tensors(targets, extra)
     for k, t in targets.items():
         t.copy_(extra[k].to(t.dtype))
+
+
+def _load_lazily(targets: dict[str, torch.Tensor], hf: LazyHF, tied: bool) -> None:
+    """`load_hf_state_dict` from a `LazyHF`, one tensor in memory at a time: names and shapes
+    are checked from the headers first (`check_tensors`' message), each tensor's dtype and
+    finiteness before its copy (a bad tensor stops a half-loaded model: for models being
+    built, e.g. `load_hf`)."""
+    check_tensors(targets, {k: torch.empty(hf.shape(k), device="meta") for k in hf
+                            if not (tied and k == "lm_head.weight")}, values=False)
+    for k, t in targets.items():
+        src = hf[k]
+        check_tensors({k: t}, {k: src})
+        t.copy_(src.to(t.dtype))
+        del src
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -188,74 +199,12 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def regular_file(path: Path) -> Path:
-    """`path` if it is a regular file; CheckpointError otherwise (a FIFO or a device would
-    block the reader forever, a directory cannot be read as one)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise CheckpointError(f"{path} is {kind}; expected a regular file")
-    return path
-
-
 def read_hf_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a folder (single file or sharded with an index), under their HF names.
-    Only regular files are opened; a damaged file is named in the error."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a directory (an HF checkpoint folder)")
-    if (folder / INDEX_FILE).exists():
-        try:
-            index = json.loads(regular_file(folder / INDEX_FILE).read_text())
-            files = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{folder / INDEX_FILE} is not a valid index: {e!r}") from None
-    elif (folder / SINGLE_FILE).exists() or (folder / SINGLE_FILE).is_symlink():
-        files = [SINGLE_FILE]
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no safetensors weights in {folder}")
-    sd = {}
-    for name in files:
-        if not isinstance(name, str) or Path(name).name != name:
-            raise CheckpointError(f"{folder / INDEX_FILE} names {name!r}; expected a file name "
-                                  f"inside {folder}")
-        path = regular_file(folder / name)
-        try:
-            with safe_open(path, framework="pt") as f:
-                for k in f.keys():
-                    sd[k] = f.get_tensor(k)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file (truncated or "
-                                  f"damaged?): {e}") from None
-    return _unfuse_transformers_experts(sd)
-
-
-_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def _unfuse_transformers_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Accept stacked-expert tensors, as some transformers versions save them, by splitting
-    them into HF per-expert names. Stacked layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
-    out = {}
-    for k, v in sd.items():
-        m = _FUSED.match(k)
-        if not m:
-            out[k] = v
-            continue
-        prefix, kind = m.groups()
-        for e in range(v.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = v[e]
-            else:
-                gate, up = v[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
-    return out
+    """All tensors of a folder (single file or sharded with an index), under their HF names,
+    as stored (`LazyHF` read whole). Only regular files are opened; a damaged file is named
+    in the error."""
+    hf = LazyHF(folder, dtype=None)
+    return {k: hf[k] for k in hf}
 
 
 def load_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
@@ -263,8 +212,8 @@ def load_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Mo
     transformers); the family comes from config.json's model_type."""
     cfg = ModelConfig.from_json(folder)
     model = MoEModel(cfg)
-    try:
-        load_hf_state_dict(model, read_hf_state_dict(folder))
+    try:  # one tensor at a time: the model plus one tensor in memory
+        load_hf_state_dict(model, LazyHF(folder, dtype=None))
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     if dtype != torch.float32:

@@ -2,7 +2,7 @@
 world, behind the rank-side interface of `lockstep.trainer.rank` (the same calls the loop makes
 on an in-process actor), so `Trainer.step` does not change.
 
-    group = ActorGroup(cfg, model, total_updates)      # cluster.actor_ranks = N > 1
+    group = ActorGroup(cfg, folder, total_updates)     # cluster.actor_ranks = N > 1
     old = group.old_logprobs(batch, mode, step)         # each rank gets only its rows
     upd = group.policy_update(batch, inputs, mode, step)
     for bucket in group.export_weights(bucket_bytes):   # streamed from rank 0
@@ -14,6 +14,11 @@ gloo on CPU, NCCL on GPU; rank 0 picks a free port on its own node for the rende
 With `cluster.placement: colocated` (a serve/sglang fleet) each rank takes
 `colocate.RANK_SHARE` of its bundle and the fleet puts its servers into the rest of the same
 bundles (`placement_group`; rollout/colocate.py).
+
+Start-up: `source` is an HF folder every rank reads itself (`LazyHF`): a megatron rank only
+its shard (its stage's layers, its EP rank's experts, its TP slices), a torch DDP rank the
+whole model one tensor at a time; neither the driver nor the object store holds weights. A
+`MoEModel` source instead goes through the object store once (every rank gets it whole).
 
 Data plane: the driver collates once; `plan_shards` (trainer/batch.py) fixes, per RL step, which
 rows each DP rank holds and its part of every optimiser step. `old_logprobs` sends each rank its
@@ -45,6 +50,7 @@ import torch
 
 from lockstep.moe.buckets import Bucket
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
+from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
 from lockstep.rollout.colocate import RANK_SHARE, colocates_fleet
@@ -67,6 +73,7 @@ class RankWorker:
         self.actor = None
         self.cfg: ExperimentConfig | None = None
         self._shards: dict[int, Batch] = {}
+        self.startup: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -85,19 +92,22 @@ class RankWorker:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
                                 rank=self.rank, world_size=self.world)
 
-    def build(self, weights: dict[str, torch.Tensor], cfg: ExperimentConfig,
+    def build(self, source: str | dict[str, torch.Tensor], cfg: ExperimentConfig,
               total_updates: int) -> tuple[int, int]:
-        """The rank's actor over `weights` (HF names); returns its (dp_rank, dp_size)."""
+        """The rank's actor, from an HF folder this node can read (`source` a path: a megatron
+        rank reads only its shard, a torch DDP rank the whole model, one tensor at a time) or
+        from HF-named weights (a dict through the object store); returns its (dp_rank,
+        dp_size)."""
         import torch.distributed as dist
         self.cfg = cfg
-        model = MoEModel(cfg.model)
-        load_hf_state_dict(model, weights)
         temperature = cfg.rollout.temperature
+        hf = LazyHF(source) if isinstance(source, str) else source
         if cfg.actor.backend == "megatron":
             from lockstep.trainer.megatron.actor import MegatronActor
             from lockstep.trainer.rank import RankActor
-            self.actor = MegatronActor(model, cfg.actor, total_updates, temperature=temperature,
-                                       options=cfg.actor.megatron)
+            self.actor = MegatronActor(hf, cfg.actor, total_updates, temperature=temperature,
+                                       options=cfg.actor.megatron, model_cfg=cfg.model)
+            self._read(hf)
             if type(self.actor)._train_steps is RankActor._train_steps:
                 # NOTE: MegatronActor splits rows over its own DP group inside `logprobs` /
                 # `update` and sums the results, so until it implements the sharded rank
@@ -105,10 +115,23 @@ class RankWorker:
                 return 0, 1
         else:
             from lockstep.trainer.actor import TorchActor
+            model = MoEModel(cfg.model)
+            load_hf_state_dict(model, hf)
+            self._read(hf)
+            del hf
             self.actor = TorchActor(model, cfg.actor, total_updates, temperature=temperature,
                                     dp_group=dist.group.WORLD,
                                     device=resolve_device(cfg.cluster.device))
         return self.actor.dp_rank, self.actor.dp_size
+
+    def _read(self, hf) -> None:
+        self.startup["bytes_read"] = getattr(hf, "bytes_read", None)
+        self.startup["peak_rss"] = _peak_rss()
+
+    def startup_stats(self) -> dict[str, Any]:
+        """What start-up took: bytes read from the HF folder (None: weights came through the
+        object store) and this process's peak resident memory after `build` (bytes)."""
+        return dict(self.startup)
 
     def old_logprobs(self, shard: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
         self._shards = {step: shard}  # kept for the update: rows travel once
@@ -126,12 +149,13 @@ class RankWorker:
             raise RuntimeError(f"dump_fields(step={step}) without old_logprobs of that step")
         return self.actor.dump_fields(self._shards[step], mode, step)
 
-    def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
-        """The frozen KL reference (HF-named weights) on this rank, next to its actor: its
-        `policy_update` computes pi_ref of the rank's rows with the update's replay plan."""
+    def set_reference(self, source: str | dict[str, torch.Tensor]) -> None:
+        """The frozen KL reference (an HF folder this node reads, or HF-named weights) on this
+        rank, next to its actor: its `policy_update` computes pi_ref of the rank's rows with
+        the update's replay plan."""
         from lockstep.trainer.reference import ReferencePolicy
         model = MoEModel(self.cfg.model)
-        load_hf_state_dict(model, weights)
+        load_hf_state_dict(model, LazyHF(source) if isinstance(source, str) else source)
         device = "cpu" if self.cfg.actor.backend == "megatron" else \
             resolve_device(self.cfg.cluster.device)
         self.actor.set_reference(ReferencePolicy(model, self.cfg.actor,
@@ -170,8 +194,8 @@ class ActorGroup:
     (module docstring). Joins `cluster.ray_address`, or starts a local Ray for the run (shut
     down by `close`)."""
 
-    def __init__(self, cfg: ExperimentConfig, model: MoEModel, total_updates: int,
-                 startup_timeout_s: float = 300.0):
+    def __init__(self, cfg: ExperimentConfig, source: str | os.PathLike | MoEModel,
+                 total_updates: int, startup_timeout_s: float = 300.0):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -222,7 +246,11 @@ class ActorGroup:
             self._gather("init_process_group", [
                 w.init_world.remote(infos[0]["ip"], port, backend) for w in self.workers],
                 timeout_s=startup_timeout_s)
-            weights = ray.put({k: v.detach().clone() for k, v in hf_state_dict(model).items()})
+            if isinstance(source, MoEModel):  # through the object store, once
+                weights = ray.put({k: v.detach().clone()
+                                   for k, v in hf_state_dict(source).items()})
+            else:  # every rank reads its own part of the folder
+                weights = str(source)
             layout = self._gather("build", [w.build.remote(weights, cfg, total_updates)
                                             for w in self.workers])
             del weights
@@ -276,9 +304,14 @@ class ActorGroup:
         return {k: self._unshard(plan, [g[k] for g in got], batch) for k in got[0]}
 
     def set_reference(self, reference) -> None:
-        """Ship the KL reference's weights (`ReferencePolicy`) to every rank, which keeps its
-        own copy next to its actor; the driver keeps none."""
+        """The KL reference on every rank, which keeps its own copy next to its actor: an HF
+        folder (str | Path) each rank loads itself, or a `ReferencePolicy` whose weights are
+        shipped once through the object store; the driver keeps none."""
         import ray
+        if isinstance(reference, (str, os.PathLike)):
+            self._gather("set_reference", [w.set_reference.remote(str(reference))
+                                           for w in self.workers])
+            return
         weights = ray.put({k: v.detach().to("cpu", copy=True)
                            for k, v in hf_state_dict(reference.actor.master).items()})
         self._gather("set_reference", [w.set_reference.remote(weights) for w in self.workers])
@@ -305,6 +338,10 @@ class ActorGroup:
                              f"cluster.actor_ranks={self.world}")
         self._gather("load_rank_state", [w.load_rank_state.remote(s)
                                          for w, s in zip(self.workers, ranks)])
+
+    def startup_stats(self) -> list[dict[str, Any]]:
+        """Each rank's `RankWorker.startup_stats` (bytes read, peak RSS after build)."""
+        return self._gather("startup_stats", [w.startup_stats.remote() for w in self.workers])
 
     def close(self) -> None:
         """Kill the ranks and remove the placement group (idempotent); shut down the Ray this
@@ -398,6 +435,12 @@ def _start_local_ray(num_cpus: int, runtime_env: dict, attempts: int = 3) -> Non
             if "timed out during startup" not in str(e) or attempt == attempts:
                 raise
             ray.shutdown()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set size in bytes (Linux: ru_maxrss is in KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _reason(e: Exception) -> str:

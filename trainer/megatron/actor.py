@@ -3,7 +3,8 @@
 It trains a megatron-core GPTModel (DDP grad buffers, megatron-core's optimizer and
 forward-backward schedule) and replays routes through megatron-core's `RouterReplay`, via the
 one adapter `RouteReplay`. The megatron-core model is the only copy of the weights: the torch
-`MoEModel` given to the constructor supplies the initial weights and is not kept;
+`MoEModel` or the HF-named mapping (`LazyHF`: only this rank's shard is read) given to the
+constructor supplies the initial weights and is not kept;
 `export_weights(bucket_bytes)` gathers HF-named tensors across TP/EP ranks on demand (once
 per RL step, for the weight push and the HF checkpoint).
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
+from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
 from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
@@ -154,22 +157,33 @@ def split_to_count(micro: list[torch.Tensor], n: int, seq_lens_B: torch.Tensor,
 class MegatronActor(RankActor):
     """Policy log-probs and updates on megatron-core (the only copy of the weights)."""
 
-    def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
-                 temperature: float = 1.0, options: MegatronOptions | None = None):
+    def __init__(self, source: MoEModel | Mapping[str, torch.Tensor], cfg: ActorConfig,
+                 total_updates: int, temperature: float = 1.0,
+                 options: MegatronOptions | None = None, model_cfg: ModelConfig | None = None):
+        """`source`: the initial weights, a torch `MoEModel` (not kept) or a mapping of HF
+        names (a `LazyHF` over an HF folder; then `model_cfg` gives the architecture), of
+        which this rank reads only its shard: its pipeline stage's layers, its EP rank's
+        experts, its TP / ETP slices (`convert.load_hf_into_megatron`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.cfg, self.temperature, self.model_cfg = cfg, temperature, model.cfg
+        if isinstance(source, MoEModel):
+            mcfg = source.cfg
+            hf = {k: v.detach() for k, v in hf_state_dict(source).items()}
+        elif model_cfg is None:
+            raise ValueError("MegatronActor: a mapping of HF-named weights needs model_cfg")
+        else:
+            mcfg, hf = model_cfg, source
+        self.cfg, self.temperature, self.model_cfg = cfg, temperature, mcfg
         self.opts = options_for(cfg, options)
-        mcfg = model.cfg
         init_single_process_group()
         initialize_parallel(self.opts)
         tc = transformer_config(mcfg, self.opts)
         tc.finalize_model_grads_func = finalize_model_grads
         self.gpt = build_gpt_model(mcfg, self.opts, tc=tc)
-        convert.load_hf_into_megatron(self.gpt, {k: v.detach() for k, v in
-                                                 hf_state_dict(model).items()}, mcfg)
+        convert.load_hf_into_megatron(self.gpt, hf, mcfg)
+        del hf
         self.ddp = DistributedDataParallel(config=tc, module=self.gpt, ddp_config=ddp_config())
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,

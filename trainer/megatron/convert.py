@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import torch
 
@@ -66,15 +66,14 @@ def _split(x: Tensor, n: int, r: int, dim: int, what: str) -> Tensor:
     return x.chunk(n, dim=dim)[r]
 
 
-def _attn_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig, tp: int, r: int) -> Tensor:
-    """Weights [., D] or biases [.] (then D is a unit trailing dim) in megatron's grouped order."""
-    G, hd = cfg.num_key_value_heads, cfg.head_dim
+def _qkv_groups(q: Tensor, k: Tensor, v: Tensor, G: int, hd: int) -> Tensor:
+    """[G, (H/G + 2) * hd, ...]: each of the G query groups' q heads, then its k, then its v
+    head. Rows of q / k / v are group-major, so TP rank r's chunk of each gives its groups."""
     tail = q.shape[1:]
     q_G = q.view(G, -1, *tail)          # [G, H/G*hd, D]
     k_G = k.view(G, hd, *tail)
     v_G = v.view(G, hd, *tail)
-    qkv_G = torch.cat([q_G, k_G, v_G], dim=1)
-    return _split(qkv_G, tp, r, 0, "linear_qkv").reshape(-1, *tail)
+    return torch.cat([q_G, k_G, v_G], dim=1)
 
 
 def _fc1(gate: Tensor, up: Tensor, n: int, r: int, what: str) -> Tensor:
@@ -103,74 +102,110 @@ def _mla_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
 
 
 def hf_to_megatron(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Layout(), *,
-                   tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> dict[str, Tensor]:
-    """The megatron-core state dict of one shard (tp_rank, ep_rank, etp_rank) from HF weights."""
+                   tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0,
+                   layers: Iterable[int] | None = None,
+                   globals_: Collection[str] | None = None) -> dict[str, Tensor]:
+    """The megatron-core state dict of one shard (tp_rank, ep_rank, etp_rank) from HF weights;
+    `layers` / `globals_` restrict it (`hf_to_megatron_items`)."""
+    return {k: v.contiguous() for k, v in hf_to_megatron_items(
+        hf, cfg, lay, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank, layers=layers,
+        globals_=globals_)}
+
+
+def hf_to_megatron_items(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout = Layout(), *,
+                         tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0,
+                         layers: Iterable[int] | None = None,
+                         globals_: Collection[str] | None = None,
+                         ) -> Iterator[tuple[str, Tensor]]:
+    """`hf_to_megatron` one tensor at a time, reading from `hf` only what the shard holds:
+    the decoder layers `layers` (None: all), the global tensors named in `globals_` (megatron
+    names: embedding, final norm, output layer; None: all), and of each MoE layer only EP rank
+    `ep_rank`'s experts. From a `LazyHF`, TP / ETP splits read only their chunk from disk
+    (`LazyHF.part`: rows, or a strided block of columns)."""
     _check_hf_keys(hf, cfg)
     tp, r = lay.tp, tp_rank
-    out: dict[str, Tensor] = {
-        "embedding.word_embeddings.weight":
-            _split(hf["model.embed_tokens.weight"], tp, r, 0, "embedding"),
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = _split(hf["lm_head.weight"], tp, r, 0, "output_layer")
-    for i in range(cfg.num_hidden_layers):
+    want = (lambda k: True) if globals_ is None else set(globals_).__contains__
+
+    def take(name: str, n: int = 1, rank: int = 0, dim: int = 0, what: str = "") -> Tensor:
+        """`hf[name]`, or its rank-th of n chunks along dim (only that chunk read if lazy)."""
+        if n == 1:
+            return hf[name]
+        part = getattr(hf, "part", None)
+        if part is not None:
+            return part(name, dim=dim, n=n, r=rank)
+        return _split(hf[name], n, rank, dim, what or name)
+
+    def fc1(gate: str, up: str, n: int, rank: int, what: str) -> Tensor:
+        return torch.cat([take(gate, n, rank, 0, what), take(up, n, rank, 0, what)], dim=0)
+
+    def qkv(i: int, kind: str) -> Tensor:
+        h = f"model.layers.{i}.self_attn"
+        G = cfg.num_key_value_heads
+        if G % tp:
+            raise ValueError(f"linear_qkv: {G} key/value heads not divisible by TP={tp}")
+        q, k, v = (take(f"{h}.{p}.{kind}", tp, r, 0, "linear_qkv")
+                   for p in ("q_proj", "k_proj", "v_proj"))
+        return _qkv_groups(q, k, v, G // tp, cfg.head_dim).reshape(-1, *q.shape[1:])
+
+    if want("embedding.word_embeddings.weight"):
+        yield ("embedding.word_embeddings.weight",
+               take("model.embed_tokens.weight", tp, r, 0, "embedding"))
+    if want("decoder.final_layernorm.weight"):
+        yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
+    if not cfg.tie_word_embeddings and want("output_layer.weight"):
+        yield "output_layer.weight", take("lm_head.weight", tp, r, 0, "output_layer")
+    for i in range(cfg.num_hidden_layers) if layers is None else layers:
         h, m = f"model.layers.{i}", f"decoder.layers.{i}"
         a = f"{m}.self_attention"
         in_norm = f"{a}.linear_qkv.layer_norm_weight" if lay.te_fused_norms \
             else f"{m}.input_layernorm.weight"
-        out[in_norm] = hf[f"{h}.input_layernorm.weight"]
+        yield in_norm, hf[f"{h}.input_layernorm.weight"]
         if cfg.is_mla:
             for hf_name, mg_name, dim in _mla_names(cfg):
-                x = hf[f"{h}.self_attn.{hf_name}"]
-                out[f"{a}.{mg_name}"] = x if dim is None else _split(
+                x = f"{h}.self_attn.{hf_name}"
+                yield f"{a}.{mg_name}", hf[x] if dim is None else take(
                     x, tp, r, dim, f"layer {i} {mg_name}")
         else:
-            out[f"{a}.linear_qkv.weight"] = _attn_qkv(
-                hf[f"{h}.self_attn.q_proj.weight"], hf[f"{h}.self_attn.k_proj.weight"],
-                hf[f"{h}.self_attn.v_proj.weight"], cfg, tp, r)
-            out[f"{a}.linear_proj.weight"] = _split(hf[f"{h}.self_attn.o_proj.weight"], tp, r, 1,
-                                                    f"layer {i} linear_proj")
+            yield f"{a}.linear_qkv.weight", qkv(i, "weight")
+            yield f"{a}.linear_proj.weight", take(f"{h}.self_attn.o_proj.weight", tp, r, 1,
+                                                  f"layer {i} linear_proj")
             if cfg.attention_bias:
-                out[f"{a}.linear_qkv.bias"] = _attn_qkv(
-                    hf[f"{h}.self_attn.q_proj.bias"], hf[f"{h}.self_attn.k_proj.bias"],
-                    hf[f"{h}.self_attn.v_proj.bias"], cfg, tp, r)
+                yield f"{a}.linear_qkv.bias", qkv(i, "bias")
             if cfg.qk_norm:
-                out[f"{a}.q_layernorm.weight"] = hf[f"{h}.self_attn.q_norm.weight"]
-                out[f"{a}.k_layernorm.weight"] = hf[f"{h}.self_attn.k_norm.weight"]
-        post_norm = hf[f"{h}.post_attention_layernorm.weight"]
+                yield f"{a}.q_layernorm.weight", hf[f"{h}.self_attn.q_norm.weight"]
+                yield f"{a}.k_layernorm.weight", hf[f"{h}.self_attn.k_norm.weight"]
+        post_norm = f"{h}.post_attention_layernorm.weight"
         if cfg.is_moe_layer(i):
-            out[f"{m}.pre_mlp_layernorm.weight"] = post_norm
-            out[f"{m}.mlp.router.weight"] = hf[f"{h}.mlp.gate.weight"]
+            yield f"{m}.pre_mlp_layernorm.weight", hf[post_norm]
+            yield f"{m}.mlp.router.weight", hf[f"{h}.mlp.gate.weight"]
             if cfg.expert_bias:
-                out[f"{m}.mlp.router.expert_bias"] = \
-                    hf[f"{h}.mlp.gate.e_score_correction_bias"].float()
+                yield (f"{m}.mlp.router.expert_bias",
+                       hf[f"{h}.mlp.gate.e_score_correction_bias"].float())
             if cfg.n_shared_experts:  # a dense MLP, TP-split like one
                 x = f"{h}.mlp.shared_experts"
-                out[f"{m}.mlp.shared_experts.linear_fc1.weight"] = _fc1(
-                    hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"], tp, r,
+                yield f"{m}.mlp.shared_experts.linear_fc1.weight", fc1(
+                    f"{x}.gate_proj.weight", f"{x}.up_proj.weight", tp, r,
                     f"layer {i} shared_experts linear_fc1")
-                out[f"{m}.mlp.shared_experts.linear_fc2.weight"] = _split(
-                    hf[f"{x}.down_proj.weight"], tp, r, 1, f"layer {i} shared_experts linear_fc2")
+                yield f"{m}.mlp.shared_experts.linear_fc2.weight", take(
+                    f"{x}.down_proj.weight", tp, r, 1, f"layer {i} shared_experts linear_fc2")
             per_rank = cfg.num_experts // lay.ep
             for j in range(per_rank):
                 e = ep_rank * per_rank + j
                 x = f"{h}.mlp.experts.{e}"
-                fc1, fc2 = _expert_names(f"{m}.mlp", j, lay)
-                out[fc1] = _fc1(hf[f"{x}.gate_proj.weight"], hf[f"{x}.up_proj.weight"], lay.etp,
-                                etp_rank, f"layer {i} expert {e} linear_fc1")
-                out[fc2] = _split(hf[f"{x}.down_proj.weight"], lay.etp, etp_rank, 1,
+                name1, name2 = _expert_names(f"{m}.mlp", j, lay)
+                yield name1, fc1(f"{x}.gate_proj.weight", f"{x}.up_proj.weight", lay.etp,
+                                 etp_rank, f"layer {i} expert {e} linear_fc1")
+                yield name2, take(f"{x}.down_proj.weight", lay.etp, etp_rank, 1,
                                   f"layer {i} expert {e} linear_fc2")
         else:
             norm = f"{m}.mlp.linear_fc1.layer_norm_weight" if lay.te_fused_norms \
                 else f"{m}.pre_mlp_layernorm.weight"
-            out[norm] = post_norm
-            out[f"{m}.mlp.linear_fc1.weight"] = _fc1(
-                hf[f"{h}.mlp.gate_proj.weight"], hf[f"{h}.mlp.up_proj.weight"], tp, r,
+            yield norm, hf[post_norm]
+            yield f"{m}.mlp.linear_fc1.weight", fc1(
+                f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight", tp, r,
                 f"layer {i} linear_fc1")
-            out[f"{m}.mlp.linear_fc2.weight"] = _split(hf[f"{h}.mlp.down_proj.weight"], tp, r, 1,
-                                                       f"layer {i} linear_fc2")
-    return {k: v.contiguous() for k, v in out.items()}
+            yield f"{m}.mlp.linear_fc2.weight", take(f"{h}.mlp.down_proj.weight", tp, r, 1,
+                                                     f"layer {i} linear_fc2")
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
@@ -334,25 +369,32 @@ def global_names(model, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def load_hf_into_megatron(model, hf: Mapping[str, Tensor], cfg: ModelConfig) -> None:
     """Copy HF weights into this rank's shard of a built GPTModel (its pipeline stage's
-    layers, embedding on the first stage, final norm / LM head on the last); every tensor is
-    checked."""
+    layers, embedding on the first stage, final norm / LM head on the last), one tensor at a
+    time: only this shard's tensors are read from `hf` (`hf_to_megatron_items`; a `LazyHF`
+    then reads the shard from disk, not the model). Every tensor is checked; a mismatch
+    raises after the pass, naming every tensor not produced, not expected or mis-shaped."""
     lay = Layout.of_model(model)
     tp_rank, ep_rank, etp_rank = _ranks()
-    sd = hf_to_megatron(hf, cfg, lay, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
     own = global_names(model, model.state_dict())
-    if len(stage_layers(model)) != cfg.num_hidden_layers:  # a pipeline stage: its part only
-        mine = {f"decoder.layers.{i}." for i in stage_layers(model).values()}
-        sd = {k: v for k, v in sd.items() if k in own or
-              (_LAYER.match(k) and _LAYER.match(k).group(0) in mine)}
-    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    bad = [f"{k}: model {tuple(own[k].shape)} vs converted {tuple(sd[k].shape)}"
-           for k in sorted(set(own) & set(sd)) if own[k].shape != sd[k].shape]
+    layers = sorted(stage_layers(model).values())
+    glob = [k for k in own if not _LAYER.match(k)]
+    done, unexpected, bad = set(), [], []
+    with torch.no_grad():
+        for k, v in hf_to_megatron_items(hf, cfg, lay, tp_rank=tp_rank, ep_rank=ep_rank,
+                                         etp_rank=etp_rank, layers=layers, globals_=glob):
+            if k not in own:
+                unexpected.append(k)
+            elif own[k].shape != v.shape:
+                bad.append(f"{k}: model {tuple(own[k].shape)} vs converted {tuple(v.shape)}")
+            else:
+                own[k].copy_(v)
+                done.add(k)
+            del v
+    missing = sorted(set(own) - done - {b.split(":")[0] for b in bad})
     if missing or unexpected or bad:
         raise ValueError(f"HF -> megatron mismatch: model tensors not produced {missing}, "
-                         f"produced but not in the model {unexpected}, shape mismatches {bad}")
-    with torch.no_grad():
-        for k, t in own.items():
-            t.copy_(sd[k])
+                         f"produced but not in the model {sorted(unexpected)}, shape "
+                         f"mismatches {sorted(bad)}")
 
 
 def megatron_to_hf_state_dict(model, cfg: ModelConfig,
