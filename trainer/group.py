@@ -100,6 +100,7 @@ class RankWorker:
         dp_size)."""
         import torch.distributed as dist
         self.cfg = cfg
+        self.startup["rss_before"] = _rss_now()
         temperature = cfg.rollout.temperature
         hf = LazyHF(source) if isinstance(source, str) else source
         if cfg.actor.backend == "megatron":
@@ -130,7 +131,8 @@ class RankWorker:
 
     def startup_stats(self) -> dict[str, Any]:
         """What start-up took: bytes read from the HF folder (None: weights came through the
-        object store) and this process's peak resident memory after `build` (bytes)."""
+        object store), this process's resident memory before `build` and its peak after
+        (bytes)."""
         return dict(self.startup)
 
     def old_logprobs(self, shard: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
@@ -435,6 +437,12 @@ def _start_local_ray(num_cpus: int, runtime_env: dict, attempts: int = 3) -> Non
             if "timed out during startup" not in str(e) or attempt == attempts:
                 raise
             ray.shutdown()
+
+
+def _rss_now() -> int:
+    """This process's resident set size now, in bytes (Linux /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _peak_rss() -> int:
