@@ -70,7 +70,7 @@ def test_staleness_1_trains_on_the_previous_version_and_logs_the_version_part(tm
             m["is_split/mismatch_log_mean"], abs=1e-6)
     # at equal weights the engine part is the bf16/fp32 mismatch alone: far smaller than the lag
     assert ms[1]["is_split/engine_log_std"] < ms[1]["is_split/version_log_std"]
-    assert len(tr.versions.cache) == 1  # at most k versions kept
+    assert list(tr.actor.kept_versions()) == ["2"]  # at most k versions kept
     assert all(m["replay/mismatch"] == 0.0 for m in ms)  # R3 replays the engine's routes
 
 
@@ -82,7 +82,7 @@ def test_staleness_2_fills_a_two_step_pipeline(tmp_path):
     # steps 1-3 were all submitted at step 1 (version 0); step 4 after step 1's push
     assert seen == {1: ["0"], 2: ["0"], 3: ["0"], 4: ["1"]}
     assert [m["rollout/weight_version_lag_max"] for m in ms] == [0.0, 1.0, 2.0, 2.0]
-    assert sorted(tr.versions.cache) == ["2", "3"]  # k = 2 copies: what steps 5, 6 may need
+    assert list(tr.actor.kept_versions()) == ["2", "3"]  # k = 2 copies: what steps 5, 6 may need
     assert ms[2]["is_split/version_log_std"] > ms[1]["is_split/version_log_std"]  # 2 > 1 behind
 
 
@@ -103,7 +103,7 @@ def test_staleness_0_logs_an_exact_version_part_and_no_lag(tmp_path):
     assert seen == {1: ["0"], 2: ["1"]}
     assert all(_exactly_one(m) and m["rollout/weight_version_lag_max"] == 0.0 for m in ms)
     assert all(m["is_split/engine_mean"] == m["is_split/mismatch_mean"] for m in ms)
-    assert tr.versions.cache == {} and tr.pipeline._pool is None  # nothing kept, no thread
+    assert tr.actor.kept_versions() == {} and tr.pipeline._pool is None  # nothing kept, no thread
 
 
 def _step_before_async(tr, step):

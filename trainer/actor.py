@@ -333,6 +333,11 @@ class TorchActor(RankActor):
             for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
                 pc.copy_(pm)
 
+    def _version_tensors(self) -> list[torch.Tensor]:
+        """What the log-prob forward reads: the compute model's parameters and buffers (a
+        kept version is in the compute precision, as pi_old saw it)."""
+        return [*self.compute.parameters(), *self.compute.buffers()]
+
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Optimiser and LR-schedule state (the weights are saved as an HF folder)."""

@@ -651,7 +651,7 @@ def version_split_metrics(old_logprobs, gen_logprobs, rollout_logprobs, response
         pi_old/mu_old = (pi_old/pi_gen) [version] x (pi_gen/mu_old) [engine]
 
     `gen_logprobs` (pi_gen) are the trainer's log-probs under the weights of the version that
-    generated each sample (`trainer.pipeline.VersionCache`); for a sample of the current
+    generated each sample (`trainer.versions`, on the actor's ranks); for a sample of the current
     version they *are* `old_logprobs`, so its version ratio is exactly 1. `version` is the
     policy lag the rollout's staleness adds; `engine` is the train/infer mismatch at equal
     weights (what R3 and TIS address). Logged as `is_split/version_*` and `is_split/engine_*`

@@ -58,6 +58,7 @@ from lockstep.trainer.batch import Batch, ShardPlan, minibatch_schedule, plan_sh
 from lockstep.trainer.config import ExperimentConfig
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, UpdateResult, add_stats,
                                    resolve_device, shuffle_seed)
+from lockstep.trainer.versions import stale_versions
 
 
 class ActorGroupError(RuntimeError):
@@ -144,6 +145,18 @@ class RankWorker:
         if step not in self._shards:
             raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step")
         return self.actor.policy_update(self._shards.pop(step), inputs, mode, step, steps)
+
+    def gen_logprobs(self, versions: list[str], mode: ReplayMode, step: int,
+                     max_staleness: int, stale: list[str]) -> torch.Tensor | None:
+        """pi_gen of this rank's rows of a stale version, from its own kept shards
+        (`RankActor.gen_logprobs`); between old_logprobs and policy_update of `step`."""
+        if step not in self._shards:
+            raise RuntimeError(f"gen_logprobs(step={step}) without old_logprobs of that step")
+        return self.actor.gen_logprobs(self._shards[step], versions, mode, step,
+                                       max_staleness, stale)
+
+    def kept_versions(self) -> dict[str, int]:
+        return self.actor.kept_versions()
 
     def dump_fields(self, mode: ReplayMode, step: int) -> dict[str, torch.Tensor]:
         """The dump's actor fields of this rank's rows (`RankActor.dump_fields`)."""
@@ -304,6 +317,30 @@ class ActorGroup:
         got = self._by_dp(self._gather("dump_fields", [w.dump_fields.remote(mode, step)
                                                        for w in self.workers]))
         return {k: self._unshard(plan, [g[k] for g in got], batch) for k in got[0]}
+
+    def gen_logprobs(self, batch: Batch, versions: list[str], mode: ReplayMode, step: int,
+                     max_staleness: int, stale: list[str] | None = None
+                     ) -> torch.Tensor | None:
+        """pi_gen [B, T] of the rows of a `stale` version (0 elsewhere; None when none is),
+        each computed by the rank that holds the row from its own kept shard of that version
+        (`RankActor.gen_logprobs`); every rank then keeps the current version. The driver
+        sends each rank its rows' versions only; the rows themselves are already there."""
+        if step not in self._plans:
+            raise RuntimeError(f"gen_logprobs(step={step}) without old_logprobs of that step")
+        plan = self._plans[step]
+        stale = stale_versions(versions, step) if stale is None else stale
+        got = self._gather("gen_logprobs", [
+            w.gen_logprobs.remote([versions[i] for i in plan.rows[self.dp_rank[r]].tolist()],
+                                  mode, step, max_staleness, stale)
+            for r, w in enumerate(self.workers)])
+        if not stale:
+            return None
+        return self._unshard(plan, self._by_dp(got), batch)
+
+    def kept_versions(self) -> dict[str, int]:
+        """The versions rank 0 keeps, with the bytes of its copies (every rank keeps the same
+        versions, each of its own shard)."""
+        return self._gather("kept_versions", [self.workers[0].kept_versions.remote()], [0])[0]
 
     def set_reference(self, reference) -> None:
         """The KL reference on every rank, which keeps its own copy next to its actor: an HF

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.moe.checkpoint import hf_state_dict, load_hf
+from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.colocate import colocates_fleet
@@ -38,10 +38,11 @@ from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resum
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
-from lockstep.trainer.pipeline import RolloutPipeline, VersionCache
+from lockstep.trainer.pipeline import RolloutPipeline
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
                                    stats_values)
 from lockstep.trainer.reference import ReferencePolicy
+from lockstep.trainer.versions import VersionSplit
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
@@ -142,9 +143,8 @@ class Trainer:
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
         self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
                                         cfg.loop.steps, first_version=int(state.weight_version))
-        self.versions = VersionCache(cfg.loop.max_staleness, model, cfg.actor, ro.temperature,
-                                     resolve_device(cfg.cluster.device))
-        self.versions.set_current(state.weight_version, hf_state_dict(model))
+        # pi_gen of samples of older versions: the actor's ranks keep their own old shards
+        self.versions = VersionSplit(cfg.loop.max_staleness)
         if self.actor is not None:  # built above (colocated)
             pass
         elif cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
@@ -205,7 +205,8 @@ class Trainer:
             [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
         t.lap("generate")
         old = self.actor.old_logprobs(batch, self.mode, step)  # pi_old; R2 routes stay on ranks
-        gen_BT = self.versions.gen_logprobs(batch, versions, old.logprobs_BT, self.mode, step)
+        gen_BT = self.versions.gen_logprobs(self.actor, batch, versions, old.logprobs_BT,
+                                            self.mode, step)  # pi_gen, on the actor's ranks
         t.lap("old_logprob")
         maybe_dump(self, step, batch, rewards_B, None)  # loop.dump_every: for diagnose
         group_B = torch.arange(batch.size) // cfg.rollout.samples_per_prompt
@@ -261,12 +262,8 @@ class Trainer:
 
     def sync_weights(self, step: int) -> str:
         """Stream the actor's HF-named weight buckets to the engines, one bucket at a time
-        (`rollout.weight_sync`); a checkpoint exports again. With loop.max_staleness >= 1 the
-        pi_gen cache keeps this version's tensors (the actor's views), so they are collected."""
+        (`rollout.weight_sync`); a checkpoint exports again."""
         weights = self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
-        if self.versions.k > 0:
-            weights = {name: t for bucket in weights for name, t in bucket}
-            self.versions.set_current(str(step), weights)
         return self.pipeline.update_weights(weights, str(step))
 
     def saves_at(self, step: int) -> bool:

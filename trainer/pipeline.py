@@ -17,28 +17,22 @@ The queue holds at most k+1 steps of results.
 
 Which version generated what is checked per sample (`allowed_versions`,
 `lockstep.rollout.weight_sync.check_versions`), and the
-trainer's log-probs under that version (`VersionCache`) split pi_old/mu_old into a version
-part and an engine part (`correction.version_split_metrics`).
+trainer's log-probs under that version (pi_gen, computed by the actor's ranks from their own
+kept copies of old versions: `trainer/versions.py`) split pi_old/mu_old into a version part
+and an engine part (`correction.version_split_metrics`).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from lockstep.moe.checkpoint import load_hf_state_dict
-from lockstep.moe.model import MoEModel
-from lockstep.replay import ReplayMode, old_logprob_plan
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 from lockstep.rollout.weight_sync import check_versions
-from lockstep.trainer.batch import Batch, trim_batch
 
 
 def allowed_versions(step: int, max_staleness: int, first_version: int = 0) -> list[str]:
@@ -126,87 +120,3 @@ class RolloutPipeline:
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-
-
-class VersionCache:
-    """The trainer's log-probs under the weights that generated each sample (pi_gen).
-
-    Holds, on CPU, the weights of the versions a coming step's samples may still carry and
-    the actor no longer has: at most `max_staleness` fp32 copies of the model (none when it
-    is 0), each an `MoEModel` loaded from the exported HF-named tensors. The current
-    version's weights are the exported views of the actor (`set_current`), copied into the
-    cache only right before the update that overwrites them (`gen_logprobs`), after the
-    version that falls out of reach has been dropped.
-
-    pi_gen is recomputed as pi_old was, under the same replay plan (R3: the engine's routes;
-    R2 and off: the version's own routing), on the torch model in the actor's compute
-    precision: so the version part is only the weights' lag. Rows of the current version are
-    not recomputed: their pi_gen is pi_old, and their version ratio exactly 1."""
-
-    def __init__(self, max_staleness: int, template: MoEModel, actor_cfg, temperature: float,
-                 device: str = "cpu"):
-        self.k, self.actor_cfg, self.temperature, self.device = (max_staleness, actor_cfg,
-                                                                 temperature, device)
-        self._template = template  # structure only: copies are loaded with exported weights
-        self.current: tuple[str, dict[str, torch.Tensor]] | None = None
-        self.cache: OrderedDict[str, MoEModel] = OrderedDict()
-
-    def set_current(self, version: str, hf_weights: dict[str, torch.Tensor]) -> None:
-        """The actor's weights now (views are fine: they are copied before the next update)."""
-        if self.k > 0:
-            self.current = (str(version), hf_weights)
-
-    @torch.no_grad()
-    def gen_logprobs(self, batch: Batch, versions: list[str], old_logprobs_BT: torch.Tensor,
-                     mode: ReplayMode, step: int) -> torch.Tensor:
-        """pi_gen [B, T] fp32 of step `step`'s batch (its rows' `versions`); call it between
-        the old-log-prob forward and the update."""
-        if self.k == 0:
-            return old_logprobs_BT
-        cur = self.current[0] if self.current is not None else None
-        gen_BT = old_logprobs_BT.clone()
-        by_version: dict[str, list[int]] = {}
-        for i, v in enumerate(versions):
-            if v != cur:
-                by_version.setdefault(v, []).append(i)
-        for v, rows in by_version.items():
-            if v not in self.cache:
-                raise RuntimeError(f"step {step}: samples of weight version {v!r} (e.g. row "
-                                   f"{rows[0]}), but the trainer keeps only versions "
-                                   f"{[*self.cache, cur]}")
-            idx = torch.tensor(rows)
-            sub = trim_batch(batch, idx)
-            plan = old_logprob_plan(mode, sub.rollout_routes_BTLK, sub.rollout_routes_valid_BT)
-            lp = self._actor(self.cache[v]).logprobs(sub, plan.routes_BTLK,
-                                                      plan.replay_mask_BT).logprobs_BT
-            gen_BT[idx] = 0.0
-            gen_BT[idx, :lp.shape[1]] = lp
-        self._advance(step)
-        return gen_BT
-
-    def _actor(self, model: MoEModel):
-        from lockstep.trainer.actor import TorchActor
-        if self.device != "cpu":  # the cached copy stays on CPU
-            model = copy.deepcopy(model)
-        return TorchActor(model, self.actor_cfg, total_updates=1, temperature=self.temperature,
-                          device=self.device)
-
-    def _advance(self, step: int) -> None:
-        """Before step `step`'s update: keep the versions steps step+1.. may still carry
-        (>= step-k), the current one copied in."""
-        spare = None
-        for v in [v for v in self.cache if int(v) < step - self.k]:
-            spare = self.cache.pop(v)  # out of reach: its model is reused for the new copy
-        if self.current is None or self.current[0] in self.cache:
-            return
-        if spare is None:
-            spare = copy.deepcopy(self._template).requires_grad_(False).to("cpu")
-        load_hf_state_dict(spare, self.current[1])
-        self.cache[self.current[0]] = spare
-        while len(self.cache) > self.k:  # never more than k copies
-            self.cache.popitem(last=False)
-
-    @property
-    def cached_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for m in self.cache.values()
-                   for p in m.parameters())

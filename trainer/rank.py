@@ -28,6 +28,10 @@ implement natively for multi-rank layouts.
   export_weights(bucket_bytes) -> iterator of buckets of (hf_name, tensor) (`moe/buckets.py`)
       The policy's weights under Hugging Face names, once per RL step; with DP every rank
       holds them all and rank 0 exports; sharded backends gather across TP/EP/PP here.
+  gen_logprobs(batch, versions, mode, step, max_staleness, stale) -> [b, t] | None
+      loop.max_staleness >= 1: pi_gen of this shard's rows of an older weight version, under
+      the rank's own kept copy of its tensors for that version (`trainer/versions.py`); then
+      keeps the current version. `kept_versions()`: what the rank keeps (version -> bytes).
   rank_state() -> dict / load_rank_state(dict)
       This rank's optimiser and LR-schedule state: a plain nested dict of tensors, numbers,
       strings and lists (the checkpoint keeps one per rank).
@@ -58,9 +62,10 @@ from lockstep.moe.buckets import Bucket, bucketize
 from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.replay import ReplayMode, old_logprob_plan, update_plan
 from lockstep.replay.divergence import compare_routes
-from lockstep.trainer.batch import Batch, minibatch_schedule
+from lockstep.trainer.batch import Batch, minibatch_schedule, trim_batch
 from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.losses import LossConfig, policy_loss
+from lockstep.trainer.versions import KeptVersions, stale_versions
 
 Stats = dict[str, tuple[float, float]]
 """metric name -> (sum, count) of one rank, or added over ranks."""
@@ -224,6 +229,53 @@ class RankActor:
             stats["replay/replayed_fraction"] = (0.0, float(token_BT.sum()))
             stats["replay/mismatch"] = (0.0, first)
         return UpdateResult(current_BT.cpu(), stats)
+
+    @torch.no_grad()
+    def gen_logprobs(self, batch: Batch, versions: list[str], mode: ReplayMode, step: int,
+                     max_staleness: int, stale: list[str] | None = None) -> torch.Tensor | None:
+        """pi_gen [b, t] fp32 of this shard's rows whose weight version (`versions`, one per
+        row) is in `stale` (the batch's stale versions, the same list on every rank; default:
+        this shard's own), 0 on the other rows, None when nothing is stale: each row under
+        this rank's kept copy of its own tensors for its version, with pi_old's replay plan.
+        Then keeps the current version (step - 1) for the coming steps, at most
+        `max_staleness` versions (`trainer/versions.py`). Call it between `old_logprobs` and
+        `policy_update` of `step`, every step."""
+        if getattr(self, "_versions", None) is None or self._versions.k != max_staleness:
+            self._versions = KeptVersions(max_staleness)
+        store = self._versions
+        stale = stale_versions(versions, step) if stale is None else stale
+        live = self._version_tensors()
+        out_bT = torch.zeros(batch.input_ids_BT.shape) if stale else None
+        for v in stale:
+            mine = torch.tensor([i for i, x in enumerate(versions) if str(x) == v],
+                                dtype=torch.long)
+            rows = torch.arange(batch.size) if self._gen_all_rows() else mine
+            if not len(rows):
+                continue
+            store.check(v, step, f"{type(self).__name__} (DP rank {self.dp_rank})")
+            sub = trim_batch(batch, rows)
+            plan = old_logprob_plan(mode, sub.rollout_routes_BTLK, sub.rollout_routes_valid_BT)
+            with store.swapped_in(v, live):
+                lp = self.logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT).logprobs_BT
+            keep = torch.isin(rows, mine)
+            out_bT[rows[keep], :lp.shape[1]] = lp[keep]
+        store.advance(step, live)
+        return out_bT
+
+    def kept_versions(self) -> dict[str, int]:
+        """The past weight versions this rank keeps for pi_gen, oldest first, with the bytes
+        of each (CPU) copy of its own tensors."""
+        store = getattr(self, "_versions", None)
+        return {} if store is None else store.versions
+
+    def _version_tensors(self) -> list[torch.Tensor]:
+        """The tensors this rank's log-prob forward reads (what a kept version copies)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no weight versions")
+
+    def _gen_all_rows(self) -> bool:
+        """Whether a pi_gen forward must run on every row of the shard (the forward is a
+        collective over ranks that hold other rows, so all run the same calls)."""
+        return False
 
     def dump_fields(self, batch: Batch, mode: ReplayMode, step: int) -> dict[str, torch.Tensor]:
         """The actor's fields of a rollout dump (`trainer.dump.ACTOR_FIELDS`) for this rank's

@@ -539,6 +539,24 @@ class MegatronActor(RankActor):
         a time. A collective: every rank iterates it to the end and gets the same buckets."""
         return convert.export_hf(self.gpt, self.model_cfg, bucket_bytes)
 
+    # -- pi_gen (loop.max_staleness >= 1; RankActor.gen_logprobs, trainer/versions.py) ------
+    def gen_logprobs(self, batch: Batch, versions, mode, step: int, max_staleness: int,
+                     stale=None):
+        """`RankActor.gen_logprobs` on this DP rank's rows, under this rank's own kept shard
+        of each version (megatron's forward: the version part holds no backend gap)."""
+        with self._shard():
+            return super().gen_logprobs(batch, versions, mode, step, max_staleness, stale)
+
+    def _version_tensors(self) -> list[torch.Tensor]:
+        """This rank's shard of the weights the forward reads (TP / EP / PP slices) and the
+        routers' expert biases (buffers; not their token counters)."""
+        return [*self.gpt.parameters(),
+                *(b for n, b in self.gpt.named_buffers() if n.endswith("expert_bias"))]
+
+    def _gen_all_rows(self) -> bool:
+        # MoE layers exchange tokens with expert-parallel peers that hold other DP rows
+        return self.dp > 1 and self._experts_span_dp
+
     @property
     def master(self) -> MoEModel:
         """A torch `MoEModel` built from `export_weights` now (a full copy made on each access,

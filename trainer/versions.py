@@ -1,0 +1,121 @@
+"""pi_gen on the actor's own ranks (`loop.max_staleness: k >= 1`, docs/training.md "Async
+rollout"): the trainer's log-probs under the weight version that generated each sample.
+
+Rank side (`KeptVersions`, used by `RankActor.gen_logprobs`): every rank (an in-process actor
+is a world of one) keeps, on CPU, copies of ITS OWN forward tensors for at most k past
+versions: the torch actor its compute model's parameters and buffers (a DDP rank holds the
+whole model), a megatron rank its TP / EP / PP shard. A version's copy is taken right before
+the update that overwrites it (`advance`, after the pi_gen forwards of the step), and versions
+no coming step can carry any more (older than step - k) are dropped first, their storage
+reused. pi_gen of a stale row is computed on the rank that holds the row: `swapped_in(v)`
+exchanges the kept copy with the live tensors in place (one tensor at a time, so no extra
+copy of the shard), the actor runs its own log-prob forward under pi_old's replay plan (R3:
+the engine's routes; R2 and off: the version's own routing), and the exchange is undone on
+the way out (bit-exact: copies only). So the version part pi_old/pi_gen compares one backend
+with itself: the megatron actor's pi_gen is megatron's, never the torch model's.
+
+Driver side (`VersionSplit`): decides which rows are stale (version != step - 1, the weights
+the actor holds), asks the actor for their pi_gen and takes pi_old for every other row, so
+`is_split/version_*` is exactly 1 on rows of the current weights. It holds no weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+
+from lockstep.trainer.batch import Batch
+
+
+def stale_versions(versions: list[str], step: int) -> list[str]:
+    """The versions of `versions` other than step `step`'s current one (step - 1), oldest
+    first."""
+    current = str(step - 1)
+    return sorted({str(v) for v in versions if str(v) != current}, key=int)
+
+
+class KeptVersions:
+    """One rank's CPU copies of its own forward tensors for at most `k` past versions (module
+    docstring). `live` is always the same list of tensors, in the same order (the actor's
+    `_version_tensors()`)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.kept: OrderedDict[str, list[torch.Tensor]] = OrderedDict()
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """Kept version -> bytes of its copy, oldest first."""
+        return {v: sum(t.numel() * t.element_size() for t in ts) for v, ts in self.kept.items()}
+
+    def check(self, version: str, step: int, where: str) -> None:
+        if version not in self.kept:
+            raise RuntimeError(f"step {step}: {where} holds samples of weight version "
+                               f"{version!r}, but keeps only versions {list(self.kept)} besides "
+                               f"the current {str(step - 1)!r} (loop.max_staleness={self.k})")
+
+    @contextlib.contextmanager
+    def swapped_in(self, version: str, live: list[torch.Tensor]):
+        """Inside: the live tensors hold `version`'s values (the kept copy holds the current
+        ones); restored exactly on the way out."""
+        kept = self.kept[version]
+        if len(kept) != len(live):
+            raise RuntimeError(f"version {version!r}: {len(kept)} kept tensors for "
+                               f"{len(live)} live ones")
+        _exchange(live, kept)
+        try:
+            yield
+        finally:
+            _exchange(live, kept)
+
+    @torch.no_grad()
+    def advance(self, step: int, live: list[torch.Tensor]) -> None:
+        """Before step `step`'s update: drop the versions steps > step can no longer carry
+        (< step - k), then keep a CPU copy of the live tensors as version step - 1."""
+        current = str(step - 1)
+        spare = None
+        for v in [v for v in self.kept if int(v) < step - self.k]:
+            spare = self.kept.pop(v)  # out of reach: its storage takes the new copy
+        if current in self.kept or self.k == 0:
+            return
+        if spare is not None and [t.shape for t in spare] == [t.shape for t in live]:
+            for s, t in zip(spare, live):
+                s.copy_(t)
+        else:
+            spare = [t.detach().to("cpu", copy=True) for t in live]
+        self.kept[current] = spare
+        while len(self.kept) > self.k:  # never more than k copies
+            self.kept.popitem(last=False)
+
+
+@torch.no_grad()
+def _exchange(live: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+    """Swap the values of `live` (the actor's device) and `kept` (CPU), tensor by tensor."""
+    for t, k in zip(live, kept):
+        tmp = t.detach().clone()
+        t.copy_(k)
+        k.copy_(tmp)
+
+
+class VersionSplit:
+    """The driver's side of pi_gen (module docstring): `gen_logprobs(actor, batch, versions,
+    old_BT, mode, step)` -> pi_gen [B, T] fp32. Holds no weights: the actor (its ranks) keeps
+    the old versions."""
+
+    def __init__(self, max_staleness: int):
+        self.k = max_staleness
+
+    def gen_logprobs(self, actor, batch: Batch, versions: list[str], old_logprobs_BT, mode,
+                     step: int) -> torch.Tensor:
+        """pi_gen of step `step`'s batch (its rows' `versions`); call it between the
+        old-log-prob forward and the update (the actor keeps the current version then)."""
+        if self.k == 0:
+            return old_logprobs_BT
+        stale = stale_versions(versions, step)
+        got_BT = actor.gen_logprobs(batch, versions, mode, step, self.k, stale)
+        if not stale:
+            return old_logprobs_BT
+        rows_B = torch.tensor([str(v) in stale for v in versions])
+        return torch.where(rows_B[:, None], got_BT, old_logprobs_BT)
