@@ -550,8 +550,9 @@ class MegatronActor(RankActor):
     def _version_tensors(self) -> list[torch.Tensor]:
         """This rank's shard of the weights the forward reads (TP / EP / PP slices) and the
         routers' expert biases (buffers; not their token counters)."""
-        return [*self.gpt.parameters(),
-                *(b for n, b in self.gpt.named_buffers() if n.endswith("expert_bias"))]
+        chunks = getattr(self, "chunks", None) or [self.gpt]  # virtual pipeline: all chunks
+        return [t for m in chunks for t in (
+            *m.parameters(), *(b for n, b in m.named_buffers() if n.endswith("expert_bias")))]
 
     def _gen_all_rows(self) -> bool:
         # MoE layers exchange tokens with expert-parallel peers that hold other DP rows
