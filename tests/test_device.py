@@ -141,3 +141,37 @@ def test_torch_actor_makes_no_tensor_off_its_device():
         upd = actor.policy_update(batch, inputs, ReplayMode.R2, 1)
     assert not audit.strays, dict(audit.strays)
     assert upd.stats["actor/kl_loss"][1] > 0 and upd.logprobs_BT.device.type == "cpu"
+
+
+def test_pi_gen_makes_no_tensor_off_its_device():
+    """loop.max_staleness >= 1 on the rank (`RankActor.gen_logprobs`, trainer/versions.py):
+    keeping a version (CPU copies of the bf16 compute model and the router's expert bias),
+    swapping it in for pi_gen and back, names every device; pi_gen of the stale rows is the
+    forward under version 0, the current rows' is pi_old."""
+    from lockstep.replay import ReplayMode
+    from lockstep.trainer.correction import CorrectionConfig
+    from lockstep.trainer.losses import LossConfig
+    from lockstep.trainer.rank import UpdateInputs
+    from lockstep.trainer.versions import VersionSplit
+    from test_router_families import _actor_batch, make
+    model = make("deepseek_mla")  # a sigmoid router with an expert bias (a buffer): the
+    # update moves it enough (rate 1) to change natural routes, so a kept copy without it fails
+    batch = _actor_batch(model)
+    actor = TorchActor(model, ActorConfig(dtype="bf16", mini_batch_size=4, micro_batch_size=2,
+                                          lr=1e-2, expert_bias_update_rate=1.0), 2)
+    split, mode = VersionSplit(1), ReplayMode.R2
+    mask_BT = batch.response_mask_BT.float()
+    want = actor.logprobs(batch).logprobs_BT  # version 0, natural routing (R2's pi_old plan)
+    with audited() as audit:
+        old = actor.old_logprobs(batch, mode, 1)
+        assert split.gen_logprobs(actor, batch, ["0"] * 4, old.logprobs_BT, mode, 1) \
+            is old.logprobs_BT
+        inputs = UpdateInputs(old.logprobs_BT, torch.linspace(-1, 1, 4, device="cpu")[:, None]
+                              * mask_BT, mask_BT, None, 7, LossConfig(), CorrectionConfig())
+        actor.policy_update(batch, inputs, mode, 1)
+        old = actor.old_logprobs(batch, mode, 2)
+        gen = split.gen_logprobs(actor, batch, ["0", "1", "0", "1"], old.logprobs_BT, mode, 2)
+    assert not audit.strays, dict(audit.strays)
+    assert torch.equal(gen[1::2], old.logprobs_BT[1::2])
+    assert torch.allclose(gen[0::2], want[0::2], atol=1e-6, rtol=0)
+    assert float((gen[0::2] - old.logprobs_BT[0::2]).abs().max()) > 1e-3

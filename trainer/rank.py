@@ -245,11 +245,12 @@ class RankActor:
         store = self._versions
         stale = stale_versions(versions, step) if stale is None else stale
         live = self._version_tensors()
-        out_bT = torch.zeros(batch.input_ids_BT.shape) if stale else None
+        host = torch.device("cpu")  # results and row bookkeeping
+        out_bT = torch.zeros(batch.input_ids_BT.shape, device=host) if stale else None
         for v in stale:
             mine = torch.tensor([i for i, x in enumerate(versions) if str(x) == v],
-                                dtype=torch.long)
-            rows = torch.arange(batch.size) if self._gen_all_rows() else mine
+                                dtype=torch.long, device=host)
+            rows = torch.arange(batch.size, device=host) if self._gen_all_rows() else mine
             if not len(rows):
                 continue
             store.check(v, step, f"{type(self).__name__} (DP rank {self.dp_rank})")

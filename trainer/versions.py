@@ -117,5 +117,5 @@ class VersionSplit:
         got_BT = actor.gen_logprobs(batch, versions, mode, step, self.k, stale)
         if not stale:
             return old_logprobs_BT
-        rows_B = torch.tensor([str(v) in stale for v in versions])
+        rows_B = torch.tensor([str(v) in stale for v in versions], device="cpu")
         return torch.where(rows_B[:, None], got_BT, old_logprobs_BT)
