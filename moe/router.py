@@ -82,6 +82,18 @@ def router_probs(logits_NE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return logits_NE.softmax(dim=-1)
 
 
+def router_margin(logits_NE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """fp32 [N]: `router_probs`' k-th minus (k+1)-th largest expert probability per token (k =
+    num_experts_per_tok; 1 when every expert is picked): how far the router was from picking
+    another set. What rollout dumps call the router margin (both actor backends)."""
+    K = cfg.num_experts_per_tok
+    probs_NE = router_probs(logits_NE.float(), cfg)
+    if probs_NE.shape[-1] <= K:
+        return torch.ones_like(probs_NE[:, 0])
+    top_NK = probs_NE.topk(K + 1, dim=-1).values
+    return top_NK[:, K - 1] - top_NK[:, K]
+
+
 def expert_load(ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, fp32 [E], counting the (token, k) slots given."""
     return torch.bincount(ids_NK.reshape(-1).long(), minlength=num_experts).float()

@@ -1,7 +1,11 @@
 """The megatron actor hosted by the Ray actor group (gloo, one thread per rank): TP=2 and PP=2
-on 2 ranks give the one-process megatron run's first RL step (R3 replay on every rank, rewards
-and routing metrics exactly, losses and grad norm within rounding) and the same exported
-weights (TP=2 + EP=2 on 4 ranks: test_megatron_group4.py); a TP=2 run SIGKILLed after a checkpoint resumes to the uninterrupted run's metrics exactly."""
+on 2 ranks, from a warm-started policy (non-zero rewards, so the policy-gradient term drives
+the update), give the one-process megatron run's first RL step (R3 replay on every rank,
+rewards and routing metrics exactly, losses and grad norm within rounding), the same exported
+weights and the same rollout dump (`loop.dump_every`: rows in batch order, every MoE layer's
+natural top-k and router margins from the stage that holds it) (TP=2 + EP=2 on 4 ranks:
+test_megatron_group4.py); a TP=2 run SIGKILLed after a checkpoint resumes to the
+uninterrupted run's metrics exactly."""
 
 from pathlib import Path
 
@@ -12,6 +16,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("megatron.core")
 
 from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.dump import ACTOR_FIELDS, read_dump  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 from kill_fixtures import kill_when_written  # noqa: E402
@@ -33,16 +38,52 @@ def _trainer(tmp_path, name: str, *sets: str) -> Trainer:
     return Trainer(cfg, tmp_path / name, progress=False, log=lambda s: None)
 
 
+def warm(cache: Path) -> list[str]:
+    """Overrides for a short supervised warm start on 1-digit addition (greedy accuracy ~0.4
+    after <= 60 steps; trained once per `cache`, loaded after): rewards are non-zero, so the
+    advantages and the policy-gradient term are too. The entropy bonus is off, so the pg
+    term (plus the load-balancing loss) is what the gradient is made of."""
+    return ["warmstart.enabled=true", "task.digits=1", "warmstart.max_steps=60",
+            "warmstart.eval_every=20", "warmstart.eval_size=32", f"warmstart.cache_dir={cache}",
+            "loss.entropy_coef=0"]
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("warmstart")
+
+
+def _same_dump(one: Path, other: Path, name: str) -> None:
+    """`other`'s dump of step 1 equals `one`'s: the batch's fields exactly, the actor's fields
+    row by row (natural top-k exactly, log-probs and margins within fp32 rounding of another
+    layout's reduction order) where defined."""
+    a, b = (read_dump(d / "dumps/step_1.safetensors") for d in (one, other))
+    assert a.tensors.keys() == b.tensors.keys(), name
+    for k in set(a.tensors) - set(ACTOR_FIELDS):
+        assert torch.equal(a.tensors[k], b.tensors[k]), (name, k)
+    tok, routed = a.token_mask, a.rollout_routes_valid
+    for k in ACTOR_FIELDS:
+        where = routed if k in ("actor_routes", "router_margin") else tok
+        x, y = a.tensors[k][where], b.tensors[k][where]
+        if k == "actor_routes":
+            assert torch.equal(x, y), (name, k)
+        else:
+            assert torch.allclose(x, y, atol=1e-5, rtol=0), (name, k, float((x - y).abs().max()))
+
+
 def _export(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for bucket in actor.export_weights(1 << 20) for k, v in bucket}
 
 
-def test_tp2_and_pp2_ranks_match_one_process(cluster, tmp_path):
-    one = _trainer(tmp_path, "one")
+def test_tp2_and_pp2_ranks_match_one_process(cluster, tmp_path, warm_cache):
+    sets = [*warm(warm_cache), "loop.dump_every=1"]
+    one = _trainer(tmp_path, "one", *sets)
     want, want_w = one.step(1), _export(one.actor)
+    # the policy gradient is in play: rewards, advantages, a pg loss well above the tolerance
+    assert want["reward/mean"] > 0 and abs(want["actor/pg_loss"]) > 1e-3, want
     layouts = {"tp2": "actor.megatron.tensor_parallel=2", "pp2": "actor.megatron.pipeline_parallel=2"}
     for name, layout in layouts.items():
-        group = _trainer(tmp_path, name, "cluster.actor_ranks=2", layout)
+        group = _trainer(tmp_path, name, *sets, "cluster.actor_ranks=2", layout)
         try:
             got = group.step(1)
             got_w = _export(group.actor)
@@ -57,8 +98,15 @@ def test_tp2_and_pp2_ranks_match_one_process(cluster, tmp_path):
                   "rollout_corr/k3_kl"):
             assert abs(got[k] - want[k]) <= 1e-4 * abs(want[k]) + 1e-6, (name, k, got[k], want[k])
         assert set(got_w) == set(want_w)
-        diff = max((got_w[k] - want_w[k]).abs().max() for k in want_w)
-        assert diff <= 1e-6, (name, diff)
+        # docs/cluster.md "tolerance": Adam's first steps move a weight whose gradient is at
+        # rounding level (an expert few tokens reach) by a rounding-decided fraction of lr;
+        # a real error (a dropped term, a wrong normaliser) moves most weights by O(lr)
+        lr = one.cfg.actor.lr
+        diff = max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w)
+        moved = sum(int(((got_w[k] - want_w[k]).abs() > lr / 100).sum()) for k in want_w)
+        assert diff <= lr / 5 and moved <= 1e-3 * sum(v.numel() for v in want_w.values()), \
+            (name, diff, moved)
+        _same_dump(tmp_path / "one", tmp_path / name, name)
 
 
 def _cli(out, *sets: str, resume: bool = False):

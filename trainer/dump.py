@@ -107,10 +107,11 @@ def run_header(cfg, step: int, weight_version: str, source: str) -> dict[str, An
 def router_margins(model, batch, routes_BTLK, replay_mask_BT) -> tuple[torch.Tensor, torch.Tensor]:
     """(natural top-k [B, T, L, K] int64, margin [B, T, L] fp32) of one forward of `model` (a
     `MoEModel`) over `batch` with the given replay: the router's k-th minus (k+1)-th expert
-    probability at each (token, layer), how far the router was from picking another set. The
-    probabilities are `moe.router.router_probs` (the sigmoid family: normalised scores, without
-    its selection bias and group limit)."""
-    from lockstep.moe.router import router_probs
+    probability at each (token, layer), how far the router was from picking another set
+    (`moe.router.router_margin`: for the sigmoid family normalised scores, without its
+    selection bias and group limit). The megatron actor computes the same from its routers'
+    logits in its own pi_old forward (`MegatronActor.dump_fields`)."""
+    from lockstep.moe.router import router_margin
 
     dev = next(model.parameters()).device  # the actor's device; the batch is on the host
     out = model(batch.input_ids_BT.to(dev),
@@ -118,13 +119,8 @@ def router_margins(model, batch, routes_BTLK, replay_mask_BT) -> tuple[torch.Ten
                 replay_mask_BT=replay_mask_BT.to(dev) if routes_BTLK is not None else None,
                 compute_logits=False)
     B, T = batch.input_ids_BT.shape
-    K = model.cfg.num_experts_per_tok
-    margins = []
-    for logits_NE in out.router_logits_LNE:
-        probs_NE = router_probs(logits_NE.float(), model.cfg)
-        top = probs_NE.topk(min(K + 1, probs_NE.shape[-1]), -1).values
-        gap = top[:, K - 1] - top[:, K] if top.shape[-1] > K else torch.ones_like(top[:, 0])
-        margins.append(gap.view(B, T))
+    margins = [router_margin(logits_NE, model.cfg).view(B, T)
+               for logits_NE in out.router_logits_LNE]
     return out.natural_BTLK, torch.stack(margins, -1)
 
 

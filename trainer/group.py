@@ -216,10 +216,6 @@ class ActorGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg, self.world = cfg, cfg.cluster.actor_ranks
-        if cfg.loop.dump_every and cfg.actor.backend == "megatron":
-            raise ValueError("loop.dump_every with actor.backend=megatron needs the in-process "
-                             "actor (cluster.actor_ranks=1): the group's dump runs the torch "
-                             "actor's rank interface")
         self.device = resolve_device(cfg.cluster.device)
         self.infos = [RankInfo(r) for r in range(self.world)]
         self.workers: list[Any] = []

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import socket
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,8 @@ from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
-from lockstep.replay import compact_dtype
+from lockstep.moe.router import router_margin
+from lockstep.replay import ReplayMode, compact_dtype, old_logprob_plan
 from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
                                     run_minibatches)
 from lockstep.trainer.batch import micro_batches, trim, trim_batch
@@ -242,14 +244,15 @@ class MegatronActor(RankActor):
     def _run(self, batch: Batch, micro: list[torch.Tensor], routes_BTLK, mask_BT, used, nat,
              *, lp_BT=None, ent_BT=None, loss_fn: LossFn | None = None,
              mini: torch.Tensor | None = None, mini_size: int | None = None,
-             weighted: bool = False) -> dict[str, float]:
+             weighted: bool = False, margin_BTL: torch.Tensor | None = None) -> dict[str, float]:
         """Micro-batches `micro` (rows of `batch`) through megatron-core's schedule, on every
         pipeline stage, inside one replay session. Writes this stage's MoE layers of the routes
         run / natural top-k into `used` / `nat` [B, T, L, K]; on the last stage writes the
         log-probs and entropies into `lp_BT` / `ent_BT` (log-prob pass) or gives them to
         `loss_fn` (update: backward too; grads end up DP-reduced in the DDP buffers). Returns
         the update's metrics (row-weighted over this rank's micro-batches; last stage), and
-        `actor/aux_loss` summed over this stage's MoE layers (not yet over stages)."""
+        `actor/aux_loss` summed over this stage's MoE layers (not yet over stages).
+        `margin_BTL` [B, T, L]: this stage's layers of the router margins (rollout dumps)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         train = loss_fn is not None
@@ -279,6 +282,8 @@ class MegatronActor(RankActor):
             if self.replay.num_layers:
                 used[idx, :t, self.moe_slice] = self.replay.used(b, t)
                 nat[idx, :t, self.moe_slice] = self.replay.natural(b, t)
+                if margin_BTL is not None:
+                    margin_BTL[idx, :t, self.moe_slice] = self.replay.margins(b, t)
             if train and self.aux_coef > 0 and self.replay.num_layers:
                 aux_sum += float(self.replay.aux_loss_sum()) * b / mini_size
             if not last:
@@ -312,7 +317,8 @@ class MegatronActor(RankActor):
         self.ddp.train(train)
         mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
         chunked = last and self.chunked_logprobs
-        with self.replay.session(mode), _hidden_out(self.gpt, chunked, self.tp):
+        margins = None if margin_BTL is None else partial(router_margin, cfg=self.model_cfg)
+        with self.replay.session(mode, margins), _hidden_out(self.gpt, chunked, self.tp):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
                 num_microbatches=len(micro),
@@ -359,9 +365,11 @@ class MegatronActor(RankActor):
     @torch.no_grad()
     def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None = None,
                  replay_mask_BT: torch.Tensor | None = None, record: bool = False,
-                 ) -> LogprobResult:
+                 margin_BTL: torch.Tensor | None = None) -> LogprobResult:
         """As `TorchActor.logprobs`: replay `routes_BTLK` where `replay_mask_BT` (R3), or route
-        naturally; `record` returns the routes the forward ran (R2 replays them)."""
+        naturally; `record` returns the routes the forward ran (R2 replays them). A given
+        `margin_BTL` [B, T, L] fp32 receives the router margins of the same forward (every
+        MoE layer on every rank: dumps)."""
         if routes_BTLK is None and replay_mask_BT is not None:
             raise ValueError("replay_mask_BT given without routes_BTLK")
         B, T = batch.input_ids_BT.shape
@@ -371,8 +379,9 @@ class MegatronActor(RankActor):
         used = torch.zeros(B, T, L, K, dtype=torch.int64)
         micro = self._micro_batches(self._my_rows(torch.arange(B)), batch)
         self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat, lp_BT=lp_BT,
-                  ent_BT=ent_BT)
-        for x in (lp_BT, ent_BT, used, nat):  # rows over DP, stages' layers / logits over PP
+                  ent_BT=ent_BT, margin_BTL=margin_BTL)
+        more = () if margin_BTL is None else (margin_BTL,)
+        for x in (lp_BT, ent_BT, used, nat, *more):  # rows over DP, layers / logits over PP
             self._dp_sum(x)
             self._pp_sum(x)
         return LogprobResult(lp_BT, ent_BT, nat.to(self.route_dtype),
@@ -499,6 +508,33 @@ class MegatronActor(RankActor):
         if ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
             return stats
         return {k: (0.0, 0.0) for k in stats}
+
+    @torch.no_grad()
+    def dump_fields(self, batch: Batch, mode: ReplayMode, step: int) -> dict[str, torch.Tensor]:
+        """The dump's actor fields (`trainer.dump.ACTOR_FIELDS`) of this DP rank's rows
+        (`batch` is its shard; a collective over the whole world, like `old_logprobs`), as
+        `trainer.dump.actor_fields` makes them for the torch actor, from megatron-core's own
+        routers: the pi_old forward under `mode`'s plan gives the old log-probs, its natural
+        top-k and the router margins (`moe.router.router_margin` of each router's logits, in
+        that same forward); one more forward gives the natural (R3) or replayed (off / R2)
+        log-probs. Per-layer fields are written by the stage that holds each MoE layer and
+        summed over the pipeline group, log-probs come from the last stage, TP ranks gather
+        their sequence shards: every rank returns every layer of its DP rank's rows."""
+        plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
+        B, T = batch.input_ids_BT.shape
+        margin_BTL = torch.zeros(B, T, self.model_cfg.num_moe_layers)
+        with self._shard():
+            old = self.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT,
+                                margin_BTL=margin_BTL)
+            if plan.replays:
+                natural, replayed = self.logprobs(batch).logprobs_BT, old.logprobs_BT
+            else:
+                natural, replayed = old.logprobs_BT, self.logprobs(
+                    batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT).logprobs_BT
+        return {"old_logprobs": old.logprobs_BT.float(), "natural_logprobs": natural.float(),
+                "replayed_logprobs": replayed.float(),
+                "actor_routes": old.natural_BTLK.to(batch.rollout_routes_BTLK.dtype),
+                "router_margin": margin_BTL}
 
     def gradients(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                   replay_mask_BT: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -107,8 +107,9 @@ def to_router_order(ids_BTLK: Tensor, tp: int, tp_rank: int) -> list[Tensor]:
 
 
 def from_router_order(per_layer_NK: list[Tensor], B: int, T: int, tp: int,
-                      tp_group=None) -> Tensor:
-    """Inverse of `to_router_order`: recorded local shards -> int64 [B, T, L, K] (all ranks)."""
+                      tp_group=None, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Inverse of `to_router_order`: recorded local shards -> [B, T, L, K] `dtype` (all
+    ranks)."""
     import torch.distributed as dist
 
     if tp > 1:
@@ -120,7 +121,7 @@ def from_router_order(per_layer_NK: list[Tensor], B: int, T: int, tp: int,
         per_layer_NK = gathered
     K = per_layer_NK[0].shape[-1]
     ids_SBLK = torch.stack([x.view(-1, B, K) for x in per_layer_NK], dim=2)
-    return ids_SBLK[:T].transpose(0, 1).to(device="cpu", dtype=torch.int64).contiguous()
+    return ids_SBLK[:T].transpose(0, 1).to(device="cpu", dtype=dtype).contiguous()
 
 
 class RouteReplay:
@@ -146,6 +147,8 @@ class RouteReplay:
         self._natural: list[Tensor | None] = [None] * len(self.routers)
         self._used: list[Tensor | None] = [None] * len(self.routers)
         self._aux: list[Tensor | None] = [None] * len(self.routers)
+        self._margin_fn = None                  # session(margins=...): logits_NE -> [N]
+        self._margin: list[Tensor | None] = [None] * len(self.routers)
         for layer, (m, r) in enumerate(zip(self.router_modules, self.routers)):
             r.get_replay_topk = self._replay_topk(layer, r, r.get_replay_topk)
             m.routing = self._routing(layer, m, m.routing)
@@ -161,8 +164,10 @@ class RouteReplay:
         return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
     @contextlib.contextmanager
-    def session(self, mode: Mode) -> Iterator["RouteReplay"]:
-        """Routers in `mode` for the body; action and all route tensors cleared on exit."""
+    def session(self, mode: Mode, margins=None) -> Iterator["RouteReplay"]:
+        """Routers in `mode` for the body; action and all route tensors cleared on exit.
+        `margins` (logits_NE -> fp32 [N], e.g. `moe.router.router_margin` for the model's
+        family): each forward also notes it from every router's logits, for `margins()`."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if self._mode is not None:
@@ -176,7 +181,7 @@ class RouteReplay:
                 r.set_router_replay_action(action)
                 if mode is Mode.REPLAY:
                     hooks.append(m.register_forward_pre_hook(_check_token_count(layer, r)))
-            self._mode = mode
+            self._mode, self._margin_fn = mode, margins
             yield self
         finally:
             for h in hooks:
@@ -190,6 +195,7 @@ class RouteReplay:
             r.clear_indices()
         n = self.num_layers
         self._natural, self._used, self._aux = [None] * n, [None] * n, [None] * n
+        self._margin, self._margin_fn = [None] * n, None
         self._keep_N = self._tokens_N = None
         self._aux_weight = 0.0
         self._mode = None
@@ -224,6 +230,10 @@ class RouteReplay:
     def _routing(self, layer: int, module, original):
         """`TopKRouter.routing` plus the torch model's load-balancing loss (module doc)."""
         def routing(logits, padding_mask=None):
+            if self._margin_fn is not None:  # the router's logits as megatron-core gates them
+                with torch.no_grad():
+                    self._margin[layer] = self._margin_fn(
+                        logits.detach().reshape(-1, self.num_experts)).float()[:, None]
             probs, routing_map = original(logits, padding_mask=padding_mask)
             if self.aux_loss_coef > 0 and self._tokens_N is not None and module.training:
                 # without grad (the first pass of a recomputed layer) only the value is noted
@@ -274,17 +284,24 @@ class RouteReplay:
         """The routers' own top-k in the last forward, int64 [B, T, L, K]."""
         return self._gather(self._natural, B, T, "natural")
 
+    def margins(self, B: int, T: int) -> Tensor:
+        """fp32 [B, T, L]: the last forward's router margins (a session with `margins`)."""
+        if self._margin_fn is None:
+            raise RuntimeError("margins() needs a session opened with margins=...")
+        return self._gather(self._margin, B, T, "margins", torch.float32)[..., 0]
+
     def used(self, B: int, T: int) -> Tensor:
         """The routes the last forward ran (given ids merged with natural ones), int64."""
         return self._gather(self._used, B, T, "used")
 
-    def _gather(self, per_layer, B: int, T: int, what: str) -> Tensor:
+    def _gather(self, per_layer, B: int, T: int, what: str,
+                dtype: torch.dtype = torch.int64) -> Tensor:
         missing = [l for l, x in enumerate(per_layer) if x is None]
         if self._mode is None or missing:
             raise RuntimeError(f"{what}() needs an open session after a forward (MoE layers "
                                f"{missing} saw none)")
         _, group = self._tp_rank_and_group()
-        return from_router_order(per_layer, B, T, self.tp, group)
+        return from_router_order(per_layer, B, T, self.tp, group, dtype)
 
     def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None) -> None:
         """Routes for the next forward (one micro-batch) in a REPLAY session: the given ids
