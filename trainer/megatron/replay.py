@@ -29,6 +29,10 @@ threads a padding mask through GPTModel. The adapter computes the torch model's 
 P the mean router softmax, both over real tokens, averaged over MoE layers) and attaches it to
 each router's output with megatron-core's `MoEAuxLossAutoScaler`, so it is backpropagated
 inside the layer (also under activation recomputation).
+
+Router margins (rollout dumps): a session opened with `margins=fn` also applies `fn` to each
+router's logits in every forward (`moe.router.router_margin`: the torch model's definition)
+and returns them per layer in [B, T] order, like the routes (`margins()`).
 """
 
 from __future__ import annotations
