@@ -15,8 +15,10 @@ from lockstep.replay import ReplayMode, old_logprob_plan
 from lockstep.trainer.actor import TorchActor
 from lockstep.trainer.batch import collate
 from lockstep.trainer.config import load_config
-from lockstep.trainer.correction import correct
+from lockstep.trainer.correction import CorrectionConfig, correct
+from lockstep.trainer.losses import LossConfig
 from lockstep.trainer.loop import Trainer
+from lockstep.trainer.rank import UpdateInputs
 from lockstep.trainer.versions import KeptVersions, VersionSplit
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -128,3 +130,32 @@ def test_kept_versions_exchange_in_place_and_reuse_storage():
     assert list(store.kept) == ["1"] and store.kept["1"] is copy0
     assert all(torch.equal(a, b) for a, b in zip(store.kept["1"], now))
     assert VersionSplit(0).gen_logprobs(None, None, ["0"], now[0], MODE, 1) is now[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_actor_on_its_device_keeps_versions_on_the_host(device):
+    """The torch actor on `device` (cuda: not run without a GPU): the kept copies live on the
+    CPU, pi_gen of stale rows is the actor's forward under their version, the live weights
+    come back exactly (bf16 compute copy)."""
+    from lockstep.trainer.config import ActorConfig
+    from test_router_families import _actor_batch, make
+    model = make("deepseek_mla")
+    batch = _actor_batch(model)
+    actor = TorchActor(model, ActorConfig(dtype="bf16", mini_batch_size=4, micro_batch_size=2,
+                                          lr=1e-2), 2, device=device)
+    split, mode, mask_BT = VersionSplit(1), ReplayMode.R2, batch.response_mask_BT.float()
+    want = actor.logprobs(batch).logprobs_BT  # version 0 (R2's pi_old plan: natural routes)
+    old = actor.old_logprobs(batch, mode, 1)
+    split.gen_logprobs(actor, batch, ["0"] * 4, old.logprobs_BT, mode, 1)
+    inputs = UpdateInputs(old.logprobs_BT, torch.linspace(-1, 1, 4)[:, None] * mask_BT, mask_BT,
+                          None, 7, LossConfig(), CorrectionConfig())
+    actor.policy_update(batch, inputs, mode, 1)
+    live = [t.clone() for t in actor._version_tensors()]
+    old = actor.old_logprobs(batch, mode, 2)
+    gen = split.gen_logprobs(actor, batch, ["0"] * 4, old.logprobs_BT, mode, 2)
+    assert all(torch.equal(a, b) for a, b in zip(live, actor._version_tensors()))
+    assert all(t.device.type == "cpu" for ts in actor._versions.kept.values() for t in ts)
+    assert all(t.device.type == device for t in live)
+    # the same rows and micro-batches as `want`: the same kernels (cuda: up to atomics)
+    assert torch.allclose(gen, want, atol=0 if device == "cpu" else 1e-5, rtol=0)
+    assert float((gen - old.logprobs_BT).abs().max()) > 1e-3

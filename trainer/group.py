@@ -25,7 +25,9 @@ rows each DP rank holds and its part of every optimiser step. `old_logprobs` sen
 trimmed shard (compact uint8/uint16 routes; the rank keeps it, with the routes its forward
 recorded, for the update); `policy_update` sends only the per-token loss inputs of those rows.
 Log-probs come back per row ([b, t] fp32) and are put back in batch order; metrics come back as
-(sum, count) pairs and are added.
+(sum, count) pairs and are added. With `loop.max_staleness >= 1`, `gen_logprobs` sends each rank
+only its rows' weight-version names: pi_gen comes from the rank's own kept shards of old
+versions (`trainer/versions.py`), never from weights on the driver.
 
 Torch backend: data parallel over the whole world (every rank holds the model and the
 optimiser; gradients are summed in one flat all-reduce per optimiser step), so rank 0 alone
