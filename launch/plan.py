@@ -577,18 +577,40 @@ class _Plan:
 
     # -- host memory -------------------------------------------------------------------
     def _host(self, actor: dict) -> dict[str, Any]:
-        """Host RAM the code takes today while it starts: the driver loads the policy in fp32,
-        puts it once in Ray's object store for the actor ranks, and every rank builds the whole
-        fp32 model before megatron-core shards it."""
-        c = self.cfg.cluster
+        """Host RAM while the run starts. One rank: the driver holds the fp32 policy (the
+        in-process actor). An actor group (`trainer.loop.lean_startup`): the driver and the
+        object store hold no weights; each rank reads its own part of the HF folder one tensor
+        at a time, so its start-up peak is its shard (`memory_per_rank.weights_bytes`; a
+        torch DDP rank: the whole model) plus about the largest tensor it reads (fp32). With
+        `loop.max_staleness >= 1` the group still starts the old way: the driver loads the
+        fp32 policy, puts it in the object store, every rank builds the whole fp32 model."""
+        from lockstep.trainer.loop import lean_startup
+        c, m = self.cfg.cluster, self.cfg.model
         full = 4 * self.pc.total
         N = c.actor_ranks
         per_node = min(N, c.gpus_per_node) if self.gpu and c.device != "cpu" else N
-        out = {"driver_bytes": full, "object_store_bytes": full if N > 1 else 0,
-               "rank_build_bytes": full if N > 1 else 0,
-               "ranks_per_node": per_node if N > 1 else 0}
+        if N == 1:
+            out = {"mode": "in-process", "driver_bytes": full, "object_store_bytes": 0,
+                   "rank_startup_bytes": 0, "largest_read_bytes": 0, "ranks_per_node": 0}
+        elif not lean_startup(self.cfg):
+            out = {"mode": "in-memory", "driver_bytes": full, "object_store_bytes": full,
+                   "rank_startup_bytes": full, "largest_read_bytes": full,
+                   "ranks_per_node": per_node}
+        else:
+            lay = actor["layout"]
+            tp = lay["tensor_parallel"] if self.cfg.actor.backend == "megatron" else 1
+            etp = lay["expert_tensor_parallel"] if self.cfg.actor.backend == "megatron" else 1
+            D = m.hidden_size
+            attn = 0 if m.is_mla else m.num_attention_heads * m.head_dim * D  # q_proj, o_proj
+            largest = 4 * max(m.vocab_size * D // tp, attn // tp,
+                              2 * m.intermediate_size * D // tp,  # linear_fc1 = [gate; up]
+                              2 * (m.moe_intermediate_size or 0) * D // etp)
+            shard = actor["memory_per_rank"]["weights_bytes"]
+            out = {"mode": "from-folder", "driver_bytes": 0, "object_store_bytes": 0,
+                   "rank_startup_bytes": shard + largest, "largest_read_bytes": largest,
+                   "ranks_per_node": per_node}
         out["node_peak_bytes"] = (out["driver_bytes"] + out["object_store_bytes"]
-                                  + out["rank_build_bytes"] * out["ranks_per_node"])
+                                  + out["rank_startup_bytes"] * out["ranks_per_node"])
         return out
 
     # -- per-step buffers --------------------------------------------------------------
@@ -786,11 +808,20 @@ def render(p: dict[str, Any]) -> str:
         w(f"  sampling-mask candidate sets ({b['candidates_per_token']} per token) "
           f"{_size(b['candidates_bytes'])}, {_size(b['candidates_per_dp_rank_bytes'])} per DP rank")
     h = p["host"]
-    w(f"host memory while starting: driver {_size(h['driver_bytes'])} (the fp32 policy)"
-      + (f", object store {_size(h['object_store_bytes'])}, each rank builds the whole fp32 "
-         f"model ({_size(h['rank_build_bytes'])}) before sharding: up to "
-         f"{_size(h['node_peak_bytes'])} on a node with the driver and {h['ranks_per_node']} ranks"
-         if h["rank_build_bytes"] else ""))
+    if h["mode"] == "in-process":
+        w(f"host memory while starting: driver {_size(h['driver_bytes'])} (the fp32 policy of the "
+          f"in-process actor)")
+    elif h["mode"] == "in-memory":
+        w(f"host memory while starting: driver {_size(h['driver_bytes'])} (the fp32 policy), "
+          f"object store {_size(h['object_store_bytes'])}, each rank builds the whole fp32 "
+          f"model ({_size(h['rank_startup_bytes'])}) before sharding: up to "
+          f"{_size(h['node_peak_bytes'])} on a node with the driver and {h['ranks_per_node']} "
+          f"ranks (loop.max_staleness >= 1 starts this way)")
+    else:
+        w(f"host memory while starting: driver 0, object store 0 (every rank reads its part of "
+          f"the HF folder); a rank's start-up peak {_size(h['rank_startup_bytes'])} = its shard "
+          f"+ the largest tensor it reads ({_size(h['largest_read_bytes'])}); "
+          f"{_size(h['node_peak_bytes'])} on a node with {h['ranks_per_node']} ranks")
     for n in p["notes"]:
         w(f"note: {n}")
     return "\n".join(out)

@@ -832,12 +832,14 @@ def weight_sync_mode(cfg: Any) -> str:
     return mode
 
 
-def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: EngineConfig,
+def make_fleet(cfg: Any, model: MoEModel | Path, weight_version: str, engine_cfg: EngineConfig,
                out_dir: str | Path, log: Callable[[str], None] | None = None,
                actor_pg: Any = None) -> Fleet:
     """The fleet `rollout.backend` (serve, sglang, or http with `rollout.urls`) asks for,
     holding `model`'s weights at `weight_version`. Colocated (`cluster.placement`, rollout/colocate.py): the servers
-    go into `actor_pg`, the actor group's placement group."""
+    go into `actor_pg`, the actor group's placement group. `model` an HF folder (an actor
+    group's run): the servers start from it and are not pushed here (the caller pushes the
+    group's streamed export)."""
     from lockstep.rollout.colocate import colocation_refusal
     from lockstep.trainer.config import rollout_api_key
     ro = cfg.rollout
@@ -865,7 +867,7 @@ def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: Engin
     if ro.backend == "sglang":
         from lockstep.rollout.sglang_options import sglang_options_dict
         opts = sglang_options_dict(cfg)
-        path = cfg.model.path
+        path = str(model) if isinstance(model, Path) else cfg.model.path
         if path is None:  # SGLang loads a folder: the initial weights, written once
             from lockstep.moe.checkpoint import save_hf
             path = str(save_hf(model, Path(out_dir) / "weights" / "initial"))
@@ -876,6 +878,8 @@ def make_fleet(cfg: Any, model: MoEModel, weight_version: str, engine_cfg: Engin
                              or 4096, colocate_in=shared, **kw)
     else:
         fleet = Fleet.http(list(ro.urls), cfg.model, api_key=rollout_api_key(ro), **kw)
+    if isinstance(model, Path):
+        return fleet
     try:
         fleet.update_weights(model, weight_version)  # the servers' weights are not the policy's
     except BaseException:

@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from lockstep.moe.checkpoint import (CheckpointError, load_hf, save_hf,
                                      save_hf_state_dict)
 from lockstep.moe.config import ModelConfig
+from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 
 __all__ = ["CheckpointError", "LoopState", "save_tree", "load_tree", "write_manifest",
@@ -332,10 +333,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load_checkpoint(folder: str | Path) -> tuple[MoEModel, dict, LoopState]:
+def load_checkpoint(folder: str | Path, weights: bool = True,
+                    ) -> tuple[MoEModel | Path, dict, LoopState]:
     """(fp32 model, trainer state with 'rng', loop state) of one checkpoint folder, every file
     verified against the manifest first. The caller restores the RNG with
-    `set_rng_state(trainer_state['rng'])` once everything is built. Raises `CheckpointError`."""
+    `set_rng_state(trainer_state['rng'])` once everything is built. Raises `CheckpointError`.
+    `weights=False`: the model's HF folder (its headers checked) instead of the model, for
+    an actor group whose ranks read it themselves (the driver holds no weights)."""
     folder = Path(folder)
     if (folder / LEGACY_STATE).exists() and not (folder / MANIFEST_FILE).exists():
         raise CheckpointError(
@@ -355,6 +359,9 @@ def load_checkpoint(folder: str | Path) -> tuple[MoEModel, dict, LoopState]:
     if not isinstance(trainer_state, dict) or "rng" not in trainer_state:
         raise CheckpointError(f"{folder / TRAINER_STATE}.json: no 'rng' entry")
     try:
+        if not weights:
+            LazyHF(folder / "hf")
+            return folder / "hf", trainer_state, state
         model = load_hf(folder / "hf")
     except CheckpointError:
         raise
@@ -364,7 +371,7 @@ def load_checkpoint(folder: str | Path) -> tuple[MoEModel, dict, LoopState]:
 
 
 def load_latest(run_dir: str | Path, warn: Callable[[str], None] | None = None,
-                ) -> tuple[Path, MoEModel, dict, LoopState] | None:
+                weights: bool = True) -> tuple[Path, MoEModel | Path, dict, LoopState] | None:
     """The newest checkpoint of `run_dir` that verifies and loads, as (folder, model, trainer
     state, loop state); None when the run has none. Each newer one that fails is reported
     through `warn` (default: `warnings.warn`) naming the file. When checkpoints exist but
@@ -373,7 +380,7 @@ def load_latest(run_dir: str | Path, warn: Callable[[str], None] | None = None,
     failures = []
     for folder in reversed(list_checkpoints(run_dir)):
         try:
-            return (folder, *load_checkpoint(folder))
+            return (folder, *load_checkpoint(folder, weights))
         except CheckpointError as e:
             failures.append(str(e))
             warn(f"warning: checkpoint {folder.name} is not usable: {e}; trying the one before")

@@ -84,6 +84,42 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
             "(docs/megatron.md)")
 
 
+def lean_startup(cfg: ExperimentConfig) -> bool:
+    """Whether the driver starts without the policy's weights: with an actor group
+    (`cluster.actor_ranks > 1`) every rank reads its part of an HF folder (`model.path`, the
+    checkpoint's `hf/` on --resume, or the random init / warm start written once to
+    `RUN/weights/initial`) and the engines load the same folder."""
+    return cfg.cluster.actor_ranks > 1
+
+
+def initial_folder(cfg: ExperimentConfig, run_dir: Path, model: MoEModel) -> Path:
+    """Write a run's initial weights (random init or warm start) once as an HF folder for the
+    actor group's ranks and the engines: `RUN/reference/` when the KL reference is kept there
+    (the same weights), else `RUN/weights/initial/`."""
+    from lockstep.moe.checkpoint import save_hf
+    from lockstep.trainer.reference import REFERENCE_DIR, reference_source
+    own_ref = Path(run_dir) / REFERENCE_DIR
+    if cfg.loss.kl_coef > 0 and reference_source(cfg, run_dir) == own_ref:
+        return save_hf(model, own_ref)
+    return save_hf(model, Path(run_dir) / "weights" / "initial")
+
+
+def reference_folder(cfg: ExperimentConfig, run_dir: Path) -> Path:
+    """The KL reference's HF folder (the ranks load it), checked to exist (--resume)."""
+    from lockstep.trainer.reference import reference_source
+    src = reference_source(cfg, run_dir)
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"--resume with loss.kl_coef > 0: the reference weights {src} "
+                                f"are missing")
+    return src
+
+
+def needs_initial_push(cfg: ExperimentConfig) -> bool:
+    """Backends whose servers are pushed the policy's weights at start-up (a given URL's
+    server holds unknown weights; a fleet's servers are pushed as make_fleet did)."""
+    return cfg.rollout.backend in ("http", "serve", "sglang")
+
+
 class Trainer:
     """Owns the engine, the actor, the prompt source (task or data set) and the run directory."""
 
@@ -97,8 +133,10 @@ class Trainer:
         self.mode = cfg.replay.mode
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None
+        # an actor group reads its weights from an HF folder; the driver holds none
+        lean = lean_startup(cfg)
         if resume:
-            found = load_latest(self.out, warn=log)  # falls back past corrupt ones
+            found = load_latest(self.out, warn=log, weights=not lean)  # past corrupt ones
             if found is None:
                 raise FileNotFoundError(
                     f"--resume: {self.out} has no checkpoint yet (the run stopped before its "
@@ -115,18 +153,25 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / "config.yaml")
             torch.manual_seed(cfg.loop.seed)
-            model = load_hf(cfg.model.path) if cfg.model.path else MoEModel(cfg.model)
+            model = (Path(cfg.model.path) if lean and cfg.model.path and not cfg.warmstart.enabled
+                     else load_hf(cfg.model.path) if cfg.model.path else MoEModel(cfg.model))
             check_data_on_resume(self.source, self.out, fresh=True)
             state = LoopState(step=0, cursor=0, config_hash=run_hash(cfg), weight_version="0")
             if cfg.warmstart.enabled:
                 self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed,
                                             cache_key(cfg), log, progress)
                 (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
+            if lean and isinstance(model, MoEModel):  # random init / warm start: one folder
+                model = initial_folder(cfg, self.out, model)
         self.state = state
-        model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
-        reference = (ReferencePolicy.for_run(  # the group ships it to its ranks
-            cfg, self.out, None if resume else model, device="cpu" if cfg.cluster.actor_ranks > 1
-            else resolve_device(cfg.cluster.device)) if cfg.loss.kl_coef > 0 else None)
+        if lean:  # the ranks (and engines) load `model`, a folder; pi_ref from its own folder
+            reference = reference_folder(cfg, self.out) if cfg.loss.kl_coef > 0 else None
+        else:
+            model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
+            reference = (ReferencePolicy.for_run(  # the group ships it to its ranks
+                cfg, self.out, None if resume else model,
+                device="cpu" if cfg.cluster.actor_ranks > 1
+                else resolve_device(cfg.cluster.device)) if cfg.loss.kl_coef > 0 else None)
         ro = cfg.rollout
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
         total_updates = cfg.loop.steps * updates_per_step
@@ -149,7 +194,11 @@ class Trainer:
             pass
         elif cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
             from lockstep.trainer.group import ActorGroup
-            self.actor = ActorGroup(cfg, model, total_updates)
+            try:
+                self.actor = ActorGroup(cfg, model, total_updates)
+            except BaseException:
+                self.rollout.close()
+                raise
         elif cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
             from lockstep.trainer.megatron.actor import MegatronActor
             self.actor = MegatronActor(model, cfg.actor, total_updates,
@@ -157,6 +206,9 @@ class Trainer:
         else:
             self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature,
                                     device=resolve_device(cfg.cluster.device))
+        if lean and needs_initial_push(cfg):  # the servers' weights are not the policy's
+            self.rollout.update_weights(self.actor.export_weights(
+                cfg.cluster.weight_bucket_bytes), state.weight_version)  # streamed from the group
         if reference is not None:  # pi_ref next to the actor: it replays the update's routes
             self.actor.set_reference(reference)
         if resume:
@@ -165,16 +217,21 @@ class Trainer:
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, state.step, cfg.loop.tensorboard,
                                      progress)
 
-    def make_backend(self, model: MoEModel, weight_version: str) -> RolloutBackend:
-        """The rollout engine, holding `model`'s weights at `weight_version`."""
+    def make_backend(self, model: MoEModel | Path, weight_version: str) -> RolloutBackend:
+        """The rollout engine, holding `model`'s weights at `weight_version`. `model` an HF
+        folder (an actor group's run, `lean_startup`): the engines load it themselves, and
+        servers that need a push get the group's streamed export afterwards
+        (`needs_initial_push`)."""
         ro = self.cfg.rollout
+        folder = model if isinstance(model, Path) else None
         if ro.backend == "http" and not ro.urls:
             backend = HTTPBackend(ro.url, self.cfg.model, api_key=rollout_api_key(ro),
                                   max_concurrency=ro.prompts_per_step,
                                   timeout_s=ro.request_timeout_s, weights_dir=ro.weights_dir or self.out / "weights",
                                   weight_sync=ro.weight_sync, log=self.log,
                                   bucket_bytes=self.cfg.cluster.weight_bucket_bytes)
-            backend.update_weights(model, weight_version)  # the server's weights are unknown
+            if folder is None:
+                backend.update_weights(model, weight_version)  # the server's weights are unknown
             return backend
         engine_cfg = EngineConfig(
             dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
@@ -187,11 +244,15 @@ class Trainer:
                                                None))  # colocated: the group's bundles
         if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
             from lockstep.rollout.ray_backend import RayBackend
-            return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version,
-                                         address=ro.ray_address,
-                                         request_timeout_s=ro.request_timeout_s,
-                                         max_engine_restarts=ro.max_engine_restarts,
-                                         threads_per_engine=self.cfg.cluster.threads_per_rank)
+            kw = dict(address=ro.ray_address, request_timeout_s=ro.request_timeout_s,
+                      max_engine_restarts=ro.max_engine_restarts,
+                      threads_per_engine=self.cfg.cluster.threads_per_rank)
+            if folder is not None:  # each engine loads the folder
+                return RayBackend(str(folder), engine_cfg, ro.num_engines, weight_version,
+                                  self.cfg.model, **kw)
+            return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version, **kw)
+        if folder is not None:
+            return LocalBackend(Engine.from_hf(folder, engine_cfg, weight_version=weight_version))
         return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
 
     # -- the RL step -----------------------------------------------------------------------
