@@ -581,10 +581,7 @@ class _Plan:
         in-process actor). An actor group (`trainer.loop.lean_startup`): the driver and the
         object store hold no weights; each rank reads its own part of the HF folder one tensor
         at a time, so its start-up peak is its shard (`memory_per_rank.weights_bytes`; a
-        torch DDP rank: the whole model) plus about the largest tensor it reads (fp32). With
-        `loop.max_staleness >= 1` the group still starts the old way: the driver loads the
-        fp32 policy, puts it in the object store, every rank builds the whole fp32 model."""
-        from lockstep.trainer.loop import lean_startup
+        torch DDP rank: the whole model) plus about the largest tensor it reads (fp32)."""
         c, m = self.cfg.cluster, self.cfg.model
         full = 4 * self.pc.total
         N = c.actor_ranks
@@ -592,10 +589,6 @@ class _Plan:
         if N == 1:
             out = {"mode": "in-process", "driver_bytes": full, "object_store_bytes": 0,
                    "rank_startup_bytes": 0, "largest_read_bytes": 0, "ranks_per_node": 0}
-        elif not lean_startup(self.cfg):
-            out = {"mode": "in-memory", "driver_bytes": full, "object_store_bytes": full,
-                   "rank_startup_bytes": full, "largest_read_bytes": full,
-                   "ranks_per_node": per_node}
         else:
             lay = actor["layout"]
             tp = lay["tensor_parallel"] if self.cfg.actor.backend == "megatron" else 1
@@ -811,12 +804,6 @@ def render(p: dict[str, Any]) -> str:
     if h["mode"] == "in-process":
         w(f"host memory while starting: driver {_size(h['driver_bytes'])} (the fp32 policy of the "
           f"in-process actor)")
-    elif h["mode"] == "in-memory":
-        w(f"host memory while starting: driver {_size(h['driver_bytes'])} (the fp32 policy), "
-          f"object store {_size(h['object_store_bytes'])}, each rank builds the whole fp32 "
-          f"model ({_size(h['rank_startup_bytes'])}) before sharding: up to "
-          f"{_size(h['node_peak_bytes'])} on a node with the driver and {h['ranks_per_node']} "
-          f"ranks (loop.max_staleness >= 1 starts this way)")
     else:
         w(f"host memory while starting: driver 0, object store 0 (every rank reads its part of "
           f"the HF folder); a rank's start-up peak {_size(h['rank_startup_bytes'])} = its shard "
