@@ -81,7 +81,13 @@ def test_tp2_and_pp2_ranks_match_one_process(cluster, tmp_path, warm_cache):
     want, want_w = one.step(1), _export(one.actor)
     # the policy gradient is in play: rewards, advantages, a pg loss well above the tolerance
     assert want["reward/mean"] > 0 and abs(want["actor/pg_loss"]) > 1e-3, want
-    layouts = {"tp2": "actor.megatron.tensor_parallel=2", "pp2": "actor.megatron.pipeline_parallel=2"}
+    # EP=2 on 2 ranks is DP=2 (each rank its own rows, half the experts): the dump's rows come
+    # back from two shards. Its update is not compared here: with the load-balancing loss on,
+    # each DP rank balances its own micro-batches, another loss by design (EP=2's update:
+    # test_megatron_group4.py, tests/test_async_group.py, without that loss)
+    layouts = {"tp2": "actor.megatron.tensor_parallel=2",
+               "pp2": "actor.megatron.pipeline_parallel=2",
+               "ep2": "actor.megatron.expert_parallel=2"}
     for name, layout in layouts.items():
         group = _trainer(tmp_path, name, *sets, "cluster.actor_ranks=2", layout)
         try:
@@ -91,11 +97,14 @@ def test_tp2_and_pp2_ranks_match_one_process(cluster, tmp_path, warm_cache):
             group.actor.close()
         assert got["replay/mismatch"] == 0.0, name
         for k in ("reward/mean", "replay/replayed_fraction", "routing/flip_rate",
-                  "routing/num_tokens",
-                  "routing_stale/num_tokens"):
+                  "routing/num_tokens", "routing_stale/num_tokens"):
             assert got[k] == want[k], (name, k, got[k], want[k])
-        for k in ("actor/grad_norm", "actor/pg_loss", "actor/aux_loss", "actor/entropy",
-                  "rollout_corr/k3_kl"):
+        assert abs(got["rollout_corr/k3_kl"] - want["rollout_corr/k3_kl"]) <= \
+            1e-4 * abs(want["rollout_corr/k3_kl"]) + 1e-6, name
+        _same_dump(tmp_path / "one", tmp_path / name, name)
+        if name == "ep2":
+            continue
+        for k in ("actor/grad_norm", "actor/pg_loss", "actor/aux_loss", "actor/entropy"):
             assert abs(got[k] - want[k]) <= 1e-4 * abs(want[k]) + 1e-6, (name, k, got[k], want[k])
         assert set(got_w) == set(want_w)
         # docs/cluster.md "tolerance": Adam's first steps move a weight whose gradient is at
@@ -106,7 +115,6 @@ def test_tp2_and_pp2_ranks_match_one_process(cluster, tmp_path, warm_cache):
         moved = sum(int(((got_w[k] - want_w[k]).abs() > lr / 100).sum()) for k in want_w)
         assert diff <= lr / 5 and moved <= 1e-3 * sum(v.numel() for v in want_w.values()), \
             (name, diff, moved)
-        _same_dump(tmp_path / "one", tmp_path / name, name)
 
 
 def _cli(out, *sets: str, resume: bool = False):
