@@ -32,6 +32,16 @@ STATS = ("mean", "max", "min", "log_mean", "log_std", "k3")
 VERSION_TOL, ENGINE_RTOL, ENGINE_LOG_MEAN = (1e-3, 1e-6), 5e-2, 0.25
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A private local Ray (2 CPUs), as conftest's, but started with the group's retries: Ray
+    gives its raylet a fixed 30 s to register, which a busy machine can miss."""
+    from lockstep.trainer.group import _start_local_ray
+    _start_local_ray(2, {"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
 def _run(tmp_path, name, *sets, after=None):
     """3 steps -> (metrics, {step: (pi_gen, batch), 0: the initial weights}, per push: was
     it a joined dict, kept versions); then `after(trainer)` before the actor closes."""
