@@ -177,20 +177,31 @@ def save_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
         total = sum(_tensor_bytes(v) for v in sd.values())
         (tmp / INDEX_FILE).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_hf_extras(cfg, tmp, tokenizer, generation_config, config=False)
+    if out.exists():
+        _rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def write_hf_extras(cfg: ModelConfig, folder: str | os.PathLike, tokenizer=None,
+                    generation_config: dict | None = None, config: bool = True) -> None:
+    """The files of an HF folder besides the weights: config.json (when `config`),
+    generation_config.json and, when given, the tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if config:
+        cfg.save_json(folder / "config.json")
     gen = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, name) is not None:
             gen[name] = getattr(cfg, name)
     gen.update(generation_config or {})
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tokenizer is not None:
         from .tokenizer import save_tokenizer
 
-        save_tokenizer(tokenizer, tmp, cfg)
-    if out.exists():
-        _rmtree(out)
-    tmp.rename(out)
-    return out
+        save_tokenizer(tokenizer, folder, cfg)
 
 
 def _rmtree(path: Path) -> None:

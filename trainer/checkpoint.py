@@ -5,10 +5,16 @@ Each checkpoint holds
   hf/                          the policy (fp32 master weights) as a Hugging Face Qwen3-MoE
                                folder with the tokenizer (`lockstep.moe.checkpoint.load_hf`,
                                transformers or SGLang load it)
-  trainer_state.safetensors    optimiser and LR-schedule state, RNG states (python, numpy,
-  trainer_state.json           torch) as a state tree: tensors / structure (`save_tree`)
+  optim/exp_avg/, exp_avg_sq/  Adam's moments under the same HF names, as HF folders: any
+                               layout reads its slices (trainer/actor_ckpt.py)
+  trainer_state.safetensors    step count and LR schedule (`actor`), RNG states (python,
+  trainer_state.json           numpy, torch) as a state tree: tensors / structure (`save_tree`)
   state.json                   step, data cursor, config hash, engine weight version
   manifest.json                sha256 and size of every file above (written last)
+
+With an actor group the ranks write `hf/` and `optim/` themselves (`save_actor_checkpoint`);
+this process writes the rest. Checkpoints of earlier versions hold each rank's whole optimiser
+state in `trainer_state` instead (no `optim/`); they still load, on their own layout.
 
 A checkpoint is written to `step_<n>.tmp/` and renamed into place, so a run killed mid-save
 leaves no half checkpoint under a final name; a failed write (disk full) removes the `.tmp`
@@ -51,7 +57,7 @@ from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 
 __all__ = ["CheckpointError", "LoopState", "save_tree", "load_tree", "write_manifest",
-           "verify_manifest", "save_checkpoint", "load_checkpoint", "load_latest",
+           "verify_manifest", "save_checkpoint", "save_actor_checkpoint", "load_checkpoint", "load_latest",
            "list_checkpoints", "latest_checkpoint", "rng_state", "set_rng_state"]
 
 STATE_FILE = "state.json"
@@ -201,15 +207,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: str | Path) -> Path:
+def write_manifest(folder: str | Path, known: dict[str, dict] | None = None) -> Path:
     """Write `folder/manifest.json`: sha256 and size of every regular file below `folder`.
-    Call it last, once everything else is written."""
+    Call it last, once everything else is written. `known` = {relative path: {sha256,
+    bytes}} of files whose writers hashed them already (the actor ranks' parts): those are
+    not read again (their size is still checked)."""
     folder = Path(folder)
+    known = known or {}
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST_FILE:
-            files[p.relative_to(folder).as_posix()] = {"sha256": _sha256(p),
-                                                       "bytes": p.stat().st_size}
+            rel = p.relative_to(folder).as_posix()
+            size = p.stat().st_size
+            k = known.get(rel)
+            if k is not None and k["bytes"] != size:
+                raise CheckpointError(f"{p}: {size} bytes, its writer reported {k['bytes']}")
+            files[rel] = {"sha256": k["sha256"] if k is not None else _sha256(p), "bytes": size}
     out = folder / MANIFEST_FILE
     out.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1) + "\n")
     return out
@@ -283,6 +296,32 @@ def save_checkpoint(run_dir: str | Path, model: MoEModel | dict[str, torch.Tenso
     (an actor's export; then `model_cfg` is needed). An OSError while writing (disk full,
     permissions) removes the partial write and raises `CheckpointError`; earlier checkpoints
     are left as they were."""
+    def write(tmp: Path) -> None:
+        if isinstance(model, MoEModel):
+            save_hf(model, tmp / "hf", tokenizer=tokenizer)
+        else:
+            save_hf_state_dict(model, model_cfg, tmp / "hf", tokenizer=tokenizer)
+        save_tree(tmp / TRAINER_STATE, {**trainer_state, "rng": rng_state()})
+    return _save(run_dir, state, keep, write)
+
+
+def save_actor_checkpoint(run_dir: str | Path, write_actor: Callable[[Path], tuple[dict, dict]],
+                          trainer_state: dict, state: LoopState, keep: int = 0) -> Path:
+    """`save_checkpoint` where the actor writes its own part: `write_actor(tmp)` writes `hf/`
+    and `optim/` into the temporary folder (the actor ranks do, in a group;
+    trainer/actor_ckpt.py) and returns (its state, stored as trainer_state["actor"], {path:
+    {sha256, bytes}} of the files it hashed already). This process then writes only the
+    trainer state (with the RNG), state.json and the manifest, with the same temporary folder,
+    rename, error handling and `keep` as `save_checkpoint`."""
+    def write(tmp: Path) -> dict:
+        actor_state, known = write_actor(tmp)
+        save_tree(tmp / TRAINER_STATE, {**trainer_state, "actor": actor_state, "rng": rng_state()})
+        return known
+    return _save(run_dir, state, keep, write)
+
+
+def _save(run_dir: str | Path, state: LoopState, keep: int,
+          write: Callable[[Path], dict | None]) -> Path:
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{state.step}"
     tmp = root / f"step_{state.step}.tmp"
@@ -290,13 +329,9 @@ def save_checkpoint(run_dir: str | Path, model: MoEModel | dict[str, torch.Tenso
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        if isinstance(model, MoEModel):
-            save_hf(model, tmp / "hf", tokenizer=tokenizer)
-        else:
-            save_hf_state_dict(model, model_cfg, tmp / "hf", tokenizer=tokenizer)
-        save_tree(tmp / TRAINER_STATE, {**trainer_state, "rng": rng_state()})
+        known = write(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
-        write_manifest(tmp)
+        write_manifest(tmp, known)
         old = root / f"step_{state.step}.old"
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -310,6 +345,9 @@ def save_checkpoint(run_dir: str | Path, model: MoEModel | dict[str, torch.Tenso
         hint = " (free some space)" if e.errno == errno.ENOSPC else ""
         raise CheckpointError(f"could not write checkpoint {final}: {why}{hint}; earlier "
                               f"checkpoints are kept") from e
+    except BaseException:  # a rank failed, weights not finite: no half checkpoint stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if keep > 0:
         for stale in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)

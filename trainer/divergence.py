@@ -51,6 +51,12 @@ def check_weights(step: int, named: Iterable[tuple[str, torch.Tensor]], cfg,
     """Raise `DivergenceError` if any weight is not finite (called before a checkpoint)."""
     with torch.no_grad():
         names = [n for n, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    check_weight_names(step, names, cfg, last_ckpt)
+
+
+def check_weight_names(step: int, names: list[str], cfg, last_ckpt: Path | None) -> None:
+    """`check_weights` from the names of the non-finite weights (the actor ranks check the
+    weights they write into a checkpoint and report only names)."""
     if names:
         raise DivergenceError(f"diverged at step {step}: weights are not finite "
                               f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"

@@ -46,6 +46,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -190,6 +191,22 @@ class RankWorker:
 
     def load_rank_state(self, state: dict) -> None:
         self.actor.load_rank_state(state)
+
+    def write_checkpoint(self, folder: str) -> dict:
+        """This rank's parts of the checkpoint (trainer/actor_ckpt.py); only names, checksums
+        and the small state go back to the driver."""
+        from pathlib import Path
+
+        from lockstep.trainer.actor_ckpt import actor_parts, write_parts
+        parts, state = actor_parts(self.actor, self.rank, self.world)
+        meta = write_parts(Path(folder), parts, self.cfg.model)
+        return {**meta, "state": state}
+
+    def load_checkpoint(self, folder: str, state: dict) -> None:
+        from pathlib import Path
+
+        from lockstep.trainer.actor_ckpt import actor_load
+        actor_load(self.actor, Path(folder), state)
 
 
 @dataclass
@@ -366,6 +383,27 @@ class ActorGroup:
 
     def rank_state(self) -> dict:
         return {"ranks": self._gather("rank_state", [w.rank_state.remote() for w in self.workers])}
+
+    def write_checkpoint(self, folder, tokenizer=None) -> tuple[dict, dict]:
+        """Every rank writes its parts of `hf/` and `optim/` into `folder` (shared storage:
+        the ranks see the driver's run directory); the driver gets names and checksums back
+        (`checkpoint_bytes`: their pickled size) and writes the index files, config.json and
+        the tokenizer. Returns (the actor state, {path: {sha256, bytes}} of the parts)."""
+        import pickle
+
+        from lockstep.trainer.actor_ckpt import finish
+        metas = self._gather("write_checkpoint", [w.write_checkpoint.remote(str(folder))
+                                                  for w in self.workers])
+        self.checkpoint_bytes = len(pickle.dumps(metas))
+        known = finish(Path(folder), metas, self.cfg.model, tokenizer)
+        state = {**metas[0]["state"], "no_state": sorted(n for m in metas for n in m["no_state"]),
+                 "nonfinite": sorted(n for m in metas for n in m["nonfinite"])}
+        return state, known
+
+    def load_checkpoint(self, folder, state: dict) -> None:
+        """Every rank reads its slices of the checkpoint's optimiser state (any layout)."""
+        self._gather("load_checkpoint", [w.load_checkpoint.remote(str(folder), state)
+                                         for w in self.workers])
 
     def load_rank_state(self, state: dict) -> None:
         ranks = state.get("ranks")

@@ -29,9 +29,9 @@ from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor import Batch, TorchActor, collate
 from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
-                                         save_checkpoint, set_rng_state)
+                                         save_actor_checkpoint, set_rng_state)
 from lockstep.trainer.config import ExperimentConfig, rollout_api_key, save_config
-from lockstep.trainer.divergence import check_step, check_weights, from_step_error
+from lockstep.trainer.divergence import check_step, check_weight_names, from_step_error
 from lockstep.trainer.correction import (CorrectionResult, correct, is_split_metrics,
                                          version_split_metrics)
 from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
@@ -46,12 +46,18 @@ from lockstep.trainer.versions import VersionSplit
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
-def run_hash(cfg: ExperimentConfig) -> str:
+def run_hash(cfg: ExperimentConfig, layout: bool = False) -> str:
     """Hash of what determines a run's numbers: every section but `loop`, plus loop.seed (so
-    loop.steps may be raised and outputs changed when resuming)."""
-    probe = ExperimentConfig(**{**vars(cfg), "loop": type(cfg.loop)(
-        seed=cfg.loop.seed, max_staleness=cfg.loop.max_staleness)})
-    return probe.hash()
+    loop.steps may be raised and outputs changed when resuming). The actor's layout
+    (`actor_ckpt.LAYOUT_KEYS`) is left out: checkpoints resume on another one (their
+    optimiser state is HF-named); `layout=True` keeps it, as run hashes did before
+    (checkpoints written then resume only on their own layout)."""
+    parts = {**vars(cfg), "loop": type(cfg.loop)(seed=cfg.loop.seed,
+                                                 max_staleness=cfg.loop.max_staleness)}
+    if not layout:
+        from lockstep.trainer.actor_ckpt import without_layout
+        parts.update(without_layout(cfg))
+    return ExperimentConfig(**parts).hash()
 
 
 def check_megatron_world(cfg: ExperimentConfig) -> None:
@@ -143,10 +149,17 @@ class Trainer:
                     f"first one); restart it from scratch with `lockstep train "
                     f"{self.out / 'config.yaml'} --out {self.out}`")
             ckpt, model, trainer_state, state = found
-            if state.config_hash != run_hash(cfg):
+            if state.config_hash not in (run_hash(cfg), run_hash(cfg, layout=True)):
                 raise ValueError(f"--resume: {ckpt} was written by a run with another config "
                                  f"(hash {state.config_hash} != {run_hash(cfg)}); only "
-                                 f"loop.steps and the output settings may change on resume")
+                                 f"loop.steps, the output settings and the actor's layout "
+                                 f"(cluster.actor_ranks, actor.megatron.*_parallel; not for "
+                                 f"checkpoints of earlier versions) may change on resume")
+            if "actor" not in trainer_state and state.config_hash != run_hash(cfg, layout=True):
+                raise ValueError(f"--resume: {ckpt} holds each rank's optimiser state as "
+                                 f"earlier lockstep versions wrote it, which loads only on the "
+                                 f"layout it was written with; resume with that run's "
+                                 f"cluster.actor_ranks and actor.megatron parallel sizes")
             check_data_on_resume(self.source, self.out, fresh=False)
             log(f"resuming from {ckpt} (step {state.step})")
         else:
@@ -212,7 +225,10 @@ class Trainer:
         if reference is not None:  # pi_ref next to the actor: it replays the update's routes
             self.actor.set_reference(reference)
         if resume:
-            self.actor.load_rank_state(trainer_state)
+            if "actor" in trainer_state:  # HF-named optimiser state: any layout
+                self.actor.load_checkpoint(ckpt, trainer_state["actor"])
+            else:  # checkpoints of earlier versions: per-rank state, same layout
+                self.actor.load_rank_state(trainer_state)
             set_rng_state(trainer_state["rng"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, state.step, cfg.loop.tensorboard,
                                      progress)
@@ -391,15 +407,18 @@ class Trainer:
         return self.source.validate(self.rollout, params)
 
     def save(self) -> Path:
-        # The sync streamed and dropped its buckets: export again (views for the in-process
-        # actor; a gather on a group), so no full copy is held across the step.
-        weights = {name: t for bucket in
-                   self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
-                   for name, t in bucket}
-        check_weights(self.state.step, weights.items(), self.cfg, latest_checkpoint(self.out))
-        return save_checkpoint(self.out, weights, self.actor.rank_state(), self.state,
-                               tokenizer=self.source.tokenizer, keep=self.cfg.loop.keep_checkpoints,
-                               model_cfg=self.cfg.model)
+        """The actor writes `hf/` and its HF-named optimiser state (a group: each rank its
+        parts, nothing through this process); this process writes the loop state, the RNG and
+        the manifest (trainer/actor_ckpt.py)."""
+        from lockstep.trainer.actor_ckpt import layout_state
+
+        def write_actor(tmp: Path) -> tuple[dict, dict]:
+            state, known = self.actor.write_checkpoint(tmp, self.source.tokenizer)
+            check_weight_names(self.state.step, state.pop("nonfinite"), self.cfg,
+                               latest_checkpoint(self.out))
+            return {**state, **layout_state(self.cfg)}, known
+        return save_actor_checkpoint(self.out, write_actor, {}, self.state,
+                                     keep=self.cfg.loop.keep_checkpoints)
 
 
 class _Timer:

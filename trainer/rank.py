@@ -32,9 +32,13 @@ implement natively for multi-rank layouts.
       loop.max_staleness >= 1: pi_gen of this shard's rows of an older weight version, under
       the rank's own kept copy of its tensors for that version (`trainer/versions.py`); then
       keeps the current version. `kept_versions()`: what the rank keeps (version -> bytes).
+  write_checkpoint(folder, tokenizer) -> (state, files) / load_checkpoint(folder, state)
+      The actor's part of a checkpoint: the weights (`hf/`) and Adam's moments under HF names
+      (`optim/`), written by the ranks themselves; loadable on any layout
+      (trainer/actor_ckpt.py).
   rank_state() -> dict / load_rank_state(dict)
       This rank's optimiser and LR-schedule state: a plain nested dict of tensors, numbers,
-      strings and lists (the checkpoint keeps one per rank).
+      strings and lists (checkpoints of earlier versions kept one per rank).
   close()
       Release what the actor holds (nothing in-process; the group's Ray actors).
 
@@ -294,6 +298,23 @@ class RankActor:
         before the next optimiser step)."""
         return bucketize(((k, v.detach()) for k, v in hf_state_dict(self.master).items()),
                          bucket_bytes)
+
+    def write_checkpoint(self, folder, tokenizer=None) -> tuple[dict, dict]:
+        """Write the actor's part of a checkpoint into `folder` (`hf/` and the HF-named Adam
+        moments `optim/`, trainer/actor_ckpt.py); returns (the actor's small state for
+        trainer_state["actor"], {} : the files are hashed by the manifest)."""
+        from pathlib import Path
+
+        from lockstep.trainer.actor_ckpt import write_in_process
+        return write_in_process(Path(folder), self, self.model_cfg, tokenizer), {}
+
+    def load_checkpoint(self, folder, state: dict) -> None:
+        """Restore the optimiser from checkpoint `folder` written on any layout (`state`:
+        what `write_checkpoint` returned)."""
+        from pathlib import Path
+
+        from lockstep.trainer.actor_ckpt import actor_load
+        actor_load(self, Path(folder), state)
 
     def rank_state(self) -> dict:
         return self.state_dict()
