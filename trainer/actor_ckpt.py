@@ -228,8 +228,11 @@ def megatron_parts(actor) -> tuple[Iterator[Part], dict]:
     n = num_parts(cfg)
 
     def entry(name: str) -> tuple:
-        w = local[name].detach().cpu()
         o, main = adam.get(name, (None, None))
+        # a mixed-precision optimizer (GPU bf16) keeps fp32 main weights: those are the
+        # checkpoint's weights (the fp32 master), not the 16-bit copies the model computes with
+        w = (local[name] if main is None or main.data_ptr() == local[name].data_ptr()
+             else main).detach().cpu()
         s = o.state.get(main) if o is not None else None
         if not s:
             return w, None
@@ -272,8 +275,11 @@ def megatron_parts(actor) -> tuple[Iterator[Part], dict]:
     return parts(), {"step": step, "num_steps": actor.num_steps}
 
 
-def megatron_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], state: dict) -> None:
-    """Give this megatron rank its slices of the HF-named moments + the step count."""
+def megatron_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], state: dict,
+                  weights=None) -> None:
+    """Give this megatron rank its slices of the HF-named moments + the step count (and,
+    under a mixed-precision optimizer, its fp32 main weights from `weights`: the model was
+    built from them, but in 16 bits; `weights()` gives the HF-named weights, read only then)."""
     from lockstep.trainer.megatron import convert
 
     gpt, cfg = actor.gpt, actor.model_cfg
@@ -281,6 +287,13 @@ def megatron_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], stat
     tp, ep, etp = convert._ranks()
     adam = convert.global_names(gpt, _adam_states(actor))
     step = state.get("step")
+    params = convert.global_names(gpt, dict(gpt.named_parameters()))
+    mixed = {k: main for k, (_, main) in adam.items() if main is not params[k]}
+    if mixed and weights is not None:
+        fp32 = convert.hf_to_megatron(weights(), cfg, lay, tp_rank=tp, ep_rank=ep, etp_rank=etp)
+        with torch.no_grad():
+            for k, main in mixed.items():
+                main.copy_(fp32[k])
     # every megatron parameter has state after a step (DDP gives each a gradient); the
     # tensors a megatron run stored without state are buffers (the expert bias)
     per_moment = {m: convert.hf_to_megatron(moments[m], cfg, lay, tp_rank=tp, ep_rank=ep,
@@ -308,7 +321,7 @@ def actor_load(actor, folder: Path, state: dict) -> None:
     """Restore `actor`'s optimiser state from checkpoint `folder` (its `optim/` moments)."""
     moments = {m: _hf_mapping(folder / OPTIM / m) for m in MOMENTS}
     if hasattr(actor, "gpt"):
-        megatron_load(actor, moments, state)
+        megatron_load(actor, moments, state, weights=lambda: _hf_mapping(folder / "hf"))
     else:
         torch_load(actor, moments, state)
 
