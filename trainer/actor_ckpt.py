@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from lockstep.moe.checkpoint import (INDEX_FILE, CheckpointError, hf_state_dict,
-                                     read_hf_state_dict, save_hf_state_dict, write_hf_extras)
+                                     save_hf_state_dict, write_hf_extras)
 from lockstep.moe.config import ModelConfig
 
 FORMAT = "lockstep-actor-ckpt/1"
@@ -175,8 +175,9 @@ def torch_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], state: 
 
 # megatron actor (MegatronActor: megatron-core GPTModel + its optimizer)
 def _adam_states(actor) -> dict[str, tuple[Any, torch.nn.Parameter]]:
-    """megatron param name -> (torch optimizer, the param its state is keyed by: the param
-    itself, or its fp32 main copy under a mixed-precision optimizer)."""
+    """megatron param name (whole-model layer numbers) -> (torch optimizer, the param its
+    state is keyed by: the param itself, or its fp32 main copy under a mixed-precision
+    optimizer)."""
     opt = actor.optimizer
     main_of: dict[int, tuple[Any, torch.nn.Parameter]] = {}
     for o in getattr(opt, "chained_optimizers", [opt]):
@@ -189,7 +190,16 @@ def _adam_states(actor) -> dict[str, tuple[Any, torch.nn.Parameter]]:
             pairs += [(p, p) for g in o.optimizer.param_groups for p in g["params"]]
         for model_p, main_p in pairs:
             main_of[id(model_p)] = (o.optimizer, main_p)
-    return {n: main_of[id(p)] for n, p in actor.gpt.named_parameters() if id(p) in main_of}
+    from lockstep.trainer.megatron import convert
+    return {n: main_of[id(p)] for m in _chunks(actor)
+            for n, p in convert.global_names(m, dict(m.named_parameters())).items()
+            if id(p) in main_of}
+
+
+def _chunks(actor) -> list:
+    """The megatron actor's model chunks (several under a virtual pipeline), each with its
+    own decoder layers."""
+    return getattr(actor, "chunks", None) or [actor.gpt]
 
 
 def _is_expert(megatron_name: str) -> bool:
@@ -207,8 +217,8 @@ def megatron_parts(actor) -> tuple[Iterator[Part], dict]:
 
     gpt, cfg = actor.gpt, actor.model_cfg
     lay = convert.Layout.of_model(gpt)
-    local = convert.global_names(gpt, gpt.state_dict())
-    adam = convert.global_names(gpt, _adam_states(actor))
+    local = {k: v for m in _chunks(actor) for k, v in convert.global_names(m, m.state_dict()).items()}
+    adam = _adam_states(actor)
     steps = []
     for name, (o, main) in adam.items():
         s = o.state.get(main)
@@ -285,27 +295,39 @@ def megatron_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], stat
     gpt, cfg = actor.gpt, actor.model_cfg
     lay = convert.Layout.of_model(gpt)
     tp, ep, etp = convert._ranks()
-    adam = convert.global_names(gpt, _adam_states(actor))
+    adam = _adam_states(actor)
     step = state.get("step")
-    params = convert.global_names(gpt, dict(gpt.named_parameters()))
+    params = {k: v for m in _chunks(actor)
+              for k, v in convert.global_names(m, dict(m.named_parameters())).items()}
+    # only this rank's slices are read (`hf_to_megatron_items` over a LazyHF): its stage's
+    # layers, its EP rank's experts, its TP / ETP chunks
+    shard = dict(layers=sorted(i for m in _chunks(actor) for i in convert.stage_layers(m).values()),
+                 globals_=[k for k in params if not _MG_LAYER.match(k)],
+                 tp_rank=tp, ep_rank=ep, etp_rank=etp)
     mixed = {k: main for k, (_, main) in adam.items() if main is not params[k]}
     if mixed and weights is not None:
-        fp32 = convert.hf_to_megatron(weights(), cfg, lay, tp_rank=tp, ep_rank=ep, etp_rank=etp)
         with torch.no_grad():
-            for k, main in mixed.items():
-                main.copy_(fp32[k])
+            for k, v in convert.hf_to_megatron_items(weights(), cfg, lay, **shard):
+                if k in mixed:
+                    mixed[k].copy_(v)
     # every megatron parameter has state after a step (DDP gives each a gradient); the
     # tensors a megatron run stored without state are buffers (the expert bias)
-    per_moment = {m: convert.hf_to_megatron(moments[m], cfg, lay, tp_rank=tp, ep_rank=ep,
-                                            etp_rank=etp) for m in MOMENTS}
+    per: dict[str, dict] = {k: {} for k in adam}
+    for m in MOMENTS:
+        for k, v in convert.hf_to_megatron_items(moments[m], cfg, lay, **shard):
+            if k in per:
+                per[k][m] = v
     for o in {id(o): o for o, _ in adam.values()}.values():
         o.state.clear()
     if step is not None:
+        missing = sorted(k for k, d in per.items() if set(d) != set(MOMENTS))
+        if missing:
+            raise CheckpointError(f"optimiser state for {missing[:4]} not in the checkpoint")
         for name, (o, main) in adam.items():
             o.state[main] = {
                 "step": torch.tensor(step["step"], dtype=getattr(torch, step["dtype"]),
                                      device=main.device),
-                **{m: per_moment[m][name].to(main.device, main.dtype).clone() for m in MOMENTS}}
+                **{m: per[name][m].to(main.device, main.dtype).clone() for m in MOMENTS}}
     actor.num_steps = state["num_steps"]
     actor._set_lr()
 
@@ -327,8 +349,10 @@ def actor_load(actor, folder: Path, state: dict) -> None:
 
 
 def _hf_mapping(folder: Path) -> Mapping[str, torch.Tensor]:
-    """HF-named tensors of `folder` (the moments are HF folders)."""
-    return read_hf_state_dict(folder)
+    """HF-named tensors of `folder` (the moments are HF folders), each read when asked, as
+    stored (`LazyHF`)."""
+    from lockstep.moe.hf_lazy import LazyHF
+    return LazyHF(folder, dtype=None)
 
 
 # -- writing ---------------------------------------------------------------------------------
