@@ -5,10 +5,11 @@ megatron TP=2 on two ranks trains 3 RL steps, checkpointing after step 2: the dr
 weights or optimiser state from the ranks (their export and state calls are blocked during
 the save; what the ranks send back is names and checksums), and the `hf/` folder the ranks
 wrote loads with `load_hf` and equals the exported weights bit for bit. The step-2 checkpoint
-is then resumed with EP=2 on two ranks and with the one-process megatron actor: each writes
-the same checkpoint back bit for bit (its own slices of weights and Adam moments), and step 3's
-metrics equal the uninterrupted TP=2 run's within docs/cluster.md's tolerances and the weights
-after step 3 within lr / 10 (Adam's moments dropped on load move them by O(lr))."""
+is then resumed with EP=2 and with PP=2 on two ranks and with the one-process megatron actor:
+each writes the same checkpoint back bit for bit (its own slices of weights and Adam moments),
+and step 3's metrics equal the uninterrupted TP=2 run's within docs/cluster.md's tolerances
+and the weights after step 3 within lr / 10 (Adam's moments dropped on load move them by
+O(lr))."""
 
 import shutil
 from pathlib import Path
@@ -81,6 +82,7 @@ def test_ranks_write_the_checkpoint_and_it_resumes_on_another_layout(cluster, tm
 
     lr = a.cfg.actor.lr
     layouts = {"ep2": ("cluster.actor_ranks=2", "actor.megatron.expert_parallel=2"),
+               "pp2": ("cluster.actor_ranks=2", "actor.megatron.pipeline_parallel=2"),
                "one_process": ()}
     for name, sets in layouts.items():
         out = tmp_path / name
