@@ -119,6 +119,14 @@ def _span(lo: int, hi: int) -> str:
     return f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
 
 
+def _stage_chunks(L: int, pp: int, vpp: int, stage: int) -> list[list[int]]:
+    """[lo, hi) decoder layers of each model chunk of pipeline stage `stage` (one chunk
+    without a virtual pipeline; chunk c holds (c * PP + stage) * n .. with n = L / (PP x VPP),
+    megatron-core's interleaved assignment)."""
+    n = max(1, L // (pp * vpp))
+    return [[(c * pp + stage) * n, min(L, (c * pp + stage + 1) * n)] for c in range(vpp)]
+
+
 def _seq_len(cfg: ExperimentConfig) -> tuple[int, int]:
     """(longest prompt, longest response) of a step's rows."""
     if cfg.data.enabled:
@@ -190,8 +198,9 @@ class _Plan:
         if a.backend == "megatron":
             o = a.megatron
             tp, ep, etp, pp = o.tensor_parallel, o.expert_parallel, o.etp, o.pipeline_parallel
+            vpp = o.vpp
         else:
-            tp = ep = etp = pp = 1
+            tp = ep = etp = pp = vpp = 1
         self._check_actor_layout(N, tp, ep, etp, pp)
         dp = max(1, N // (tp * pp))
         edp = max(1, N // (etp * ep * pp))
@@ -202,16 +211,20 @@ class _Plan:
         stage_size = max(1, N // pp)
         for r in range(N):
             s, idx = r // stage_size, r % stage_size
-            lo, hi = s * per_stage, min(L, (s + 1) * per_stage)
+            chunks = _stage_chunks(L, pp, vpp, s)
             e_rank = (idx // etp) % ep
             e_lo, e_hi = e_rank * (E // ep), (e_rank + 1) * (E // ep)
+            # "layers": the stage's layers; under a virtual pipeline (not contiguous) null,
+            # and "chunks" lists each model chunk's [lo, hi)
             ranks.append({"rank": r, "pp": s, "tp": idx % tp, "dp": idx // tp,
                           "ep": e_rank, "etp": idx % etp, "edp": idx // (etp * ep),
-                          "layers": [lo, hi], "experts": [e_lo, e_hi] if E else None})
+                          "layers": chunks[0] if vpp == 1 else None, "chunks": chunks,
+                          "experts": [e_lo, e_hi] if E else None})
         mem = self._actor_memory(tp, ep, etp, pp, dp)
         out = {"backend": a.backend, "ranks": N,
                "layout": {"tensor_parallel": tp, "expert_parallel": ep,
                           "expert_tensor_parallel": etp, "pipeline_parallel": pp,
+                          "virtual_pipeline_parallel": vpp,
                           "data_parallel": dp, "expert_data_parallel": edp},
                "rank_layout": ranks, "memory_per_rank": mem}
         if a.backend == "megatron":
@@ -266,14 +279,14 @@ class _Plan:
         cfg, pc, m = self.cfg, self.pc, self.cfg.model
         a = cfg.actor
         L = m.num_hidden_layers
-        per_stage = max(1, L // pp)
         megatron = a.backend == "megatron"
+        vpp = a.megatron.vpp if megatron else 1
         best = None
         for s in range(pp if megatron else 1):
-            lo, hi = (s * per_stage, (s + 1) * per_stage) if megatron else (0, L)
-            sharded = sum(pc.layer_tp[lo:hi])
-            rep = sum(pc.layer_rep[lo:hi])
-            experts = sum(pc.layer_experts[lo:hi])
+            spans = _stage_chunks(L, pp, vpp, s) if megatron else [[0, L]]
+            sharded = sum(sum(pc.layer_tp[lo:hi]) for lo, hi in spans)
+            rep = sum(sum(pc.layer_rep[lo:hi]) for lo, hi in spans)
+            experts = sum(sum(pc.layer_experts[lo:hi]) for lo, hi in spans)
             if s == 0:
                 sharded += pc.embedding
             if s == (pp - 1 if megatron else 0):
@@ -325,6 +338,9 @@ class _Plan:
         recompute = a.backend == "megatron" and a.megatron.recompute_activations
         per_layer = H * b / tp if recompute else full  # recompute keeps each layer's input
         layers = L  # L/PP layers x PP micro-batches in flight
+        vpp = a.megatron.vpp if a.backend == "megatron" else 1
+        if vpp > 1:  # interleaved 1F1B keeps (1 + (PP-1)/(PP x VPP)) x that (Narayanan 2021)
+            layers = L * (1 + (pp - 1) / (pp * vpp))
         logits = tokens * math.ceil(m.vocab_size / tp) * 4
         return tokens * (per_layer * layers + (full if recompute else 0)) + logits
 
@@ -340,6 +356,7 @@ class _Plan:
         return {
             "tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp, "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": o.vpp if o.vpp > 1 else None,
             "data_parallel_size": dp, "sequence_parallel": tp > 1,
             "num_layers": m.num_hidden_layers, "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads,
@@ -735,14 +752,18 @@ def render(p: dict[str, Any]) -> str:
     lay = a["layout"]
     w(f"actor    {a['backend']}, {a['ranks']} rank(s): TP {lay['tensor_parallel']} x EP "
       f"{lay['expert_parallel']} (ETP {lay['expert_tensor_parallel']}) x PP "
-      f"{lay['pipeline_parallel']} x DP {lay['data_parallel']} (expert DP "
+      f"{lay['pipeline_parallel']}"
+      + (f" (VPP {lay['virtual_pipeline_parallel']})" if lay['virtual_pipeline_parallel'] > 1
+         else "") + f" x DP {lay['data_parallel']} (expert DP "
       f"{lay['expert_data_parallel']})")
     for r in a["rank_layout"]:
         where = (f"node {r['node']} GPU {r['gpu']}" if r.get("node") is not None
                  else f"bundle {r['bundle']}" if r.get("bundle") is not None else "driver")
         ex = f"  experts {_span(*r['experts'])}" if r["experts"] else ""
         w(f"  rank {r['rank']:>3}  {where:<16} pp {r['pp']} tp {r['tp']} dp {r['dp']} ep "
-          f"{r['ep']} etp {r['etp']}  layers {_span(*r['layers'])}{ex}")
+          f"{r['ep']} etp {r['etp']}  layers "
+          + (" | ".join(_span(*c) for c in r["chunks"]) + " (chunks)"
+             if len(r["chunks"]) > 1 else _span(*r["chunks"][0])) + ex)
     mem = a["memory_per_rank"]
     w(f"  memory per rank (pipeline stage {mem['fullest_stage']}: {_count(mem['params'])} "
       f"params, {_count(mem['expert_params'])} of them experts):")

@@ -116,10 +116,26 @@ def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(se
     check_megatron_world(ok)  # the same layout with expert TP 1 is allowed (and tested)
 
 
-def test_virtual_pipeline_is_refused_when_read():
-    with pytest.raises(Exception, match=r"virtual_pipeline_parallel=2 is not supported: the "
-                                        r"megatron actor builds one model chunk per pipeline stage"):
+@pytest.mark.parametrize("sets, msg", [
+    (["actor.megatron.virtual_pipeline_parallel=2"],
+     r"virtual_pipeline_parallel=2 needs pipeline_parallel >= 2 \(got 1\)"),
+    (["actor.megatron.pipeline_parallel=2", "actor.megatron.virtual_pipeline_parallel=0"],
+     r"virtual_pipeline_parallel must be a positive integer or null, got 0"),
+])
+def test_bad_virtual_pipeline_is_refused_when_read(sets, msg):
+    with pytest.raises(Exception, match=msg):
         load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
-                    ["actor.backend=megatron", "cluster.actor_ranks=4",
-                     "actor.megatron.pipeline_parallel=2",
-                     "actor.megatron.virtual_pipeline_parallel=2"])
+                    ["actor.backend=megatron", "cluster.actor_ranks=2", *sets])
+
+
+def test_virtual_pipeline_layers_must_split_over_every_chunk():
+    from lockstep.moe.config import ConfigError
+    from lockstep.trainer.loop import check_megatron_world
+    toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
+    sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
+            "actor.megatron.pipeline_parallel=2", "actor.megatron.virtual_pipeline_parallel=2"]
+    with pytest.raises(ConfigError, match=r"model\.num_hidden_layers=6 is not divisible by "
+                       r"actor\.megatron\.pipeline_parallel=2 x actor\.megatron\."
+                       r"virtual_pipeline_parallel=2 \(every model chunk"):
+        check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=6"]))
+    check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=4"]))  # runs

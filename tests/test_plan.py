@@ -365,3 +365,39 @@ def test_colocated_plan_places_servers_where_train_does():
     assert [e["gpus"] for e in tp4["placement"]["engines"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert any(n.startswith("colocated: planned only") and "tp_size=4" in n
                for n in tp4["notes"])
+
+
+def test_virtual_pipeline_chunks_are_megatron_cores(in_root, capsys):
+    """PP=2 x VPP=3 of the 48-layer model: each rank's chunks (JSON and text) are the layers
+    megatron-core builds for (stage, chunk) (`get_transformer_layer_offset`), and the model's
+    `chunk_layers` (what the actor checks its chunks against) agrees."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from lockstep.trainer.megatron.model import chunk_layers, transformer_config
+
+    sets = ["actor.megatron.expert_parallel=4", "actor.megatron.pipeline_parallel=2",
+            "actor.megatron.virtual_pipeline_parallel=3"]
+    p = _plan(CLUSTER, *sets)
+    assert p["refusals"] == []
+    cfg = load_config(CLUSTER, sets + ["actor.megatron.use_transformer_engine=false",
+                                       "actor.megatron.grouped_gemm=false"])
+    tc = transformer_config(cfg.model, cfg.actor.megatron)
+    assert p["actor"]["megatron_args"]["virtual_pipeline_model_parallel_size"] == 3
+    assert p["actor"]["layout"]["virtual_pipeline_parallel"] == 3
+    for r in p["actor"]["rank_layout"]:
+        want = [[get_transformer_layer_offset(tc, vp_stage=c, pp_rank=r["pp"]),
+                 get_transformer_layer_offset(tc, vp_stage=c, pp_rank=r["pp"]) + 8]
+                for c in range(3)]
+        assert r["chunks"] == want and r["layers"] is None, r
+        assert [[x[0], x[-1] + 1] for x in chunk_layers(cfg.model, cfg.actor.megatron,
+                                                        r["pp"])] == want
+    assert p["actor"]["rank_layout"][4]["chunks"] == [[8, 16], [24, 32], [40, 48]]
+    code, out, err = _cli(capsys, "plan", CLUSTER.relative_to(ROOT), *[
+        a for s in sets for a in ("--set", s)])
+    assert code == 0, err
+    assert "PP 2 (VPP 3)" in out and "layers 8-15 | 24-31 | 40-47 (chunks)" in out
+    # 48 layers do not split over PP=2 x VPP=5
+    bad = _plan(CLUSTER, *sets[:2], "actor.megatron.virtual_pipeline_parallel=5")["refusals"]
+    assert any("num_hidden_layers=48 is not divisible by actor.megatron.pipeline_parallel=2 x "
+               "actor.megatron.virtual_pipeline_parallel=5" in x for x in bad), bad

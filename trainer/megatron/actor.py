@@ -45,9 +45,10 @@ from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor
 from lockstep.trainer.megatron import convert
 from lockstep.trainer.megatron.logprob import vocab_parallel_logprobs
-from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model, forward_logits,
-                                             initialize_parallel, is_last_stage, padded_length,
-                                             token_logprobs_entropy, transformer_config)
+from lockstep.trainer.megatron.model import (MegatronOptions, build_model_chunks,
+                                             forward_logits, initialize_parallel, is_last_stage,
+                                             padded_length, token_logprobs_entropy,
+                                             transformer_config)
 from lockstep.trainer.megatron.replay import Mode, RouteReplay
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -156,6 +157,26 @@ def split_to_count(micro: list[torch.Tensor], n: int, seq_lens_B: torch.Tensor,
     return micro
 
 
+def moe_slice(cfg, layers: dict[int, int]) -> slice:
+    """The MoE layers among `layers` (local -> global decoder layer, one model chunk's), as a
+    slice of the L axis of [B, T, L, K] routes (L counts MoE layers only). A chunk's layers
+    are consecutive, so its MoE layers are too."""
+    moe_ids = [i for i in layers.values() if cfg.is_moe_layer(i)]
+    first = sum(1 for i in range(moe_ids[0]) if cfg.is_moe_layer(i)) if moe_ids else 0
+    return slice(first, first + len(moe_ids))
+
+
+def vp_group_size(n_micro: int, pp: int) -> int:
+    """megatron-core's `microbatch_group_size_per_vp_stage` for `n_micro` micro-batches: the
+    interleaved schedule runs groups of this many micro-batches through a chunk before the
+    next chunk, needs it in [PP, n_micro] and the last group either full or >= PP. The
+    smallest such size (PP when it divides n_micro; n_micro always works)."""
+    for g in range(pp, n_micro + 1):
+        if n_micro % g == 0 or n_micro % g >= pp:
+            return g
+    raise ValueError(f"{n_micro} micro-batches < pipeline_parallel={pp}")
+
+
 class MegatronActor(RankActor):
     """Policy log-probs and updates on megatron-core (the only copy of the weights)."""
 
@@ -183,22 +204,27 @@ class MegatronActor(RankActor):
         initialize_parallel(self.opts)
         tc = transformer_config(mcfg, self.opts)
         tc.finalize_model_grads_func = finalize_model_grads
-        self.gpt = build_gpt_model(mcfg, self.opts, tc=tc)
-        convert.load_hf_into_megatron(self.gpt, hf, mcfg)
+        # one GPTModel per model chunk (one chunk unless actor.megatron.virtual_pipeline_parallel)
+        self.chunks = build_model_chunks(mcfg, self.opts, tc=tc)
+        convert.load_hf_into_megatron(self.chunks, hf, mcfg)
         del hf
-        self.ddp = DistributedDataParallel(config=tc, module=self.gpt, ddp_config=ddp_config())
+        # megatron-core's rule: only the first chunk's grad buffer is bucketed
+        self.ddps = [DistributedDataParallel(config=tc, module=m, ddp_config=ddp_config(),
+                                             disable_bucketing=c > 0)
+                     for c, m in enumerate(self.chunks)]
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
             clip_grad=cfg.grad_clip, params_dtype=self.opts.torch_dtype,
             bf16=self.opts.params_dtype == "bfloat16", fp16=self.opts.params_dtype == "float16",
-        ), [self.ddp])
+        ), self.ddps)
         self.lr_at = lr_lambda(cfg, total_updates)
         self.num_steps = 0
         self.aux_coef, self.num_moe_layers = self.opts.aux_loss_coef, mcfg.num_moe_layers
-        self.replay = RouteReplay(self.gpt, mcfg.num_experts, aux_loss_coef=self.aux_coef,
-                                  num_moe_layers=mcfg.num_moe_layers)
-        self.device = next(self.gpt.parameters()).device
+        # one replay adapter per chunk: each sees exactly its chunk's routers
+        self.replays = [RouteReplay(m, mcfg.num_experts, aux_loss_coef=self.aux_coef,
+                                    num_moe_layers=mcfg.num_moe_layers) for m in self.chunks]
+        self.device = next(self.chunks[0].parameters()).device
         self.route_dtype = compact_dtype(mcfg.num_experts)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
@@ -207,10 +233,10 @@ class MegatronActor(RankActor):
         self.tp = self.opts.tensor_parallel
         self.pp = self.opts.pipeline_parallel
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        # this stage's MoE layers, as a slice of the L axis of [B, T, L, K] routes
-        moe_ids = [i for i in convert.stage_layers(self.gpt).values() if mcfg.is_moe_layer(i)]
-        first = sum(1 for i in range(moe_ids[0]) if mcfg.is_moe_layer(i)) if moe_ids else 0
-        self.moe_slice = slice(first, first + len(moe_ids))
+        # each chunk's MoE layers, as a slice of the L axis of [B, T, L, K] routes (under a
+        # virtual pipeline a stage's chunks are not next to each other)
+        self.moe_slices = [moe_slice(mcfg, convert.stage_layers(m)) for m in self.chunks]
+        self.last_chunk = self.chunks[-1]  # holds the LM head on the last stage
         self._update_lp = torch.zeros(0)
         # MoE layers exchange tokens over EP x ETP ranks; more than TP of them = other DP ranks
         self._experts_span_dp = self.opts.expert_parallel * self.opts.etp > self.tp
@@ -218,6 +244,34 @@ class MegatronActor(RankActor):
         # logits (False: megatron-core's output layer and the unchunked vocab-parallel path)
         self.chunked_logprobs = True
         self._set_lr()
+
+    # -- model chunks ----------------------------------------------------------------------
+    def _only(self, name: str):
+        xs = getattr(self, name)
+        if len(xs) != 1:
+            raise AttributeError(f"the actor holds {len(xs)} model chunks (actor.megatron."
+                                 f"virtual_pipeline_parallel={self.opts.vpp}): use self.{name}")
+        return xs[0]
+
+    @property
+    def gpt(self):
+        """The GPTModel (one chunk: no virtual pipeline; else use `self.chunks`)."""
+        return self._only("chunks")
+
+    @property
+    def ddp(self):
+        """The DDP-wrapped model (one chunk; else `self.ddps`)."""
+        return self._only("ddps")
+
+    @property
+    def replay(self) -> RouteReplay:
+        """The replay adapter (one chunk; else `self.replays`)."""
+        return self._only("replays")
+
+    @property
+    def moe_slice(self) -> slice:
+        """This stage's MoE layers in the routes' L axis (one chunk; else `self.moe_slices`)."""
+        return self._only("moe_slices")
 
     # -- helpers -------------------------------------------------------------------------
     def _set_lr(self) -> float:
@@ -259,34 +313,36 @@ class MegatronActor(RankActor):
         if train and mini_size is None:
             mini_size = len(mini)
         T = batch.input_ids_BT.shape[1]
-        last = is_last_stage(self.gpt)
+        last = is_last_stage(self.last_chunk)
         metrics: dict[str, float] = {}
         aux_sum = 0.0
 
         def forward_step(data_iterator, model):
             nonlocal aux_sum
-            idx = next(data_iterator)
+            c, idx = next(data_iterator)  # model chunk c (one data iterator per chunk)
+            replay, moe = self.replays[c], self.moe_slices[c]
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             b, t = mb.input_ids_BT.shape
             if train:
                 # the torch actor adds aux_loss_coef * (layer mean) * len(idx) / len(mini); the
                 # schedule and DDP divide what is attached by micro-batches * dp (undone here)
-                self.replay.begin_micro_batch(
+                replay.begin_micro_batch(
                     mb.token_mask_BT, self.aux_coef / self.num_moe_layers * b / mini_size
                     * len(micro) * self.dp)
-            if routes_BTLK is not None and self.replay.num_layers:
-                self.replay.set_routes(trim(routes_BTLK, idx, t)[:, :, self.moe_slice],
-                                       None if mask_BT is None else trim(mask_BT, idx, t))
+            if routes_BTLK is not None and replay.num_layers:
+                replay.set_routes(trim(routes_BTLK, idx, t)[:, :, moe],
+                                  None if mask_BT is None else trim(mask_BT, idx, t))
             ids = mb.input_ids_BT.to(self.device)
-            out = self.replay.backward_replays(forward_logits(model, ids))  # hidden if chunked
-            if self.replay.num_layers:
-                used[idx, :t, self.moe_slice] = self.replay.used(b, t)
-                nat[idx, :t, self.moe_slice] = self.replay.natural(b, t)
+            out = replay.backward_replays(forward_logits(model, ids))  # hidden if chunked
+            if replay.num_layers:
+                rows, at = idx[:, None], self.moe_written[c]
+                used[rows, :t, at] = replay.used(b, t).transpose(1, 2)
+                nat[rows, :t, at] = replay.natural(b, t).transpose(1, 2)
                 if margin_BTL is not None:
-                    margin_BTL[idx, :t, self.moe_slice] = self.replay.margins(b, t)
-            if train and self.aux_coef > 0 and self.replay.num_layers:
-                aux_sum += float(self.replay.aux_loss_sum()) * b / mini_size
-            if not last:
+                    margin_BTL[rows, :t, at] = replay.margins(b, t).transpose(1, 2)
+            if train and self.aux_coef > 0 and replay.num_layers:
+                aux_sum += float(replay.aux_loss_sum()) * b / mini_size
+            if not (last and c == len(self.chunks) - 1):
                 return out, None  # hidden states for the next stage; no loss here
             cand = None if mb.candidates_BTS is None else mb.candidates_BTS[:, 1:].to(self.device)
             if chunked:  # position t-1's hidden state predicts the token at t
@@ -314,13 +370,21 @@ class MegatronActor(RankActor):
                 return loss * (len(micro) * self.dp), {}
             return lp, loss_func
 
-        self.ddp.train(train)
+        for m in self.ddps:
+            m.train(train)
         mode = Mode.RECORD if routes_BTLK is None else Mode.REPLAY
         chunked = last and self.chunked_logprobs
         margins = None if margin_BTL is None else partial(router_margin, cfg=self.model_cfg)
-        with self.replay.session(mode, margins), _hidden_out(self.gpt, chunked, self.tp):
+        with contextlib.ExitStack() as stack:
+            for replay in self.replays:
+                stack.enter_context(replay.session(mode, margins))
+            stack.enter_context(_hidden_out(self.last_chunk, chunked, self.tp))
+            if len(self.chunks) > 1:
+                self._set_vp_group_size(len(micro))
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
+                forward_step_func=forward_step, model=self.ddps,
+                data_iterator=[iter([(c, m) for m in micro]) for c in range(len(self.chunks))]
+                if len(self.chunks) > 1 else iter([(0, m) for m in micro]),
                 num_microbatches=len(micro),
                 seq_length=padded_length(int(batch.seq_lens_B[torch.cat(micro)].max()), self.tp),
                 micro_batch_size=max(len(m) for m in micro), forward_only=not train)
@@ -344,8 +408,29 @@ class MegatronActor(RankActor):
             candidates_NS=cand_BTS, chunk_tokens=self.opts.logprob_chunk_tokens)
 
     def _lm_head_weight(self) -> torch.Tensor:
-        return self.gpt.shared_embedding_or_output_weight() \
-            if self.model_cfg.tie_word_embeddings else self.gpt.output_layer.weight
+        head = self.last_chunk
+        return head.shared_embedding_or_output_weight() \
+            if self.model_cfg.tie_word_embeddings else head.output_layer.weight
+
+    def _vp_micro_batches(self, micro: list[torch.Tensor], batch: Batch
+                          ) -> list[torch.Tensor]:
+        """Under a virtual pipeline megatron-core's interleaved schedule needs at least PP
+        micro-batches: fewer are split (`split_to_count`; the same rows, so the same loss and
+        log-probs; only a load-balancing loss, which balances each micro-batch's own tokens,
+        sees the smaller micro-batches)."""
+        if len(self.chunks) == 1 or len(micro) >= self.pp:
+            return micro
+        rows = sum(len(m) for m in micro)
+        if rows < self.pp:
+            raise ValueError(f"actor.megatron.virtual_pipeline_parallel={self.opts.vpp}: "
+                             f"megatron-core's interleaved schedule needs at least "
+                             f"pipeline_parallel={self.pp} micro-batches, but this pass has "
+                             f"{rows} row(s) (raise actor.mini_batch_size)")
+        return split_to_count(micro, self.pp, batch.seq_lens_B)
+
+    def _set_vp_group_size(self, n_micro: int) -> None:
+        for m in self.ddps:
+            m.config.microbatch_group_size_per_vp_stage = vp_group_size(n_micro, self.pp)
 
     def _micro_batches(self, rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """Micro-batches of `rows` as the torch actor takes them (`batch.micro_batches`:
@@ -359,7 +444,7 @@ class MegatronActor(RankActor):
             n = torch.tensor([len(micro)])
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             micro = split_to_count(micro, int(n), batch.seq_lens_B)
-        return micro
+        return self._vp_micro_batches(micro, batch)
 
     # -- log-probs -----------------------------------------------------------------------
     @torch.no_grad()
@@ -437,7 +522,7 @@ class MegatronActor(RankActor):
             if self.aux_coef > 0:
                 metrics["actor/aux_loss"] = sum(p["actor/aux_loss"] for p in parts)
             self._pp_sum(self._update_lp)
-            if not is_last_stage(self.gpt):
+            if not is_last_stage(self.last_chunk):
                 with torch.no_grad():
                     for idx in micro:
                         lp = self._update_lp[idx]
@@ -545,10 +630,11 @@ class MegatronActor(RankActor):
         scratch = torch.zeros(B, T, L, K, dtype=torch.int64)
         self._forward_backward(batch, loss_fn, torch.arange(B), routes_BTLK, replay_mask_BT,
                                scratch, scratch.clone())
-        grads = {n: p.main_grad for n, p in self.gpt.named_parameters()}
-        out = convert.megatron_to_hf_state_dict(self.gpt, self.model_cfg, grads)
+        grads = [{n: p.main_grad for n, p in m.named_parameters()} for m in self.chunks]
+        out = convert.megatron_to_hf_state_dict(self.chunks, self.model_cfg, grads)
         self.optimizer.zero_grad()
-        self.ddp.zero_grad_buffer()
+        for m in self.ddps:
+            m.zero_grad_buffer()
         return out
 
     def _dp_mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -563,7 +649,8 @@ class MegatronActor(RankActor):
         lr = self._set_lr()
         ok, grad_norm, _ = self.optimizer.step()
         self.optimizer.zero_grad()
-        self.ddp.zero_grad_buffer()
+        for m in self.ddps:
+            m.zero_grad_buffer()
         self.num_steps += 1
         self._set_lr()
         return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
@@ -573,7 +660,7 @@ class MegatronActor(RankActor):
         """The policy's weights under HF names, in buckets (lists of (name, tensor)) of at
         most `bucket_bytes` (`lockstep.moe.buckets`), gathered across TP/EP ranks one layer at
         a time. A collective: every rank iterates it to the end and gets the same buckets."""
-        return convert.export_hf(self.gpt, self.model_cfg, bucket_bytes)
+        return convert.export_hf(self.chunks, self.model_cfg, bucket_bytes)
 
     # -- pi_gen (loop.max_staleness >= 1; RankActor.gen_logprobs, trainer/versions.py) ------
     def gen_logprobs(self, batch: Batch, versions, mode, step: int, max_staleness: int,

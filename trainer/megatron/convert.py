@@ -49,9 +49,11 @@ class Layout:
 
     @classmethod
     def of_model(cls, model) -> "Layout":
-        """The layout of a built GPTModel (sizes from its config, names from its params)."""
-        c = model.config
-        names = set(model.state_dict().keys())
+        """The layout of a built GPTModel or list of model chunks (sizes from its config,
+        names from its params)."""
+        chunks = as_chunks(model)
+        c = chunks[0].config
+        names = {k for m in chunks for k in m.state_dict().keys()}
         return cls(
             tp=c.tensor_model_parallel_size, ep=c.expert_model_parallel_size,
             etp=c.expert_tensor_parallel_size or c.tensor_model_parallel_size,
@@ -349,16 +351,41 @@ def _ranks() -> tuple[int, int, int]:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def as_chunks(model) -> list:
+    """A GPTModel (maybe DDP-wrapped) as a list of one; a list of model chunks as it is."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def stage_layers(model) -> dict[int, int]:
-    """This pipeline stage's decoder layers: local index -> global layer index."""
+    """This pipeline stage's (or model chunk's) decoder layers: local index -> global layer
+    index. A list of model chunks is refused (their local indices overlap: ask each chunk)."""
+    if isinstance(model, (list, tuple)):
+        raise TypeError("stage_layers takes one model chunk; call it per chunk")
     while not hasattr(model, "decoder") and hasattr(model, "module"):
         model = model.module
     return {j: layer.layer_number - 1 for j, layer in enumerate(model.decoder.layers)}
 
 
+def chunk_state(model, tensors=None) -> dict[str, Tensor]:
+    """Whole-model names -> this rank's tensors over all its model chunks (`tensors`: one
+    mapping of local names per chunk, default each chunk's state dict)."""
+    chunks = as_chunks(model)
+    if tensors is None:
+        tensors = [m.state_dict() for m in chunks]
+    elif not isinstance(tensors, (list, tuple)):
+        tensors = [tensors]
+    if len(tensors) != len(chunks):
+        raise ValueError(f"{len(tensors)} tensor mappings for {len(chunks)} model chunks")
+    out: dict[str, Tensor] = {}
+    for m, t in zip(chunks, tensors):
+        out.update(global_names(m, t))
+    return out
+
+
 def global_names(model, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """`tensors` keyed by this stage's local megatron names -> keyed by whole-model names
-    (`decoder.layers.{j}` of stage p is layer j + p * layers-per-stage); PP=1: unchanged."""
+    """`tensors` keyed by this stage's (or model chunk's) local megatron names -> keyed by
+    whole-model names (`decoder.layers.{j}` of a chunk is its j-th layer's global index);
+    PP=1: unchanged. For all chunks of a rank at once: `chunk_state`."""
     g = stage_layers(model)
 
     def rename(k: str) -> str:
@@ -372,7 +399,12 @@ def load_hf_into_megatron(model, hf: Mapping[str, Tensor], cfg: ModelConfig) -> 
     layers, embedding on the first stage, final norm / LM head on the last), one tensor at a
     time: only this shard's tensors are read from `hf` (`hf_to_megatron_items`; a `LazyHF`
     then reads the shard from disk, not the model). Every tensor is checked; a mismatch
-    raises after the pass, naming every tensor not produced, not expected or mis-shaped."""
+    raises after the pass, naming every tensor not produced, not expected or mis-shaped.
+    `model` may be a list of model chunks (virtual pipeline): each reads its own layers."""
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            load_hf_into_megatron(chunk, hf, cfg)
+        return
     lay = Layout.of_model(model)
     tp_rank, ep_rank, etp_rank = _ranks()
     own = global_names(model, model.state_dict())
@@ -402,15 +434,13 @@ def megatron_to_hf_state_dict(model, cfg: ModelConfig,
     """Full HF state dict from a (possibly sharded) GPTModel; a collective over the world.
 
     `tensors` replaces the weights with same-named, same-shaped tensors of this rank (e.g.
-    gradients). Gathers every rank's shard with all_gather_object (CPU copies): meant for
+    gradients; a list of one mapping per chunk when `model` is a list of model chunks). Gathers every rank's shard with all_gather_object (CPU copies): meant for
     checkpoint export of small models and for tests, not for streaming a large model.
     """
     import torch.distributed as dist
 
     lay = Layout.of_model(model)
-    if tensors is None:
-        tensors = model.state_dict()
-    local = {k: v.detach().cpu() for k, v in global_names(model, tensors).items()}
+    local = {k: v.detach().cpu() for k, v in chunk_state(model, tensors).items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (_ranks(), local))
     shards: dict = {}
@@ -426,13 +456,14 @@ def export_hf(model, cfg: ModelConfig, bucket_bytes: int):
 
     Gathered one part at a time (embedding / final norm / LM head, then each decoder layer):
     a rank never holds more than one layer of every rank's shards plus the current bucket.
+    `model` may be a list of model chunks (virtual pipeline).
     """
     import torch.distributed as dist
 
     from lockstep.moe.buckets import bucketize
 
     lay = Layout.of_model(model)
-    local = global_names(model, model.state_dict())
+    local = chunk_state(model)
     ranks = _ranks()
 
     def gathered(mine: dict[str, Tensor]) -> dict[tuple[int, int, int], dict[str, Tensor]]:

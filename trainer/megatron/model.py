@@ -60,7 +60,9 @@ class MegatronOptions:
     seed: int = 1234
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
     virtual_pipeline_parallel: int | None = None
-    """Virtual pipeline stages (interleaved 1F1B); only None / 1 (refused otherwise, below)."""
+    """Virtual pipeline stages (model chunks) per PP stage, megatron-core's interleaved 1F1B
+    schedule; None / 1 = one chunk per stage. Stage p's chunk c holds the layers
+    (c * PP + p) * n .. with n = layers / (PP x VPP)."""
     logprob_chunk_tokens: int = 1024
     """TP > 1: tokens per chunk of the vocabulary-parallel log-prob kernel (logprob.py); a
     chunk holds [chunk, V/TP] fp32 logits per rank (TP = 1 uses actor.logprob_chunk)."""
@@ -81,15 +83,14 @@ class MegatronOptions:
                               f"expert_parallel=1 must equal tensor_parallel="
                               f"{self.tensor_parallel}: megatron-core would not sum the "
                               "expert gradients over the ranks that share an expert")
-        if self.virtual_pipeline_parallel not in (None, 1):
-            raise ConfigError(
-                f"megatron.virtual_pipeline_parallel={self.virtual_pipeline_parallel!r} is not "
-                "supported: the megatron actor builds one model chunk per pipeline stage, and "
-                "interleaving needs a list of chunks through megatron-core's interleaved "
-                "schedule (one data iterator per chunk), a replay session and route slice per "
-                "chunk (a stage's MoE layers are then no longer one contiguous part of the "
-                "routes' layer axis), and the HF export and checkpoints over chunks; use "
-                "pipeline_parallel alone")
+        vpp = self.virtual_pipeline_parallel
+        if vpp is not None and (not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1):
+            raise ConfigError(f"megatron.virtual_pipeline_parallel must be a positive integer "
+                              f"or null, got {vpp!r}")
+        if self.vpp > 1 and self.pipeline_parallel < 2:
+            raise ConfigError(f"megatron.virtual_pipeline_parallel={vpp} needs "
+                              f"pipeline_parallel >= 2 (got {self.pipeline_parallel}): virtual "
+                              "stages interleave the chunks of several pipeline stages")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"megatron.params_dtype {self.params_dtype!r} is not one of "
                               "'float32', 'bfloat16', 'float16'")
@@ -119,6 +120,11 @@ class MegatronOptions:
             else self.expert_tensor_parallel
 
     @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline stage (1 = no virtual pipeline)."""
+        return self.virtual_pipeline_parallel or 1
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.params_dtype)
 
@@ -133,9 +139,7 @@ def check_layout(opts: MegatronOptions, world: int, on_gpu: bool,
     f = "actor.megatron."
     if cfg is not None:
         check_supported(cfg)
-        if cfg.num_hidden_layers % pp:
-            raise ConfigError(f"model.num_hidden_layers={cfg.num_hidden_layers} is not divisible "
-                              f"by {f}pipeline_parallel={pp} (stages hold equal layer counts)")
+        check_stage_layers(cfg, opts, "model.", f)
     if world % (tp * pp):
         raise ConfigError(f"{f}tensor_parallel={tp} x {f}pipeline_parallel={pp} does not divide "
                           f"the {world} actor ranks (cluster.actor_ranks)")
@@ -157,6 +161,27 @@ def check_layout(opts: MegatronOptions, world: int, on_gpu: bool,
                           "row (and packed by actor.max_tokens_per_micro_batch), so counts "
                           f"differ; use {f}token_dispatcher=alltoall (with "
                           f"{f}expert_tensor_parallel=1 on CPU)")
+
+
+def check_stage_layers(cfg: ModelConfig, opts: MegatronOptions, model: str = "",
+                       f: str = "megatron.") -> None:
+    """The decoder layers must split evenly over PP stages x VPP chunks."""
+    pp, vpp, L = opts.pipeline_parallel, opts.vpp, cfg.num_hidden_layers
+    if vpp == 1 and L % pp:
+        raise ConfigError(f"{model}num_hidden_layers={L} is not divisible by "
+                          f"{f}pipeline_parallel={pp} (stages hold equal layer counts)")
+    if vpp > 1 and L % (pp * vpp):
+        raise ConfigError(f"{model}num_hidden_layers={L} is not divisible by "
+                          f"{f}pipeline_parallel={pp} x {f}virtual_pipeline_parallel={vpp} "
+                          "(every model chunk holds the same number of layers)")
+
+
+def chunk_layers(cfg: ModelConfig, opts: MegatronOptions, pp_rank: int) -> list[list[int]]:
+    """Global decoder layers of each model chunk of pipeline stage `pp_rank` (megatron-core's
+    interleaved assignment: chunk c of stage p holds layers (c * PP + p) * n + 0 .. n-1)."""
+    pp, vpp = opts.pipeline_parallel, opts.vpp
+    n = cfg.num_hidden_layers // (pp * vpp)
+    return [list(range((c * pp + pp_rank) * n, (c * pp + pp_rank + 1) * n)) for c in range(vpp)]
 
 
 def te_available() -> bool:
@@ -255,9 +280,7 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         raise ConfigError(f"num_experts={cfg.num_experts} is not divisible by "
                           f"expert_parallel={opts.expert_parallel}")
     pp = opts.pipeline_parallel
-    if cfg.num_hidden_layers % pp:
-        raise ConfigError(f"num_hidden_layers={cfg.num_hidden_layers} is not divisible by "
-                          f"megatron.pipeline_parallel={pp} (stages hold equal layer counts)")
+    check_stage_layers(cfg, opts)
     if pp > 1 and cfg.tie_word_embeddings:
         raise ConfigError("megatron.pipeline_parallel > 1 with tie_word_embeddings: the first and "
                           "last stage would each hold a copy of the embedding, which lockstep's "
@@ -333,11 +356,19 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         expert_tensor_parallel_size=opts.etp,
         sequence_parallel=opts.tensor_parallel > 1,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=opts.vpp if opts.vpp > 1 else None,
         pipeline_dtype=dtype if pp > 1 else None,
         # micro-batches of unequal rows (the last one of a batch) travel between stages
         variable_seq_lengths=pp > 1,
         # the batched p2p path calls torch.cuda.synchronize() (p2p_communication.py)
         batch_p2p_sync=on_gpu,
+        # virtual pipeline: with PP=2 the previous and next stage are the same rank, and a
+        # batched exchange (one call sending an activation forward and a gradient back)
+        # would pair messages by order, not direction; the overlapped path keeps the two
+        # directions on two process groups (p2p_communication._p2p_ops) and sends each
+        # direction in a call of its own
+        overlap_p2p_comm=opts.vpp > 1,
+        batch_p2p_comm=opts.vpp == 1,
         # precision and kernels
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -370,8 +401,10 @@ def check_replay_compatible(tc) -> None:
                                 "token dropping runs after replay and drops replayed routes")
 
 
-def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc=None):
-    """A megatron-core GPTModel for `cfg` on the current parallel state (one PP stage).
+def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc=None,
+                    vp_stage: int | None = None):
+    """A megatron-core GPTModel for `cfg` on the current parallel state (one PP stage, or its
+    model chunk `vp_stage` under a virtual pipeline: `build_model_chunks` builds them all).
 
     `tc` overrides the TransformerConfig derived from `cfg`/`opts` (checked all the same).
     Weights are megatron-core's random init; load real ones with `convert.load_hf_into_megatron`.
@@ -388,11 +421,16 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
 
     if getattr(tc, "multi_latent_attention", False) and not use_te:
         _patch_local_mla()
-    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=use_te, normalization="RMSNorm")
+    vp = tc.virtual_pipeline_model_parallel_size is not None
+    if vp and vp_stage is None:
+        raise ValueError("a virtual pipeline model needs vp_stage (use build_model_chunks)")
+    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=use_te, normalization="RMSNorm",
+                                      vp_stage=vp_stage if vp else None)
     pp = tc.pipeline_model_parallel_size > 1
+    stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vp else {}
     return GPTModel(
-        pre_process=ps.is_pipeline_first_stage() if pp else True,
-        post_process=ps.is_pipeline_last_stage() if pp else True,
+        pre_process=ps.is_pipeline_first_stage(**stage) if pp else True,
+        post_process=ps.is_pipeline_last_stage(**stage) if pp else True,
         config=tc,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
@@ -402,7 +440,20 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=True,
+        vp_stage=vp_stage if vp else None,
     )
+
+
+def build_model_chunks(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc=None
+                       ) -> list:
+    """This rank's model chunks: one GPTModel per virtual pipeline stage (a list of one
+    without a virtual pipeline). Chunk 0 of the first stage holds the embedding, the last
+    chunk of the last stage the final norm and LM head."""
+    opts = opts or MegatronOptions()
+    tc = tc if tc is not None else transformer_config(cfg, opts)
+    if opts.vpp == 1:
+        return [build_gpt_model(cfg, opts, tc=tc)]
+    return [build_gpt_model(cfg, opts, tc=tc, vp_stage=c) for c in range(opts.vpp)]
 
 
 def _patch_local_mla() -> None:
@@ -453,6 +504,7 @@ def initialize_parallel(opts: MegatronOptions) -> None:
         expert_model_parallel_size=opts.expert_parallel,
         expert_tensor_parallel_size=opts.etp,
         pipeline_model_parallel_size=opts.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=opts.vpp if opts.vpp > 1 else None,
     )
     model_parallel_cuda_manual_seed(opts.seed)
 

@@ -1,0 +1,119 @@
+"""Virtual pipeline (megatron-core's interleaved 1F1B schedule): PP=2 x VPP=2 on 2 gloo
+processes gives the one-process torch actor's log-probs, R3 / R2 routes (each model chunk's
+replay adapter runs exactly its own MoE layers' slice of [B, T, L, K]), gradients, metrics,
+the step, the HF export and the rank state round trip.
+
+Layers of the 4-layer toy (layer 1 dense): stage 0 holds chunks [layer 0], [layer 2], stage 1
+[layer 1 (dense: no MoE layer)], [layer 3] -> stage 0's chunks replay L = 0 and 1, stage 1's
+second chunk L = 2.
+"""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
+from lockstep.moe.model import MoEModel  # noqa: E402
+
+from test_megatron_parallel import (TOL, _actor_cfg, _actor_step, _batch, _cfg,  # noqa: E402
+                                    _free_port)
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+VPP = dict(pipeline_parallel=2, virtual_pipeline_parallel=2)
+
+
+def _worker(rank: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from lockstep.trainer.megatron import convert
+    from lockstep.trainer.megatron.actor import MegatronActor
+    from lockstep.trainer.megatron.model import MegatronOptions
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    data = torch.load(path)
+    from lockstep.moe.config import ModelConfig
+    cfg, sd = ModelConfig.from_hf_dict(data["cfg"]), data["sd"]
+    model = MoEModel(cfg)
+    load_hf_state_dict(model, sd)
+    actor = MegatronActor(model, _actor_cfg(), total_updates=2,
+                          options=MegatronOptions(**VPP))
+    chunks = [sorted(convert.stage_layers(m).values()) for m in actor.chunks]
+    slices = [(s.start, s.stop) for s in actor.moe_slices]
+    exported = {k: v.clone() for b in actor.export_weights(1 << 12) for k, v in b}
+    out = dict(chunks=chunks, slices=slices,
+               export_exact=set(exported) == set(sd)
+               and all(torch.equal(exported[k], sd[k]) for k in sd))
+    state = actor.rank_state() if hasattr(actor, "rank_state") else actor.state_dict()
+    out.update(_actor_step(actor, _batch(data), data["adv"]))
+    out["state_keys"] = len(state)
+    torch.save(out, f"{path}.rank{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_pp2_vpp2_matches_torch_actor(tmp_path):
+    cfg = _cfg()
+    torch.manual_seed(0)
+    ref_model = MoEModel(cfg)
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.5 if "gate" in n and "proj" not in n else 0.1)
+    sd = {k: v.detach().clone() for k, v in hf_state_dict(ref_model).items()}
+    B, T, L, K = 4, 7, cfg.num_moe_layers, cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (B, T), generator=g)
+    lens = torch.tensor([7, 5, 6, 3])
+    t_T = torch.arange(T)
+    ids[t_T[None] >= lens[:, None]] = 0
+    valid = t_T[None] < (lens[:, None] - 1)
+    routes = torch.rand(B, T, L, cfg.num_experts, generator=g).argsort(-1)[..., :K]
+    routes[~valid] = 0
+    routes = routes.to(torch.uint8)
+    path = str(tmp_path / "inputs.pt")
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    torch.save(dict(cfg=cfg.to_hf_dict(), sd=sd, ids=ids, routes=routes, valid=valid,
+                    lens=lens, adv=adv), path)
+    mp.spawn(_worker, args=(_free_port(), path), nprocs=2, join=True)
+
+    from lockstep.trainer.actor import TorchActor
+    batch = _batch(torch.load(path))
+    ref = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),
+                      batch, adv)
+    got = [torch.load(f"{path}.rank{r}") for r in range(2)]
+    assert [g["chunks"] for g in got] == [[[0], [2]], [[1], [3]]]
+    assert [g["slices"] for g in got] == [[(0, 1), (1, 2)], [(0, 0), (2, 3)]]
+    scored = torch.cat([torch.zeros(B, 1, dtype=torch.bool), valid[:, :-1]], 1)
+    real = batch.token_mask_BT
+    for rank, res in enumerate(got):
+        assert res["export_exact"], rank
+        # R3: every layer of every chunk ran the given routes (both ranks hold all layers'
+        # results after the pipeline sum), and the log-probs are the torch actor's
+        assert torch.equal(res["routes_before"][valid], routes[valid]), rank
+        assert torch.equal(res["used"][valid], routes[valid]), rank
+        for k in ("lp_before", "lp_natural", "r2_lp"):
+            err = (res[k] - ref[k])[scored].abs().max()
+            assert err <= TOL, f"rank {rank}: {k} differs by {err}"
+        # R2: recorded = the torch actor's natural routes, replaying them runs them
+        assert torch.equal(res["recorded"].sort(-1).values[real],
+                           ref["recorded"].sort(-1).values[real]), rank
+        assert torch.equal(res["r2_routes"][real], res["recorded"][real]), rank
+        scale = max(x.abs().max() for x in ref["grads"].values())
+        diff, key = max(((res["grads"][k] - ref["grads"][k]).abs().max(), k)
+                        for k in ref["grads"])
+        assert diff <= 1e-5 * scale, f"rank {rank}: grads: {diff} ({key})"
+        for k in ("loss/pg", "actor/grad_norm", "actor/aux_loss"):
+            a, b = ref["metrics"][k], res["metrics"][k]
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (rank, k, a, b)
+        err = (res["lp_after"] - ref["lp_after"])[scored].abs().max()
+        assert err <= 1e-3, f"rank {rank}: log-probs after the step: {err}"
+        diff = max((res["weights"][k] - ref["weights"][k]).abs().max() for k in ref["weights"])
+        assert diff <= 0.1 * _actor_cfg().lr, f"rank {rank}: weights after the step: {diff}"
