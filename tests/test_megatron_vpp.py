@@ -89,8 +89,6 @@ def test_pp2_vpp2_matches_torch_actor(tmp_path):
     ref = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),
                       batch, adv)
     got = [torch.load(f"{path}.rank{r}") for r in range(2)]
-    assert [g["chunks"] for g in got] == [[[0], [2]], [[1], [3]]]
-    assert [g["slices"] for g in got] == [[(0, 1), (1, 2)], [(0, 0), (2, 3)]]
     scored = torch.cat([torch.zeros(B, 1, dtype=torch.bool), valid[:, :-1]], 1)
     real = batch.token_mask_BT
     for rank, res in enumerate(got):
@@ -117,3 +115,37 @@ def test_pp2_vpp2_matches_torch_actor(tmp_path):
         assert err <= 1e-3, f"rank {rank}: log-probs after the step: {err}"
         diff = max((res["weights"][k] - ref["weights"][k]).abs().max() for k in ref["weights"])
         assert diff <= 0.1 * _actor_cfg().lr, f"rank {rank}: weights after the step: {diff}"
+    # the chunks hold megatron-core's interleaved layers, each replaying its own L slice
+    assert [g["chunks"] for g in got] == [[[0], [2]], [[1], [3]]]
+    assert [g["slices"] for g in got] == [[(0, 1), (1, 2)], [(0, 0), (2, 3)]]
+
+
+def test_pp2_vpp2_group_matches_one_process(cluster, tmp_path):
+    """`--set actor.megatron.pipeline_parallel=2 --set actor.megatron.virtual_pipeline_parallel=2`
+    on 2 Ray ranks (4 layers: 1 per chunk): 3 RL steps of the toy R3 config give the
+    one-process run's metrics and pushed weights within the group tolerance
+    (docs/cluster.md), routes replayed without a mismatch on every step."""
+    from test_megatron_group import _export, _trainer
+    from test_megatron_group4 import TOLERANCE
+
+    one = _trainer(tmp_path, "one")
+    want = [one.step(s) for s in (1, 2, 3)]
+    want_w = _export(one.actor)
+    group = _trainer(tmp_path, "vpp", "cluster.actor_ranks=2",
+                     "actor.megatron.pipeline_parallel=2",
+                     "actor.megatron.virtual_pipeline_parallel=2")
+    try:
+        got = [group.step(s) for s in (1, 2, 3)]
+        got_w = _export(group.actor)
+    finally:
+        group.actor.close()
+    for a, b in zip(want, got):
+        assert b["replay/mismatch"] == 0.0 and a["actor/grad_norm"] > 0
+        assert b["routing/num_tokens"] == a["routing/num_tokens"]
+        for k, (rtol, atol) in {**TOLERANCE, "actor/aux_loss": (1e-3, 0.0)}.items():
+            assert abs(a[k] - b[k]) <= rtol * abs(a[k]) + atol, (k, a[k], b[k])
+    lr = one.cfg.actor.lr
+    assert set(got_w) == set(want_w)
+    diff = max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w)
+    print(f"PP=2 x VPP=2 group: pushed weights after 3 RL steps differ by {diff:.2e}")
+    assert diff <= lr / 10

@@ -236,6 +236,11 @@ class MegatronActor(RankActor):
         # each chunk's MoE layers, as a slice of the L axis of [B, T, L, K] routes (under a
         # virtual pipeline a stage's chunks are not next to each other)
         self.moe_slices = [moe_slice(mcfg, convert.stage_layers(m)) for m in self.chunks]
+        # where each chunk's routes run / natural top-k go back: the L index of each router's
+        # own decoder layer (its megatron-core layer_number), independent of the slice above
+        moe_index = {i: j for j, i in enumerate(mcfg.moe_layer_ids)}
+        self.moe_written = [torch.tensor([moe_index[i] for i in r.decoder_layers],
+                                         dtype=torch.long) for r in self.replays]
         self.last_chunk = self.chunks[-1]  # holds the LM head on the last stage
         self._update_lp = torch.zeros(0)
         # MoE layers exchange tokens over EP x ETP ranks; more than TP of them = other DP ranks

@@ -161,6 +161,12 @@ class RouteReplay:
     def num_layers(self) -> int:
         return len(self.routers)
 
+    @property
+    def decoder_layers(self) -> list[int]:
+        """Global 0-based decoder layer of each router (megatron-core's `layer_number` - 1),
+        in the order of `routers`: where the routes this model ran belong."""
+        return [m.layer_number - 1 for m in self.router_modules]
+
     def _tp_rank_and_group(self):
         from megatron.core import parallel_state as ps
         if self.tp == 1:
