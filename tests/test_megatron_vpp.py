@@ -23,7 +23,7 @@ from lockstep.moe.model import MoEModel  # noqa: E402
 from test_megatron_parallel import (TOL, _actor_cfg, _actor_step, _batch, _cfg,  # noqa: E402
                                     _free_port)
 
-pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+pytestmark = [pytest.mark.megatron]
 
 VPP = dict(pipeline_parallel=2, virtual_pipeline_parallel=2)
 
@@ -59,6 +59,21 @@ def _worker(rank: int, port: int, path: str) -> None:
     dist.destroy_process_group()
 
 
+def test_interleaved_group_size_is_one_megatron_core_accepts():
+    """microbatch_group_size_per_vp_stage: in [PP, M], and M % g is 0 or >= PP (schedules.py
+    raises otherwise); the smallest such g."""
+    from lockstep.trainer.megatron.actor import vp_group_size
+    for pp in (2, 3, 4):
+        for m in range(pp, 20):
+            g = vp_group_size(m, pp)
+            assert pp <= g <= m and (m % g == 0 or m % g >= pp), (pp, m, g)
+            assert all(not (m % h == 0 or m % h >= pp) for h in range(pp, g)), (pp, m, g)
+    assert vp_group_size(4, 2) == 2 and vp_group_size(5, 2) == 3 and vp_group_size(7, 4) == 7
+    with pytest.raises(ValueError, match="1 micro-batches < pipeline_parallel=2"):
+        vp_group_size(1, 2)
+
+
+@pytest.mark.slow
 def test_pp2_vpp2_matches_torch_actor(tmp_path):
     cfg = _cfg()
     torch.manual_seed(0)
@@ -120,6 +135,7 @@ def test_pp2_vpp2_matches_torch_actor(tmp_path):
     assert [g["slices"] for g in got] == [[(0, 1), (1, 2)], [(0, 0), (2, 3)]]
 
 
+@pytest.mark.slow
 def test_pp2_vpp2_group_matches_one_process(cluster, tmp_path):
     """`--set actor.megatron.pipeline_parallel=2 --set actor.megatron.virtual_pipeline_parallel=2`
     on 2 Ray ranks (4 layers: 1 per chunk): 3 RL steps of the toy R3 config give the
