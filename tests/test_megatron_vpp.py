@@ -54,6 +54,7 @@ def _worker(rank: int, port: int, path: str) -> None:
     state = actor.rank_state() if hasattr(actor, "rank_state") else actor.state_dict()
     out.update(_actor_step(actor, _batch(data), data["adv"]))
     out["state_keys"] = len(state)
+    out["ckpt"] = _checkpoint_round_trip(actor, cfg, rank, f"{path}.ckpt")
     torch.save(out, f"{path}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -71,6 +72,34 @@ def test_interleaved_group_size_is_one_megatron_core_accepts():
     assert vp_group_size(4, 2) == 2 and vp_group_size(5, 2) == 3 and vp_group_size(7, 4) == 7
     with pytest.raises(ValueError, match="1 micro-batches < pipeline_parallel=2"):
         vp_group_size(1, 2)
+
+
+def _checkpoint_round_trip(actor, cfg, rank: int, folder: str) -> dict:
+    """The group's checkpoint path (trainer/actor_ckpt.py: HF-named Adam moments written by
+    the ranks) over model chunks: write, wipe this rank's moments, load them back."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from lockstep.trainer.actor_ckpt import _adam_states, actor_load, actor_parts, write_parts
+
+    parts, state = actor_parts(actor, rank, 2)
+    write_parts(Path(folder), parts, cfg)
+    dist.barrier()
+    adam = {k: o.state[main] for k, (o, main) in _adam_states(actor).items()
+            if o.state.get(main)}
+    before = {k: (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for k, s in adam.items()}
+    for s in adam.values():
+        s["exp_avg"].zero_()
+        s["exp_avg_sq"].zero_()
+    actor_load(actor, Path(folder), state)
+    adam = {k: o.state[main] for k, (o, main) in _adam_states(actor).items()
+            if o.state.get(main)}
+    n_params = sum(1 for m in actor.chunks for _ in m.parameters())
+    return dict(params=n_params, with_state=len(before),
+                exact=set(adam) == set(before) and all(
+                    torch.equal(adam[k]["exp_avg"], a) and torch.equal(adam[k]["exp_avg_sq"], b)
+                    and a.abs().sum() > 0 for k, (a, b) in before.items()))
 
 
 @pytest.mark.slow
@@ -108,6 +137,10 @@ def test_pp2_vpp2_matches_torch_actor(tmp_path):
     real = batch.token_mask_BT
     for rank, res in enumerate(got):
         assert res["export_exact"], rank
+        # the checkpoint's Adam moments (HF-named, written by the ranks) load back into
+        # every chunk's parameters
+        ck = res["ckpt"]
+        assert ck["exact"] and ck["with_state"] == ck["params"] > 0, (rank, ck)
         # R3: every layer of every chunk ran the given routes (both ranks hold all layers'
         # results after the pipeline sum), and the log-probs are the torch actor's
         assert torch.equal(res["routes_before"][valid], routes[valid]), rank

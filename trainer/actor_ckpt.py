@@ -215,8 +215,8 @@ def megatron_parts(actor) -> tuple[Iterator[Part], dict]:
 
     from lockstep.trainer.megatron import convert
 
-    gpt, cfg = actor.gpt, actor.model_cfg
-    lay = convert.Layout.of_model(gpt)
+    cfg = actor.model_cfg
+    lay = convert.Layout.of_model(_chunks(actor))
     local = {k: v for m in _chunks(actor) for k, v in convert.global_names(m, m.state_dict()).items()}
     adam = _adam_states(actor)
     steps = []
@@ -292,8 +292,8 @@ def megatron_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], stat
     built from them, but in 16 bits; `weights()` gives the HF-named weights, read only then)."""
     from lockstep.trainer.megatron import convert
 
-    gpt, cfg = actor.gpt, actor.model_cfg
-    lay = convert.Layout.of_model(gpt)
+    cfg = actor.model_cfg
+    lay = convert.Layout.of_model(_chunks(actor))
     tp, ep, etp = convert._ranks()
     adam = _adam_states(actor)
     step = state.get("step")
@@ -333,8 +333,13 @@ def megatron_load(actor, moments: Mapping[str, Mapping[str, torch.Tensor]], stat
 
 
 # -- dispatch --------------------------------------------------------------------------------
+def _is_megatron(actor) -> bool:
+    # `chunks`: a virtual pipeline's actor has no single `gpt` (it raises AttributeError)
+    return hasattr(actor, "chunks") or hasattr(actor, "gpt")
+
+
 def actor_parts(actor, rank: int = 0, world: int = 1) -> tuple[Iterator[Part], dict]:
-    if hasattr(actor, "gpt"):
+    if _is_megatron(actor):
         return megatron_parts(actor)
     return torch_parts(actor, rank, world)
 
@@ -342,7 +347,7 @@ def actor_parts(actor, rank: int = 0, world: int = 1) -> tuple[Iterator[Part], d
 def actor_load(actor, folder: Path, state: dict) -> None:
     """Restore `actor`'s optimiser state from checkpoint `folder` (its `optim/` moments)."""
     moments = {m: _hf_mapping(folder / OPTIM / m) for m in MOMENTS}
-    if hasattr(actor, "gpt"):
+    if _is_megatron(actor):
         megatron_load(actor, moments, state, weights=lambda: _hf_mapping(folder / "hf"))
     else:
         torch_load(actor, moments, state)
