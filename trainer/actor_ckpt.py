@@ -438,7 +438,7 @@ def write_in_process(folder: Path, actor, cfg: ModelConfig, tokenizer=None) -> d
 # -- layouts ---------------------------------------------------------------------------------
 LAYOUT_KEYS = ("cluster.actor_ranks", "actor.megatron.tensor_parallel",
                "actor.megatron.expert_parallel", "actor.megatron.expert_tensor_parallel",
-               "actor.megatron.pipeline_parallel")
+               "actor.megatron.pipeline_parallel", "actor.megatron.virtual_pipeline_parallel")
 """Config keys a checkpoint may be resumed across (left out of the run hash)."""
 
 
@@ -446,7 +446,8 @@ def without_layout(cfg) -> dict:
     """`cluster` and `actor` sections of `cfg` with the LAYOUT_KEYS at their defaults."""
     import dataclasses
     m = dataclasses.replace(cfg.actor.megatron, tensor_parallel=1, expert_parallel=1,
-                            expert_tensor_parallel=None, pipeline_parallel=1)
+                            expert_tensor_parallel=None, pipeline_parallel=1,
+                            virtual_pipeline_parallel=None)
     return {"cluster": dataclasses.replace(cfg.cluster, actor_ranks=1),
             "actor": dataclasses.replace(cfg.actor, megatron=m)}
 
