@@ -24,9 +24,14 @@ from model_fixtures import tiny_config
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+# a sigmoid router with an expert bias: the bias is a buffer (a weight without optimiser state)
+BIASED = dict(model_type="glm4_moe", router="sigmoid", expert_bias=True, norm_topk_prob=True)
+
+
 def _stepped_actor(seed: int = 0, steps: int = 2) -> TorchActor:
     torch.manual_seed(seed)
-    actor = TorchActor(MoEModel(tiny_config()), ActorConfig(lr=1e-2, warmup_steps=3), 10)
+    actor = TorchActor(MoEModel(tiny_config(**BIASED)), ActorConfig(lr=1e-2, warmup_steps=3),
+                       10)
     for _ in range(steps):  # real AdamW steps on random gradients
         for p in actor.master.parameters():
             p.grad = torch.randn_like(p)
@@ -45,6 +50,9 @@ def test_torch_adam_state_round_trips_through_hf_named_moments(tmp_path):
     state, _ = src.write_checkpoint(tmp_path)
     exp_avg = read_hf_state_dict(tmp_path / "optim/exp_avg")
     assert set(exp_avg) == set(read_hf_state_dict(tmp_path / "hf"))
+    bias = [k for k in exp_avg if k.endswith("e_score_correction_bias")]
+    assert bias and sorted(state["no_state"]) == sorted(bias)  # zeros, marked stateless
+    assert all(not exp_avg[k].any() for k in bias)
     dst = _stepped_actor(seed=1, steps=1)  # other moments, another step count
     dst.load_checkpoint(tmp_path, state)
     for a, b in zip(_opt_state(src), _opt_state(dst)):

@@ -102,12 +102,13 @@ def _check_adam(state: dict, where: str) -> None:
 def _hf_views(model, per_param: Mapping[torch.nn.Parameter, torch.Tensor]) -> dict[str, torch.Tensor]:
     """For every HF name whose parameter has a tensor in `per_param` (same shape and strides
     as the parameter), the same view of that tensor as `hf_state_dict(model)` takes of the
-    parameter (e.g. expert e's gate rows of the stacked gate_up_proj)."""
+    parameter (e.g. expert e's gate rows of the stacked gate_up_proj). Buffers (the expert
+    bias) have no optimiser state and are left out."""
     by_storage = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
     out = {}
     for name, v in hf_state_dict(model).items():
-        p = by_storage[v.untyped_storage().data_ptr()]
-        t = per_param.get(p)
+        p = by_storage.get(v.untyped_storage().data_ptr())
+        t = None if p is None else per_param.get(p)
         if t is None:
             continue
         if t.shape != p.shape or t.stride() != p.stride():
