@@ -12,10 +12,13 @@ decode step, so a new wait on the device in the step fails the bound below.
 """
 
 import copy
+import sys
 from collections import Counter
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -64,6 +67,76 @@ class audited:
     def __exit__(self, *exc):
         self.audit.__exit__(*exc)
         torch.set_default_device(None)
+
+
+# pass-through frames: torch itself, and the CPU bridge's stand-ins for megatron-core's
+# `device="cuda"` factories (the device is chosen by megatron-core, their caller)
+PASS_THROUGH = ("torch", "lockstep.trainer.megatron.cpu_bridge")
+
+
+def _caller_module(depth: int = 2) -> str:
+    """`__name__` of the first calling frame outside `PASS_THROUGH`."""
+    f = sys._getframe(depth)
+    while f is not None and f.f_globals.get("__name__", "").startswith(PASS_THROUGH):
+        f = f.f_back
+    return "" if f is None else f.f_globals.get("__name__", "")
+
+
+class LockstepMeta(TorchFunctionMode):
+    """`torch.set_default_device("meta")` for lockstep's own code only: a tensor factory
+    (`torch.zeros`, `torch.tensor`, ...) called from a `lockstep.*` module without `device=`
+    makes a meta tensor. megatron-core's internals keep torch's default (its CPU fallbacks of
+    fused GPU kernels, e.g. the local grad-norm, make host tensors that are not ours to fix)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None \
+                and _caller_module().startswith("lockstep."):
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+class lockstep_audited:
+    """`with lockstep_audited() as audit:` LockstepMeta + DeviceAudit."""
+
+    def __enter__(self) -> DeviceAudit:
+        self.audit, self.meta = DeviceAudit(), LockstepMeta()
+        self.meta.__enter__()
+        self.audit.__enter__()
+        return self.audit
+
+    def __exit__(self, *exc):
+        self.audit.__exit__(*exc)
+        self.meta.__exit__(*exc)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single")
+
+
+class collective_devices:
+    """`with collective_devices() as seen:` records (collective, devices of its tensors,
+    calling module) for every tensor collective of `torch.distributed` while inside."""
+
+    def __enter__(self) -> list:
+        import torch.distributed as dist
+        self.seen, self.saved = [], {n: getattr(dist, n) for n in COLLECTIVES}
+
+        def wrap(name, fn):
+            def call(*args, **kwargs):
+                devs = {str(t.device) for t in tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)}
+                self.seen.append((name, devs, _caller_module()))
+                return fn(*args, **kwargs)
+            return call
+        for n, fn in self.saved.items():
+            setattr(dist, n, wrap(n, fn))
+        return self.seen
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for n, fn in self.saved.items():
+            setattr(dist, n, fn)
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +248,43 @@ def test_pi_gen_makes_no_tensor_off_its_device():
     assert torch.equal(gen[1::2], old.logprobs_BT[1::2])
     assert torch.allclose(gen[0::2], want[0::2], atol=1e-6, rtol=0)
     assert float((gen[0::2] - old.logprobs_BT[0::2]).abs().max()) > 1e-3
+
+
+@pytest.mark.megatron
+def test_megatron_actor_makes_no_tensor_off_its_device():
+    """The in-process MegatronActor (gloo world of one) through the rank interface: old
+    log-probs (R2), the dump's actor fields, pi_gen of a stale version, the update with the
+    load-balancing loss, the weight export. Every tensor lockstep's code makes names its
+    device (`LockstepMeta`), every tensor collective it runs gets device tensors, and what
+    goes back to the driver is on the host."""
+    pytest.importorskip("megatron.core")
+    from lockstep.replay import ReplayMode
+    from lockstep.trainer.correction import CorrectionConfig
+    from lockstep.trainer.losses import LossConfig
+    from lockstep.trainer.megatron.actor import MegatronActor
+    from lockstep.trainer.rank import UpdateInputs
+    from lockstep.trainer.versions import VersionSplit
+    from test_router_families import _actor_batch, make
+    model = make("qwen3_softmax_topk")
+    batch = _actor_batch(model)
+    actor = MegatronActor(model, ActorConfig(mini_batch_size=4, micro_batch_size=2, lr=1e-2,
+                                             aux_loss_coef=0.01), 2)
+    split, mode = VersionSplit(1), ReplayMode.R2
+    mask_BT = batch.response_mask_BT.float()
+    with lockstep_audited() as audit, collective_devices() as seen:
+        old = actor.old_logprobs(batch, mode, 1)
+        split.gen_logprobs(actor, batch, ["0"] * 4, old.logprobs_BT, mode, 1)
+        dump = actor.dump_fields(batch, mode, 1)
+        inputs = UpdateInputs(old.logprobs_BT, torch.linspace(-1, 1, 4, device="cpu")[:, None]
+                              * mask_BT, mask_BT, None, 7, LossConfig(), CorrectionConfig())
+        upd = actor.policy_update(batch, inputs, mode, 1)
+        old = actor.old_logprobs(batch, mode, 2)
+        gen = split.gen_logprobs(actor, batch, ["0", "1", "0", "1"], old.logprobs_BT, mode, 2)
+        weights = [t for bucket in actor.export_weights(1 << 16) for _, t in bucket]
+    assert not audit.strays, dict(audit.strays)
+    ours = [(n, d) for n, d, caller in seen if caller.startswith("lockstep.")]
+    assert all(d == {str(actor.device)} for _, d in ours), ours
+    for t in (old.logprobs_BT, gen, upd.logprobs_BT, *dump.values(), *weights):
+        assert t.device.type == "cpu"
+    assert upd.stats["actor/aux_loss"][0] > 0
+    assert float((gen[0::2] - old.logprobs_BT[0::2]).abs().max()) > 1e-4  # version 0 ran

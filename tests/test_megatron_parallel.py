@@ -185,6 +185,7 @@ def _actor_checks(cfg, sd, data):
     """MegatronActor (EP=2, TP=2) on this rank: log-probs and one R3 update."""
     from lockstep.trainer.megatron.actor import MegatronActor
     from lockstep.trainer.megatron.model import MegatronOptions
+    from test_device import collective_devices, lockstep_audited
 
     out = {}
     for layout, kw in ACTOR_LAYOUTS.items():
@@ -192,7 +193,14 @@ def _actor_checks(cfg, sd, data):
         load_hf_state_dict(model, sd)
         actor = MegatronActor(model, _actor_cfg(**ACTOR_CFG.get(layout, {})), total_updates=2,
                               options=MegatronOptions(**kw))
-        out[layout] = _actor_step(actor, _batch(data), data["adv"])
+        batch = _batch(data)
+        # device audit (tests/test_device.py): every tensor lockstep makes names its device;
+        # every tensor collective lockstep runs (DP / PP sums, micro-batch counts, TP gathers
+        # of routes, the load-balancing statistics) gets tensors on the actor's device
+        with lockstep_audited(), collective_devices() as seen:
+            out[layout] = _actor_step(actor, batch, data["adv"])
+        out[layout]["collectives"] = [(n, sorted(d), str(actor.device)) for n, d, caller in seen
+                                      if caller.startswith("lockstep.")]
     return out
 
 
@@ -295,3 +303,7 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
                             for k in ref["weights"])
             assert diff <= 0.1 * _actor_cfg().lr, \
                 f"actor {layout} rank {rank}: weights after the step: {diff} ({key})"
+            # the DP / PP sums, the expert-parallel micro-batch count, TP's route gathers
+            names = {n for n, _, _ in got["collectives"]}
+            assert "all_reduce" in names, (layout, names)
+            assert all(d == [dev] for _, d, dev in got["collectives"]), got["collectives"]

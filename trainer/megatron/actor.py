@@ -240,9 +240,10 @@ class MegatronActor(RankActor):
         # own decoder layer (its megatron-core layer_number), independent of the slice above
         moe_index = {i: j for j, i in enumerate(mcfg.moe_layer_ids)}
         self.moe_written = [torch.tensor([moe_index[i] for i in r.decoder_layers],
-                                         dtype=torch.long) for r in self.replays]
+                                         dtype=torch.long, device=self.device)
+                            for r in self.replays]
         self.last_chunk = self.chunks[-1]  # holds the LM head on the last stage
-        self._update_lp = torch.zeros(0)
+        self._update_lp = torch.zeros(0, device=self.device)
         # MoE layers exchange tokens over EP x ETP ranks; more than TP of them = other DP ranks
         self._experts_span_dp = self.opts.expert_parallel * self.opts.etp > self.tp
         # log-probs from the final hidden states with a chunked kernel: no [tokens, V/TP]
@@ -320,7 +321,7 @@ class MegatronActor(RankActor):
         T = batch.input_ids_BT.shape[1]
         last = is_last_stage(self.last_chunk)
         metrics: dict[str, float] = {}
-        aux_sum = 0.0
+        aux_sum = torch.zeros((), device=self.device)  # read once, after the schedule
 
         def forward_step(data_iterator, model):
             nonlocal aux_sum
@@ -340,13 +341,13 @@ class MegatronActor(RankActor):
             ids = mb.input_ids_BT.to(self.device)
             out = replay.backward_replays(forward_logits(model, ids))  # hidden if chunked
             if replay.num_layers:
-                rows, at = idx[:, None], self.moe_written[c]
+                rows, at = idx.to(self.device)[:, None], self.moe_written[c]
                 used[rows, :t, at] = replay.used(b, t).transpose(1, 2)
                 nat[rows, :t, at] = replay.natural(b, t).transpose(1, 2)
                 if margin_BTL is not None:
                     margin_BTL[rows, :t, at] = replay.margins(b, t).transpose(1, 2)
             if train and self.aux_coef > 0 and replay.num_layers:
-                aux_sum += float(replay.aux_loss_sum()) * b / mini_size
+                aux_sum += replay.aux_loss_sum() * (b / mini_size)
             if not (last and c == len(self.chunks) - 1):
                 return out, None  # hidden states for the next stage; no loss here
             cand = None if mb.candidates_BTS is None else mb.candidates_BTS[:, 1:].to(self.device)
@@ -358,9 +359,9 @@ class MegatronActor(RankActor):
                     logits = _keep_candidates(logits, cand)
                 lp, ent = token_logprobs_entropy(logits, ids[:, 1:], self.temperature)
             # [b, T] as the loss function takes them: 0 at position 0 and past the trimmed
-            # time; on the CPU like the batch the loss function indexes (a differentiable
-            # copy: the backward pass still reaches the model on its device)
-            lp, ent = (torch.nn.functional.pad(x, (1, T - t)).cpu() for x in (lp, ent))
+            # time; on the actor's device, like the torch actor's (rank.Objective holds its
+            # inputs there)
+            lp, ent = (torch.nn.functional.pad(x, (1, T - t)) for x in (lp, ent))
 
             def loss_func(_output):
                 if not train:
@@ -394,7 +395,7 @@ class MegatronActor(RankActor):
                 seq_length=padded_length(int(batch.seq_lens_B[torch.cat(micro)].max()), self.tp),
                 micro_batch_size=max(len(m) for m in micro), forward_only=not train)
         if train and self.aux_coef > 0:
-            metrics["actor/aux_loss"] = aux_sum
+            metrics["actor/aux_loss"] = float(aux_sum)
         return metrics
 
     def _chunked_logprobs(self, hidden_BTD, targets_BT, cand_BTS):
@@ -446,7 +447,7 @@ class MegatronActor(RankActor):
         if self.cfg.max_tokens_per_micro_batch is not None and self._experts_span_dp:
             # every micro-batch's forward is a collective over the expert-parallel group,
             # whose ranks hold other rows: all ranks run as many micro-batches as the busiest
-            n = torch.tensor([len(micro)])
+            n = torch.tensor([len(micro)], device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             micro = split_to_count(micro, int(n), batch.seq_lens_B)
         return self._vp_micro_batches(micro, batch)
@@ -464,18 +465,23 @@ class MegatronActor(RankActor):
             raise ValueError("replay_mask_BT given without routes_BTLK")
         B, T = batch.input_ids_BT.shape
         L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
-        lp_BT, ent_BT = torch.zeros(B, T), torch.zeros(B, T)
-        nat = torch.zeros(B, T, L, K, dtype=torch.int64)
-        used = torch.zeros(B, T, L, K, dtype=torch.int64)
-        micro = self._micro_batches(self._my_rows(torch.arange(B)), batch)
+        dev = self.device  # written per micro-batch, summed over DP / PP, then to the host
+        lp_BT, ent_BT = torch.zeros(B, T, device=dev), torch.zeros(B, T, device=dev)
+        nat = torch.zeros(B, T, L, K, dtype=torch.int64, device=dev)
+        used = torch.zeros(B, T, L, K, dtype=torch.int64, device=dev)
+        micro = self._micro_batches(self._my_rows(torch.arange(B, device="cpu")), batch)
         self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat, lp_BT=lp_BT,
                   ent_BT=ent_BT, margin_BTL=margin_BTL)
         more = () if margin_BTL is None else (margin_BTL,)
         for x in (lp_BT, ent_BT, used, nat, *more):  # rows over DP, layers / logits over PP
             self._dp_sum(x)
             self._pp_sum(x)
-        return LogprobResult(lp_BT, ent_BT, nat.to(self.route_dtype),
-                             used.to(self.route_dtype) if record else None)
+        return LogprobResult(lp_BT.cpu(), ent_BT.cpu(), self._host_routes(nat),
+                             self._host_routes(used) if record else None)
+
+    def _host_routes(self, x_BTLK: torch.Tensor) -> torch.Tensor:
+        """Routes summed on the device -> compact host tensor (one copy)."""
+        return x_BTLK.to(self.route_dtype).cpu()
 
     # -- update --------------------------------------------------------------------------
     def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
@@ -492,8 +498,8 @@ class MegatronActor(RankActor):
                              f"the data-parallel size {self.dp}")
         if routes_BTLK is None and replay_mask_BT is not None:
             raise ValueError("replay_mask_BT given without routes_BTLK")
-        used = torch.zeros(B, T, L, K, dtype=torch.int64)
-        nat = torch.zeros(B, T, L, K, dtype=torch.int64)
+        used = torch.zeros(B, T, L, K, dtype=torch.int64, device=self.device)
+        nat = torch.zeros(B, T, L, K, dtype=torch.int64, device=self.device)
 
         def step(mini: torch.Tensor) -> dict[str, float]:
             metrics = self._forward_backward(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
@@ -505,7 +511,7 @@ class MegatronActor(RankActor):
         for x in (used, nat):
             self._dp_sum(x)
             self._pp_sum(x)
-        return metrics, used.to(self.route_dtype), nat.to(self.route_dtype)
+        return metrics, self._host_routes(used), self._host_routes(nat)
 
     def _forward_backward(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor,
                           routes_BTLK, replay_mask_BT, used, nat, *, sharded: bool = False,
@@ -515,7 +521,7 @@ class MegatronActor(RankActor):
         loss is computed on the last stage; earlier stages then hand `loss_fn` the same
         log-probs (no grad) so its side effects (the loop keeps them) happen on every rank."""
         micro = self._micro_batches(mini if sharded else self._my_rows(mini), batch)
-        self._update_lp = torch.zeros(batch.input_ids_BT.shape)
+        self._update_lp = torch.zeros(batch.input_ids_BT.shape, device=self.device)
         metrics = self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat,
                             loss_fn=loss_fn, mini=mini,
                             mini_size=self.cfg.mini_batch_size if sharded else len(mini),
@@ -560,8 +566,8 @@ class MegatronActor(RankActor):
         from lockstep.trainer.actor import OPTIMIZER_METRICS
         B, T = batch.input_ids_BT.shape
         L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
-        used = torch.zeros(B, T, L, K, dtype=torch.int64)
-        nat = torch.zeros(B, T, L, K, dtype=torch.int64)
+        used = torch.zeros(B, T, L, K, dtype=torch.int64, device=self.device)
+        nat = torch.zeros(B, T, L, K, dtype=torch.int64, device=self.device)
         norms = self.step_norms(objective.inputs.loss_mask_BT, steps)
         sums: dict[str, float] = {}
         for i, (local, norm) in enumerate(zip(steps, norms)):
@@ -580,7 +586,7 @@ class MegatronActor(RankActor):
         first = float(self.dp_rank == 0)
         stats = {k: (v / len(steps), 1.0 if k in OPTIMIZER_METRICS else first)
                  for k, v in sums.items()}
-        return stats, used.to(self.route_dtype), nat.to(self.route_dtype)
+        return stats, self._host_routes(used), self._host_routes(nat)
 
     @contextlib.contextmanager
     def _shard(self):
@@ -612,7 +618,7 @@ class MegatronActor(RankActor):
         their sequence shards: every rank returns every layer of its DP rank's rows."""
         plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
         B, T = batch.input_ids_BT.shape
-        margin_BTL = torch.zeros(B, T, self.model_cfg.num_moe_layers)
+        margin_BTL = torch.zeros(B, T, self.model_cfg.num_moe_layers, device=self.device)
         with self._shard():
             old = self.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT,
                                 margin_BTL=margin_BTL)
@@ -624,7 +630,7 @@ class MegatronActor(RankActor):
         return {"old_logprobs": old.logprobs_BT.float(), "natural_logprobs": natural.float(),
                 "replayed_logprobs": replayed.float(),
                 "actor_routes": old.natural_BTLK.to(batch.rollout_routes_BTLK.dtype),
-                "router_margin": margin_BTL}
+                "router_margin": margin_BTL.cpu()}
 
     def gradients(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                   replay_mask_BT: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -632,9 +638,9 @@ class MegatronActor(RankActor):
         optimiser step; buffers are zeroed after). For parity checks against the torch model."""
         B, T = batch.input_ids_BT.shape
         L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
-        scratch = torch.zeros(B, T, L, K, dtype=torch.int64)
-        self._forward_backward(batch, loss_fn, torch.arange(B), routes_BTLK, replay_mask_BT,
-                               scratch, scratch.clone())
+        scratch = torch.zeros(B, T, L, K, dtype=torch.int64, device=self.device)
+        self._forward_backward(batch, loss_fn, torch.arange(B, device="cpu"), routes_BTLK,
+                               replay_mask_BT, scratch, scratch.clone())
         grads = [{n: p.main_grad for n, p in m.named_parameters()} for m in self.chunks]
         out = convert.megatron_to_hf_state_dict(self.chunks, self.model_cfg, grads)
         self.optimizer.zero_grad()
@@ -647,7 +653,8 @@ class MegatronActor(RankActor):
         if self.dp == 1 or not metrics:
             return metrics
         names = sorted(metrics)
-        x = self._dp_sum(torch.tensor([metrics[k] for k in names], dtype=torch.float64))
+        x = self._dp_sum(torch.tensor([metrics[k] for k in names], dtype=torch.float64,
+                                      device=self.device))
         return dict(zip(names, x.tolist()))
 
     def _optimizer_step(self) -> dict[str, float]:

@@ -81,7 +81,8 @@ def build_replay_ids(ids_BTLK: Tensor, valid_BT: Tensor, *, num_experts: int) ->
         b, t, l, k = bad.nonzero()[0].tolist()
         raise ValueError(f"sample {b} position {t} MoE layer {l}: expert id {ids[b, t, l, k]} "
                          f"is outside [0, {num_experts})")
-    spread_TK = (torch.arange(T)[:, None] * K + torch.arange(K)) % num_experts
+    t_T, k_K = torch.arange(T, device=ids.device), torch.arange(K, device=ids.device)
+    spread_TK = (t_T[:, None] * K + k_K) % num_experts
     fill = spread_TK[None, :, None, :].expand(B, T, L, K)
     return torch.where(valid_BT[..., None, None], ids, fill)
 
@@ -111,9 +112,10 @@ def to_router_order(ids_BTLK: Tensor, tp: int, tp_rank: int) -> list[Tensor]:
 
 
 def from_router_order(per_layer_NK: list[Tensor], B: int, T: int, tp: int,
-                      tp_group=None, dtype: torch.dtype = torch.int64) -> Tensor:
+                      tp_group=None, dtype: torch.dtype = torch.int64,
+                      device: torch.device | str | None = "cpu") -> Tensor:
     """Inverse of `to_router_order`: recorded local shards -> [B, T, L, K] `dtype` (all
-    ranks)."""
+    ranks) on `device` (None: where the routers ran; the TP gather runs there)."""
     import torch.distributed as dist
 
     if tp > 1:
@@ -125,7 +127,7 @@ def from_router_order(per_layer_NK: list[Tensor], B: int, T: int, tp: int,
         per_layer_NK = gathered
     K = per_layer_NK[0].shape[-1]
     ids_SBLK = torch.stack([x.view(-1, B, K) for x in per_layer_NK], dim=2)
-    return ids_SBLK[:T].transpose(0, 1).to(device="cpu", dtype=dtype).contiguous()
+    return ids_SBLK[:T].transpose(0, 1).to(device=device, dtype=dtype).contiguous()
 
 
 class RouteReplay:
@@ -142,6 +144,7 @@ class RouteReplay:
         self.router_modules = _router_modules(model)
         self.routers = [m.router_replay for m in self.router_modules]
         self.tp = model.config.tensor_model_parallel_size
+        self.device = next(model.parameters()).device  # the routers' device
         self.aux_loss_coef = aux_loss_coef
         self.aux_layers = num_moe_layers or len(self.routers)
         self._mode: Mode | None = None
@@ -257,7 +260,7 @@ class RouteReplay:
 
         E = self.num_experts
         logits_NE = logits.reshape(-1, E)
-        tok_N = self._tokens_N.to(logits_NE.device)
+        tok_N = self._tokens_N
         counts_E = (routing_map_NE & tok_N[:, None]).sum(0).float()
         n = tok_N.sum().float().reshape(1)
         P_E = (torch.softmax(logits_NE.float(), -1) * tok_N[:, None]).sum(0)
@@ -281,7 +284,7 @@ class RouteReplay:
         balancing loss in the gradient (applied as aux * aux_weight per MoE layer)."""
         tp_rank, _ = self._tp_rank_and_group()
         self._tokens_N = None if token_mask_BT is None \
-            else mask_to_router_order(token_mask_BT, self.tp, tp_rank)
+            else mask_to_router_order(token_mask_BT, self.tp, tp_rank).to(self.device)
         self._aux_weight = aux_weight
         self._aux = [None] * self.num_layers
 
@@ -291,7 +294,8 @@ class RouteReplay:
         return torch.stack(vals).sum() if vals else None
 
     def natural(self, B: int, T: int) -> Tensor:
-        """The routers' own top-k in the last forward, int64 [B, T, L, K]."""
+        """The routers' own top-k in the last forward, int64 [B, T, L, K] on the routers'
+        device (as `used` and `margins`)."""
         return self._gather(self._natural, B, T, "natural")
 
     def margins(self, B: int, T: int) -> Tensor:
@@ -311,7 +315,7 @@ class RouteReplay:
             raise RuntimeError(f"{what}() needs an open session after a forward (MoE layers "
                                f"{missing} saw none)")
         _, group = self._tp_rank_and_group()
-        return from_router_order(per_layer, B, T, self.tp, group, dtype)
+        return from_router_order(per_layer, B, T, self.tp, group, dtype, device=None)
 
     def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None) -> None:
         """Routes for the next forward (one micro-batch) in a REPLAY session: the given ids
@@ -328,12 +332,13 @@ class RouteReplay:
             raise ValueError(f"routes have shape {tuple(ids_BTLK.shape)}; expected [B, T, "
                              f"L={self.num_layers}, K] (MoE layers of this model)")
         if valid_BT is None:
-            valid_BT = torch.ones(ids_BTLK.shape[:2], dtype=torch.bool)
-        valid_BT = valid_BT.cpu()
-        full = build_replay_ids(ids_BTLK, valid_BT, num_experts=self.num_experts)
+            valid_BT = torch.ones(ids_BTLK.shape[:2], dtype=torch.bool, device="cpu")
+        valid_BT = valid_BT.cpu()  # checks and masks on the host, the ids to the device once
+        full = build_replay_ids(ids_BTLK.cpu(), valid_BT, num_experts=self.num_experts)
+        full = full.to(self.device)
         tp_rank, _ = self._tp_rank_and_group()
         self._keep_N = None if bool(valid_BT.all()) and full.shape[1] % self.tp == 0 \
-            else mask_to_router_order(valid_BT, self.tp, tp_rank)
+            else mask_to_router_order(valid_BT, self.tp, tp_rank).to(self.device)
         for r, x in zip(self.routers, to_router_order(full, self.tp, tp_rank)):
             r.set_target_indices(x)
             # a previous micro-batch's backward may have left REPLAY_BACKWARD on
