@@ -80,6 +80,10 @@ def test_ranks_parts_cover_the_model_once_and_the_index_names_them(tmp_path):
     assert index["weight_map"] == want and set(whole) == set(want)
     with pytest.raises(Exception, match="parts written"):
         finish(tmp_path, metas[:2], cfg)  # rank 2's parts missing
+    # a rank's file the driver cannot see (no shared storage) is named, not left out
+    next((tmp_path / "hf").glob("model-*.safetensors")).unlink()
+    with pytest.raises(Exception, match="not visible here.*shared storage"):
+        write_manifest(tmp_path, known)
 
 
 SMALL = ["warmstart.enabled=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",

@@ -223,6 +223,11 @@ def write_manifest(folder: str | Path, known: dict[str, dict] | None = None) -> 
             if k is not None and k["bytes"] != size:
                 raise CheckpointError(f"{p}: {size} bytes, its writer reported {k['bytes']}")
             files[rel] = {"sha256": k["sha256"] if k is not None else _sha256(p), "bytes": size}
+    unseen = sorted(set(known) - set(files))
+    if unseen:
+        raise CheckpointError(f"{folder}: {len(unseen)} file(s) the actor ranks wrote are not "
+                              f"visible here, e.g. {unseen[0]}: the ranks need the run directory "
+                              f"on shared storage (the same path on every node)")
     out = folder / MANIFEST_FILE
     out.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1) + "\n")
     return out
