@@ -197,7 +197,7 @@ def test_megatron_tp2_on_the_group_equals_one_process(tmp_path):
     pytest.importorskip("megatron.core")
     cache = tmp_path / "cache"
     mg = ["actor.backend=megatron", "loop.steps=2", "warmstart.enabled=false",
-          "loss.entropy_coef=0.05"]
+          "loss.entropy_coef=0.05", "loss.kl_coef=0.5"]  # each rank: its shard of pi_ref
     _run(tmp_path / "one", cache, *mg)
     _run(tmp_path / "tp2", cache, *mg, "cluster.actor_ranks=2",
          "actor.megatron.tensor_parallel=2")
@@ -207,5 +207,7 @@ def test_megatron_tp2_on_the_group_equals_one_process(tmp_path):
         for k, (rtol, atol) in TOLERANCE.items():
             assert abs(a[k] - b[k]) <= rtol * abs(a[k]) + atol, (a["step"], k, a[k], b[k])
         assert b["replay/mismatch"] == 0.0
+        assert abs(a["actor/kl_loss"] - b["actor/kl_loss"]) <= 1e-2 * a["actor/kl_loss"] + 1e-9
+    assert min(r["actor/kl_loss"] for r in tp2) > 1e-4  # several updates a step: pi moved
     w1, w2 = _weights(tmp_path / "one", 2), _weights(tmp_path / "tp2", 2)
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) <= LR / 10

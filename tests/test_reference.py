@@ -44,9 +44,15 @@ def test_kl_is_zero_on_policy_then_positive_and_resumes(tmp_path, mode):
 @pytest.mark.megatron
 def test_kl_with_the_megatron_actor(tmp_path):
     pytest.importorskip("megatron.core")
+    from lockstep.trainer.megatron.actor import ShardReference
     torch_tr = _trainer(tmp_path, "torch", "actor.backend=torch")
     mg_tr = _trainer(tmp_path, "megatron", "actor.backend=megatron")
+    ref = mg_tr.actor.reference  # megatron's own shard of the reference, not a torch model
+    assert isinstance(ref, ShardReference)
+    assert ref.nbytes == sum(t.numel() * t.element_size() for t in mg_tr.actor._version_tensors())
     for step in (1, 2):
         a, b = torch_tr.step(step), mg_tr.step(step)
         assert math.isclose(a["actor/kl_loss"], b["actor/kl_loss"], rel_tol=1e-3, abs_tol=1e-6)
+        if step == 1:  # pi_ref is megatron's forward: exactly pi_theta at the first update
+            assert b["actor/kl_loss"] == 0.0
     assert a["actor/kl_loss"] > 1e-4  # step 2: the policy moved

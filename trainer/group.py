@@ -172,6 +172,9 @@ class RankWorker:
         rank, next to its actor: its `policy_update` computes pi_ref of the rank's rows with
         the update's replay plan."""
         from lockstep.trainer.reference import ReferencePolicy
+        if self.cfg.actor.backend == "megatron" and isinstance(source, str):
+            self.actor.set_reference(source)  # this rank's shard of it only (ShardReference)
+            return
         model = MoEModel(self.cfg.model)
         load_hf_state_dict(model, LazyHF(source) if isinstance(source, str) else source)
         device = "cpu" if self.cfg.actor.backend == "megatron" else \

@@ -41,7 +41,7 @@ from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, wri
 from lockstep.trainer.pipeline import RolloutPipeline
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
                                    stats_values)
-from lockstep.trainer.reference import ReferencePolicy
+from lockstep.trainer.reference import ReferencePolicy, reference_folder_for_run
 from lockstep.trainer.versions import VersionSplit
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
@@ -181,10 +181,14 @@ class Trainer:
             reference = reference_folder(cfg, self.out) if cfg.loss.kl_coef > 0 else None
         else:
             model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
-            reference = (ReferencePolicy.for_run(  # the group ships it to its ranks
-                cfg, self.out, None if resume else model,
-                device="cpu" if cfg.cluster.actor_ranks > 1
-                else resolve_device(cfg.cluster.device)) if cfg.loss.kl_coef > 0 else None)
+            reference = None
+            if cfg.loss.kl_coef > 0 and cfg.actor.backend == "megatron":  # its own shard of it
+                reference = reference_folder_for_run(cfg, self.out, None if resume else model)
+            elif cfg.loss.kl_coef > 0:
+                reference = ReferencePolicy.for_run(
+                    cfg, self.out, None if resume else model,
+                    device="cpu" if cfg.cluster.actor_ranks > 1
+                    else resolve_device(cfg.cluster.device))
         ro = cfg.rollout
         updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
         total_updates = cfg.loop.steps * updates_per_step

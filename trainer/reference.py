@@ -7,9 +7,12 @@ recorded routes under R2, free routing when replay is off). So the KL term compa
 pi_ref on the same experts and sees no routing flips; on-policy at the first update of step 1
 (fp32 engine and actor) it is exactly 0.
 
-The reference always runs on the torch model, also when the actor is megatron-core (its
-log-probs then differ from the megatron actor's by the backends' numerical difference, <= 1e-4,
-instead of 0 at the first update).
+With the torch actor the reference is a `ReferencePolicy` (a frozen torch model). With the
+megatron actor (in one process or on a group's ranks) it is `ShardReference`
+(trainer/megatron/actor.py): each rank keeps a CPU copy of only ITS OWN shard of the reference
+weights, read from the reference's HF folder, and swaps it into its model for the reference
+forward, so no rank holds a whole extra model and pi_ref is megatron's own forward (the KL term
+is exactly 0 at the first update, as with the torch actor).
 
 Where the initial weights come from: `model.path` itself when it is the RL starting point (no
 warm start); otherwise they are written once to `RUN/reference/` (an HF folder) at the start of
@@ -38,6 +41,20 @@ def reference_source(cfg: ExperimentConfig, run_dir: Path) -> Path:
     return Path(run_dir) / REFERENCE_DIR
 
 
+def reference_folder_for_run(cfg: ExperimentConfig, run_dir: Path,
+                             initial: MoEModel | None) -> Path:
+    """The reference's HF folder: `initial` written to the run's own folder first when the
+    reference lives there (a fresh run); on resume (`initial` None) checked to exist."""
+    src = reference_source(cfg, run_dir)
+    if initial is None:
+        if not (src / "config.json").exists():
+            raise FileNotFoundError(f"--resume with loss.kl_coef > 0: the reference weights "
+                                    f"{src} are missing")
+    elif src == Path(run_dir) / REFERENCE_DIR:
+        save_hf(initial, src)
+    return src
+
+
 class ReferencePolicy:
     """Log-probs of the frozen initial policy, in the actor's compute precision."""
 
@@ -52,16 +69,8 @@ class ReferencePolicy:
                 device: str = "cpu") -> "ReferencePolicy":
         """The run's reference: from `initial` (a fresh run; saved first when the folder is
         the run's own) or, on resume (`initial` None), from where the fresh run put it."""
-        src = reference_source(cfg, run_dir)
-        if initial is None:
-            if not (src / "config.json").exists():
-                raise FileNotFoundError(f"--resume with loss.kl_coef > 0: the reference weights "
-                                        f"{src} are missing")
-            model = load_hf(src)
-        else:
-            if src == Path(run_dir) / REFERENCE_DIR:
-                save_hf(initial, src)
-            model = copy.deepcopy(initial)
+        src = reference_folder_for_run(cfg, run_dir, initial)
+        model = load_hf(src) if initial is None else copy.deepcopy(initial)
         return cls(model, cfg.actor, cfg.rollout.temperature, device)
 
     @torch.no_grad()

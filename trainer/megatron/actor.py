@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 from collections.abc import Mapping
 from functools import partial
@@ -175,6 +176,43 @@ def vp_group_size(n_micro: int, pp: int) -> int:
         if n_micro % g == 0 or n_micro % g >= pp:
             return g
     raise ValueError(f"{n_micro} micro-batches < pipeline_parallel={pp}")
+
+
+class ShardReference:
+    """The frozen KL reference of a megatron actor (`loss.kl_coef > 0`): a CPU copy of this
+    rank's own shard of the reference weights (the tensors of `_version_tensors`: its TP / EP /
+    PP slices and the routers' expert biases), read from the reference's HF folder once. The
+    reference forward swaps the copy into the live model, runs the actor's own log-prob forward
+    and swaps back (bit-exact: copies only), so no rank holds a whole extra model and pi_ref
+    comes from megatron's forward, like pi_old. Every rank of the group must call `logprobs`
+    together (its forward has the actor's collectives)."""
+
+    def __init__(self, actor: "MegatronActor", folder: str | os.PathLike):
+        from lockstep.moe.hf_lazy import LazyHF
+        from lockstep.trainer.versions import _exchange
+
+        self.actor, self.folder = actor, str(folder)
+        live = actor._version_tensors()
+        self.kept = [t.detach().to("cpu", copy=True) for t in live]  # the actor's weights now
+        convert.load_hf_into_megatron(actor.chunks, LazyHF(self.folder), actor.model_cfg)
+        _exchange(live, self.kept)  # live: the actor again; kept: the reference's shard
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kept)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None,
+                 replay_mask_BT: torch.Tensor | None) -> torch.Tensor:
+        """fp32 [B, T] log-probs of `batch` under the reference, replaying `routes_BTLK`."""
+        from lockstep.trainer.versions import _exchange
+
+        live = self.actor._version_tensors()
+        _exchange(live, self.kept)
+        try:
+            return self.actor.logprobs(batch, routes_BTLK, replay_mask_BT).logprobs_BT
+        finally:
+            _exchange(live, self.kept)
 
 
 class MegatronActor(RankActor):
@@ -681,6 +719,13 @@ class MegatronActor(RankActor):
         of each version (megatron's forward: the version part holds no backend gap)."""
         with self._shard():
             return super().gen_logprobs(batch, versions, mode, step, max_staleness, stale)
+
+    def set_reference(self, reference) -> None:
+        """The KL reference: an HF folder (str | Path) becomes a `ShardReference` (this rank's
+        shard only); a `ReferencePolicy` (a torch model) is used as given."""
+        if isinstance(reference, (str, os.PathLike)):
+            reference = ShardReference(self, reference)
+        super().set_reference(reference)
 
     def _version_tensors(self) -> list[torch.Tensor]:
         """This rank's shard of the weights the forward reads (TP / EP / PP slices) and the
