@@ -204,6 +204,17 @@ def _actor_checks(cfg, sd, data):
     return out
 
 
+def _random_model(cfg: ModelConfig) -> MoEModel:
+    """Seed 0, non-trivial weights: router N(0, 0.5), other matrices N(0, 0.1), norms as built."""
+    torch.manual_seed(0)
+    model = MoEModel(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.5 if "gate" in n and "proj" not in n else 0.1)
+    return model
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,12 +223,7 @@ def _free_port() -> int:
 
 def test_ep2_and_tp2_match_single_process(tmp_path):
     cfg = _cfg()
-    torch.manual_seed(0)
-    ref_model = MoEModel(cfg)
-    with torch.no_grad():
-        for n, p in ref_model.named_parameters():
-            if "norm" not in n:
-                p.normal_(0, 0.5 if "gate" in n and "proj" not in n else 0.1)
+    ref_model = _random_model(cfg)
     sd = {k: v.detach().clone() for k, v in hf_state_dict(ref_model).items()}
     load_hf_state_dict(ref_model, sd)
     B, T, L, K = 4, 7, cfg.num_moe_layers, cfg.num_experts_per_tok

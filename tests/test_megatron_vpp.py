@@ -21,7 +21,7 @@ from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E
 from lockstep.moe.model import MoEModel  # noqa: E402
 
 from test_megatron_parallel import (TOL, _actor_cfg, _actor_step, _batch, _cfg,  # noqa: E402
-                                    _free_port)
+                                    _free_port, _random_model)
 
 pytestmark = [pytest.mark.megatron]
 
@@ -105,12 +105,7 @@ def _checkpoint_round_trip(actor, cfg, rank: int, folder: str) -> dict:
 @pytest.mark.slow
 def test_pp2_vpp2_matches_torch_actor(tmp_path):
     cfg = _cfg()
-    torch.manual_seed(0)
-    ref_model = MoEModel(cfg)
-    with torch.no_grad():
-        for n, p in ref_model.named_parameters():
-            if "norm" not in n:
-                p.normal_(0, 0.5 if "gate" in n and "proj" not in n else 0.1)
+    ref_model = _random_model(cfg)
     sd = {k: v.detach().clone() for k, v in hf_state_dict(ref_model).items()}
     B, T, L, K = 4, 7, cfg.num_moe_layers, cfg.num_experts_per_tok
     g = torch.Generator().manual_seed(1)

@@ -26,7 +26,6 @@ Shapes: P = num_hidden_layers + 1 parts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -39,6 +38,7 @@ from safetensors.torch import save_file
 from lockstep.moe.checkpoint import (INDEX_FILE, CheckpointError, hf_state_dict,
                                      save_hf_state_dict, write_hf_extras)
 from lockstep.moe.config import ModelConfig
+from lockstep.trainer.checkpoint import file_sha256
 
 FORMAT = "lockstep-actor-ckpt/1"
 OPTIM = "optim"
@@ -362,14 +362,6 @@ def _hf_mapping(folder: Path) -> Mapping[str, torch.Tensor]:
 
 
 # -- writing ---------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_parts(folder: Path, parts: Iterator[Part], cfg: ModelConfig) -> dict:
     """Write each part as `<dir>/model-<p+1>-of-<P>.safetensors` for dir in `dirs()`; returns
     what the driver needs (no tensors): per file its names, sha256 and bytes; non-finite
@@ -386,7 +378,7 @@ def write_parts(folder: Path, parts: Iterator[Part], cfg: ModelConfig) -> dict:
             path = folder / d / name
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
                       metadata={"format": "pt"})
-            files[f"{d}/{name}"] = {"sha256": _sha256(path), "bytes": path.stat().st_size,
+            files[f"{d}/{name}"] = {"sha256": file_sha256(path), "bytes": path.stat().st_size,
                                     "names": sorted(tensors),
                                     "tensor_bytes": sum(v.numel() * v.element_size()
                                                         for v in tensors.values())}

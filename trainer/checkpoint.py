@@ -199,7 +199,8 @@ def load_tree(path: str | Path) -> Any:
 
 
 # -- manifests -------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -222,7 +223,7 @@ def write_manifest(folder: str | Path, known: dict[str, dict] | None = None) -> 
             k = known.get(rel)
             if k is not None and k["bytes"] != size:
                 raise CheckpointError(f"{p}: {size} bytes, its writer reported {k['bytes']}")
-            files[rel] = {"sha256": k["sha256"] if k is not None else _sha256(p), "bytes": size}
+            files[rel] = {"sha256": k["sha256"] if k is not None else file_sha256(p), "bytes": size}
     unseen = sorted(set(known) - set(files))
     if unseen:
         raise CheckpointError(f"{folder}: {len(unseen)} file(s) the actor ranks wrote are not "
@@ -254,7 +255,7 @@ def verify_manifest(folder: str | Path) -> None:
         if p.stat().st_size != size:
             raise CheckpointError(f"{p}: {p.stat().st_size} bytes, the manifest says {size} "
                                   f"(truncated or overwritten)")
-        if _sha256(p) != sha:
+        if file_sha256(p) != sha:
             raise CheckpointError(f"{p}: sha256 does not match the manifest (corrupted)")
     listed = {rel for rel, _, _ in entries}
     extra = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
