@@ -16,6 +16,7 @@ import tempfile
 import torch
 from timing import CLOCKS, median_seconds
 
+from lockstep.kernels.dtypes import torch_dtype
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
@@ -29,7 +30,7 @@ PRESETS = {
                    num_key_value_heads=4, head_dim=32, intermediate_size=512,
                    moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {n: torch_dtype(n) for n in ("fp32", "bf16")}
 
 
 

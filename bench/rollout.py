@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from lockstep.kernels.dtypes import PRECISIONS, torch_dtype
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
@@ -37,7 +38,7 @@ from lockstep.rollout.types import GenerateRequest, SamplingParams
 sys.path.insert(0, os.path.dirname(__file__))
 from model_forward import CLOCKS, PRESETS  # noqa: E402  (the models transformers was measured on)
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {n: torch_dtype(n) for n in PRECISIONS}
 
 
 def requests(prompts: list[list[int]], new: int) -> list[GenerateRequest]:

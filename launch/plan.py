@@ -27,13 +27,12 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.kernels.dtypes import BY_NAME, hf_name
 from lockstep.rollout.colocate import (RANK_SHARE, SERVER_SHARE, colocates_fleet,
                                        colocation_refusal, engine_bundles)
 from lockstep.trainer.config import ExperimentConfig, ExperimentConfigError, load_config
 
 GiB = float(1 << 30)
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_MEGATRON_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SGLANG_DEFAULT_MEM_FRACTION = 0.9  # what the plan assumes when rollout.sglang leaves it unset
 
 
@@ -300,7 +299,7 @@ class _Plan:
             if best is None or n > best[0]:
                 best = (n, n_exp, s)
         n, n_exp, stage = best
-        pb = _BYTES[a.dtype]
+        pb = BY_NAME[a.dtype].bytes
         if megatron:
             # DDP grad buffers in fp32 (grad_reduce_in_fp32), fp32 master copy when the
             # parameters are 16-bit, Adam's two fp32 moments; no distributed optimizer, so
@@ -331,7 +330,7 @@ class _Plan:
         cfg, m = self.cfg, self.cfg.model
         a = cfg.actor
         tokens = a.max_tokens_per_micro_batch or a.micro_batch_size * self.T
-        b = _BYTES[a.dtype]
+        b = BY_NAME[a.dtype].bytes
         H, K, I = m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size
         full = 17 * H * b / tp + K * (H + 3 * I) * b / etp  # attention/norms (SP) + experts
         L = m.num_hidden_layers
@@ -352,7 +351,7 @@ class _Plan:
         router = None if a.router_dtype in (None, a.dtype) else a.router_dtype
         te = "auto" if o.use_transformer_engine is None else o.use_transformer_engine
         grouped = te if o.grouped_gemm is None else o.grouped_gemm
-        params = _MEGATRON_DTYPE[a.dtype]
+        params = hf_name(a.dtype)
         return {
             "tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp, "pipeline_model_parallel_size": pp,
@@ -433,7 +432,7 @@ class _Plan:
     def _engine_memory(self, g: int) -> dict[str, Any]:
         cfg, pc, m = self.cfg, self.pc, self.cfg.model
         ro, sg = cfg.rollout, cfg.rollout.sglang
-        b = _BYTES[ro.dtype]
+        b = BY_NAME[ro.dtype].bytes
         sharded = sum(pc.layer_tp) + pc.embedding + pc.lm_head
         rep = sum(pc.layer_rep) + pc.final_norm
         # experts: ep_size-way expert parallel x (tp/ep)-way expert TP = split over all tp GPUs

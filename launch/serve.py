@@ -19,7 +19,9 @@ import socket
 import sys
 import traceback
 
-_DTYPES = ["bf16", "fp16", "fp32"]
+from lockstep.kernels.dtypes import PRECISIONS
+
+_DTYPES = list(PRECISIONS)
 API_KEY_ENV = "LOCKSTEP_API_KEY"
 
 

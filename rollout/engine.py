@@ -28,13 +28,14 @@ import torch
 
 from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_state_dict,
                               read_hf_state_dict)
+from ..kernels.dtypes import BY_NAME, PRECISIONS
 from ..moe.config import strict_kwargs
 from ..moe.model import KVCache, MoEModel
 from .decode import cached_forward_step, decode_step, make_decode_weights
 from .sampling import RowUniforms, SamplingTensors, sample
 from .types import GenerateRequest, GenerationResult, RequestError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {n: BY_NAME[n].torch for n in PRECISIONS}  # our spellings -> torch
 
 
 @dataclass

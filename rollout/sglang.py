@@ -18,9 +18,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kernels.dtypes import HF_PRECISIONS
 from ..moe.config import need as _need, strict_kwargs
 
-_DTYPES = ("auto", "bfloat16", "float16", "float32")
+_DTYPES = ("auto", *HF_PRECISIONS)
 
 
 class SGLangError(RuntimeError):

@@ -22,11 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.kernels.dtypes import hf_name
 from lockstep.moe.config import need as _need
 from lockstep.rollout.sglang import SGLangConfig
-
-# lockstep's dtype names -> SGLang's --dtype values
-SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -104,7 +102,7 @@ def sglang_options_dict(cfg: Any) -> dict[str, Any]:
            f"rollout.lm_head_dtype={ro.lm_head_dtype!r}: SGLang computes the LM head in "
            f"rollout.dtype={ro.dtype!r} or in fp32 (--enable-fp32-lm-head), nothing else")
     d: dict[str, Any] = dict(
-        tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=SGLANG_DTYPES[ro.dtype],
+        tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=hf_name(ro.dtype),
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length,
         enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
         enable_deterministic_inference=sg.deterministic_inference,

@@ -37,6 +37,7 @@ from aiohttp import web
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from ..kernels.dtypes import DTYPES as _TABLE
 from ..moe.buckets import Bucket, unflatten_bucket
 from ..moe.checkpoint import hf_state_dict
 from .types import RequestError
@@ -44,8 +45,7 @@ from .weight_group import BACKENDS, WeightGroup
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 # Weights are floating point; SGLang names dtypes as torch attributes ("bfloat16").
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {d.hf: d.torch for d in _TABLE}
 _BASE = ("rid", "http_worker_ipc")  # SGLang's BaseReq fields, accepted and ignored
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "group_name",
                "backend") + _BASE

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
@@ -39,8 +40,6 @@ from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  
                                     micro_batches, minibatch_schedule, trim, trim_batch)
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor, Stats
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -115,8 +114,8 @@ class TorchActor(RankActor):
             self.compute = model
         else:
             self.compute = copy.deepcopy(model).set_precision(
-                DTYPES[cfg.dtype], DTYPES[cfg.router_dtype] if cfg.router_dtype else None,
-                DTYPES[cfg.lm_head_dtype] if cfg.lm_head_dtype else None)
+                torch_dtype(cfg.dtype), torch_dtype(cfg.router_dtype) if cfg.router_dtype else None,
+                torch_dtype(cfg.lm_head_dtype) if cfg.lm_head_dtype else None)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,

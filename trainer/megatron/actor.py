@@ -33,6 +33,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lockstep.kernels.dtypes import hf_name
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.config import ModelConfig
@@ -52,7 +53,6 @@ from lockstep.trainer.megatron.model import (MegatronOptions, build_model_chunks
                                              transformer_config)
 from lockstep.trainer.megatron.replay import Mode, RouteReplay
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def init_single_process_group() -> None:
@@ -92,7 +92,7 @@ def options_for(cfg: ActorConfig, options: MegatronOptions | None) -> MegatronOp
     if router not in (None, "fp32"):
         raise ValueError(f"actor.router_dtype={cfg.router_dtype}: megatron-core's router dtype "
                          "can only be raised to fp32")
-    return dataclasses.replace(opts, params_dtype=_DTYPES[cfg.dtype], router_dtype=router,
+    return dataclasses.replace(opts, params_dtype=hf_name(cfg.dtype), router_dtype=router,
                                aux_loss_coef=cfg.aux_loss_coef)
 
 

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from lockstep.kernels.dtypes import HF_PRECISIONS, torch_dtype
 from lockstep.moe.config import ConfigError, ModelConfig, strict_kwargs
 
 
@@ -91,9 +92,9 @@ class MegatronOptions:
             raise ConfigError(f"megatron.virtual_pipeline_parallel={vpp} needs "
                               f"pipeline_parallel >= 2 (got {self.pipeline_parallel}): virtual "
                               "stages interleave the chunks of several pipeline stages")
-        if self.params_dtype not in ("float32", "bfloat16", "float16"):
+        if self.params_dtype not in HF_PRECISIONS:
             raise ConfigError(f"megatron.params_dtype {self.params_dtype!r} is not one of "
-                              "'float32', 'bfloat16', 'float16'")
+                              + ", ".join(map(repr, HF_PRECISIONS)))
         if self.router_dtype not in (None, "fp32", "fp64"):
             raise ConfigError(f"megatron.router_dtype {self.router_dtype!r} is not one of "
                               "None, 'fp32', 'fp64'")
@@ -126,7 +127,7 @@ class MegatronOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.params_dtype)
+        return torch_dtype(self.params_dtype)
 
 
 def check_layout(opts: MegatronOptions, world: int, on_gpu: bool,

@@ -1,0 +1,60 @@
+"""The one dtype table: torch dtype, our config spelling, the HF/SGLang/megatron spelling, bytes.
+
+Configs, the CLI and the embedded engine say "bf16"/"fp16"/"fp32" (`name`); HF config.json,
+SGLang's wire and launcher, and megatron-core's `params_dtype` say "bfloat16"/"float16"/
+"float32" (`hf`, the torch attribute name). Every module that maps one to another reads it here.
+float64 is only a wire dtype (SGLang accepts float64 tensors), not a model precision.
+The table itself needs no torch import (`lockstep serve` and the SGLang launcher start without
+torch); `DType.torch` imports it on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    """Our spelling (configs, `lockstep serve --dtype`)."""
+    hf: str
+    """HF/SGLang/megatron spelling: the torch attribute name."""
+    bytes: int
+    precision: bool
+    """A model precision a config may choose (float64 is wire-only)."""
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+        return getattr(torch, self.hf)
+
+
+DTYPES = (
+    DType("bf16", "bfloat16", 2, True),
+    DType("fp16", "float16", 2, True),
+    DType("fp32", "float32", 4, True),
+    DType("fp64", "float64", 8, False),
+)
+PRECISIONS = tuple(d.name for d in DTYPES if d.precision)
+"""Our spellings a config or the CLI accepts, in table order: ("bf16", "fp16", "fp32")."""
+HF_PRECISIONS = tuple(d.hf for d in DTYPES if d.precision)
+"""The same precisions in HF/SGLang/megatron spelling: ("bfloat16", "float16", "float32")."""
+BY_NAME = {d.name: d for d in DTYPES}
+BY_HF = {d.hf: d for d in DTYPES}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of our spelling ("bf16") or the HF one ("bfloat16")."""
+    d = BY_NAME.get(name) or BY_HF.get(name)
+    if d is None:
+        raise ValueError(f"unknown dtype {name!r}; valid: {list(BY_NAME)} or {list(BY_HF)}")
+    return d.torch
+
+
+def hf_name(name: str) -> str:
+    """HF/SGLang/megatron spelling of our spelling: "bf16" -> "bfloat16"."""
+    return BY_NAME[name].hf
