@@ -18,12 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.routes import RouteError, check_routes_BTLK
 from .config import ModelConfig
 from .router import bias_update, expert_load, route, router_probs
-
-
-class RouteError(ValueError):
-    """Replay routes that do not fit the model or the batch."""
 
 
 @dataclass
@@ -504,33 +501,12 @@ class MoEModel(nn.Module):
         return linear(hidden_XD.to(self.lm_head_dtype), w.to(self.lm_head_dtype))
 
     def _check_routes(self, ids_BTLK: torch.Tensor, mask_BT: torch.Tensor, B: int, T: int):
+        """Shapes only: the ids were validated where they entered (`RoutingTrace`, the one
+        route validator) or come from this model's own top-k (R2), so no pass over them here."""
         cfg = self.cfg
-        want = (B, T, cfg.num_moe_layers, cfg.num_experts_per_tok)
-        if tuple(ids_BTLK.shape) != want:
-            raise RouteError(f"routed_experts has shape {tuple(ids_BTLK.shape)}, expected "
-                             f"[B, T, L_moe, K] = {list(want)} (L_moe counts MoE layers only)")
-        if ids_BTLK.dtype.is_floating_point or ids_BTLK.dtype == torch.bool \
-                or ids_BTLK.dtype.is_complex:
-            raise RouteError(f"routed_experts must be an integer tensor, got {ids_BTLK.dtype}")
-        if tuple(mask_BT.shape) != (B, T) or mask_BT.dtype != torch.bool:
-            raise RouteError(f"replay_mask must be bool [B, T] = [{B}, {T}], got "
-                             f"{mask_BT.dtype} {tuple(mask_BT.shape)}")
-        ids = ids_BTLK.long()
-        bad = ((ids < 0) | (ids >= cfg.num_experts)) & mask_BT[:, :, None, None]
-        if bool(bad.any()):
-            b, t, l, k = (int(i) for i in bad.nonzero()[0])
-            raise RouteError(
-                f"routed_experts[{b}, {t}, {l}, {k}] = {int(ids[b, t, l, k])} is outside "
-                f"[0, {cfg.num_experts}) (sample {b}, position {t}, MoE layer {l} = decoder "
-                f"layer {cfg.moe_layer_ids[l]})")
-        # A repeated id would run that expert twice with its gate counted twice.
-        repeated = (ids.sort(-1).values.diff(dim=-1) == 0).any(-1) & mask_BT[:, :, None]
-        if bool(repeated.any()):
-            b, t, l = (int(i) for i in repeated.nonzero()[0])
-            raise RouteError(
-                f"routed_experts[{b}, {t}, {l}] = {ids[b, t, l].tolist()} repeats an expert "
-                f"(sample {b}, position {t}, MoE layer {l} = decoder layer {cfg.moe_layer_ids[l]})")
-        return ids
+        check_routes_BTLK(ids_BTLK, mask_BT, what="routed_experts", mask="replay_mask",
+                          shape=(B, T, cfg.num_moe_layers, cfg.num_experts_per_tok))
+        return ids_BTLK.long()
 
     def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None,
                 routed_experts_BTLK: torch.Tensor | None = None,

@@ -1,6 +1,7 @@
 """Routing traces, their wire codecs, divergence metrics and R2/R3 replay policies.
 
-Imports nothing of lockstep's: only torch, numpy, safetensors and the standard library.
+Imports of lockstep's only lockstep.kernels.routes (the one RouteError); otherwise torch,
+numpy, safetensors and the standard library.
 """
 
 from .codec import (

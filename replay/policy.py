@@ -20,7 +20,7 @@ from enum import Enum
 
 import torch
 
-from .trace import RouteError
+from ..kernels.routes import RouteError, check_routes_BTLK
 
 
 class ReplayMode(str, Enum):
@@ -68,14 +68,9 @@ def _checked(routes_BTLK: torch.Tensor | None, mask_BT: torch.Tensor | None, wha
              mode: ReplayMode) -> ReplayPlan:
     if routes_BTLK is None:
         raise RouteError(f"replay mode {mode.value} needs {what}, got None")
-    if routes_BTLK.dim() != 4 or routes_BTLK.dtype.is_floating_point or routes_BTLK.dtype == torch.bool:
-        raise RouteError(f"{what} must be an integer [B, T, L, K] tensor, got "
-                         f"{routes_BTLK.dtype} {tuple(routes_BTLK.shape)}")
+    check_routes_BTLK(routes_BTLK, mask_BT, what=what, mask=f"replay mask for {what}")
     if mask_BT is None:
         mask_BT = torch.ones(routes_BTLK.shape[:2], dtype=torch.bool, device=routes_BTLK.device)
-    if mask_BT.dtype != torch.bool or mask_BT.shape != routes_BTLK.shape[:2]:
-        raise RouteError(f"replay mask for {what} must be bool {tuple(routes_BTLK.shape[:2])}, "
-                         f"got {mask_BT.dtype} {tuple(mask_BT.shape)}")
     return ReplayPlan(routes_BTLK, mask_BT, record=False)
 
 

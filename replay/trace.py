@@ -20,12 +20,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..kernels.routes import RouteError
+
 MAX_EXPERTS = 1 << 16
 TRACE_FILE_FORMAT = "lockstep.routing_trace.v1"
-
-
-class RouteError(ValueError):
-    """Routes that break the RoutingTrace contract (shape, dtype, id range, lengths)."""
 
 
 def _who(sample: int | None) -> str:
@@ -62,8 +60,8 @@ def _as_int64_NLK(ids, sample: int | None) -> torch.Tensor:
 
 def validate_ids(ids_NLK: torch.Tensor, num_experts: int, sample: int | None = None,
                  row_offset: int = 0) -> None:
-    """Raise RouteError naming sample, row, layer and value for the first out-of-range or
-    repeated id. `ids_NLK` is int64 or already compact (checked without an int64 copy: uint8
+    """The route validator: raise RouteError naming sample, row, layer and value for the first
+    out-of-range or repeated id (every RoutingTrace runs it; the models trust what it passed). `ids_NLK` is int64 or already compact (checked without an int64 copy: uint8
     as is, uint16 through an int32 copy); `row_offset` turns row indices into absolute positions."""
     if ids_NLK.numel() == 0:
         return
@@ -102,15 +100,12 @@ class RoutingTrace:
         dtype = compact_dtype(num_experts)
         if not isinstance(start, int) or start < 0:
             raise RouteError(f"{_who(sample)}: start must be an int >= 0, got {start!r}")
-        if isinstance(ids_NLK, torch.Tensor) and ids_NLK.dtype == dtype and ids_NLK.dim() == 3:
-            # already compact: validated as is and kept without a copy when contiguous on CPU
-            ids = ids_NLK.detach().cpu().contiguous()
-            validate_ids(ids, num_experts, sample, row_offset=start)
-            self.ids_NLK = ids
-        else:
-            ids64 = _as_int64_NLK(ids_NLK, sample)
-            validate_ids(ids64, num_experts, sample, row_offset=start)
-            self.ids_NLK = ids64.to(dtype).contiguous()
+        compact = isinstance(ids_NLK, torch.Tensor) and ids_NLK.dtype == dtype \
+            and ids_NLK.dim() == 3
+        # already compact: validated as is and kept without a copy when contiguous on CPU
+        ids = ids_NLK.detach().cpu().contiguous() if compact else _as_int64_NLK(ids_NLK, sample)
+        validate_ids(ids, num_experts, sample, row_offset=start)
+        self.ids_NLK = ids if compact else ids.to(dtype).contiguous()
         self.num_experts = num_experts
         self.start = start
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lockstep.moe.config import ModelConfig
+from lockstep.replay import RouteError, RoutingTrace
 from lockstep.trainer.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
 from lockstep.trainer.megatron.replay import build_replay_ids, to_router_order
 
@@ -123,10 +124,15 @@ def test_replay_ids_keep_given_routes_and_placeholders_elsewhere():
     # elsewhere a placeholder (the forward routes these positions naturally): distinct ids
     spread = full[~valid]
     assert (spread.sort(-1).values[..., 0] != spread.sort(-1).values[..., 1]).all()
+    # ids are validated where they enter (RoutingTrace), not again here: the same bad id is
+    # refused at the edge, naming sample, position and layer
     bad = ids.clone()
     bad[1, 2, 1, 0] = E
-    with pytest.raises(ValueError, match="sample 1 position 2 MoE layer 1: expert id 4"):
-        build_replay_ids(bad, valid, num_experts=E)
+    with pytest.raises(RouteError, match=r"sample 1: routes row 2 \(position\), layer 1, slot 0: "
+                                         r"expert id 4 outside \[0, 4\)"):
+        RoutingTrace(bad[1], E, sample=1)
+    with pytest.raises(RouteError, match=r"valid_BT must be bool \(2, 5\)"):
+        build_replay_ids(ids, valid.long(), num_experts=E)
 
 
 @pytest.mark.parametrize("family,field", [("mixtral", "has not been checked"),

@@ -5,6 +5,7 @@ import torch
 
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.model import KVCache, MoEModel, RouteError
+from lockstep.replay import RoutingTrace
 
 from model_fixtures import tiny_config
 
@@ -172,11 +173,13 @@ def test_bad_routes_name_the_problem():
         model(ids, routed_experts_BTLK=good[:, :, :2])
     with pytest.raises(RouteError, match="integer"):
         model(ids, routed_experts_BTLK=good.float())
+    # Ids are validated once, where routes enter (RoutingTrace: engine results, codecs, trace
+    # files); the model trusts them (shape checks only). The same bad routes at the edge:
     bad = good.clone()
     bad[1, 3, 2, 1] = cfg.num_experts
-    with pytest.raises(RouteError, match=r"\[1, 3, 2, 1\] = 6 is outside \[0, 6\).*sample 1, "
-                                         r"position 3, MoE layer 2"):
-        model(ids, routed_experts_BTLK=bad)
+    with pytest.raises(RouteError, match=r"sample 1: routes row 3 \(position\), layer 2, slot 1: "
+                                         r"expert id 6 outside \[0, 6\)"):
+        RoutingTrace(bad[1], cfg.num_experts, sample=1)
     # An out-of-range id at a position that is not replayed is ignored, never clamped.
     mask = torch.ones(2, 4, dtype=torch.bool)
     mask[1, 3] = False
@@ -184,8 +187,9 @@ def test_bad_routes_name_the_problem():
     assert torch.equal(out.routes_BTLK, good)
     dup = good.clone()
     dup[0, 2, 1] = torch.tensor([3, 3])
-    with pytest.raises(RouteError, match=r"routed_experts\[0, 2, 1\] = \[3, 3\] repeats an expert"):
-        model(ids, routed_experts_BTLK=dup)
+    with pytest.raises(RouteError, match=r"sample 0: routes row 2 \(position\), layer 1: expert ids "
+                                         r"\[3, 3\] repeat an expert"):
+        RoutingTrace(dup[0], cfg.num_experts, sample=0)
     with pytest.raises(RouteError, match="replay_mask must be bool"):
         model(ids, routed_experts_BTLK=good, replay_mask_BT=mask.long())
 

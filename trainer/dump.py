@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from lockstep.replay import ReplayMode, compact_dtype, old_logprob_plan
+from lockstep.replay import ReplayMode, RouteError, compact_dtype, old_logprob_plan
+from lockstep.replay.trace import validate_ids
 
 FORMAT, VERSION = "lockstep-rollout-dump", 1
 HEADER_KEY = "lockstep"
@@ -295,17 +296,10 @@ def validate(rec: StepRecord, where: str = "dump") -> None:
                             f"{seq[b]} tokens; expected rows 0..{seq[b] - 2} (P + R - 1 = "
                             f"{seq[b] - 1})")
         for k in ("rollout_routes", "actor_routes"):
-            r = t[k][b, :seq[b] - 1].to(torch.int32)
-            out = (r >= E).nonzero()
-            if len(out):
-                p, layer, j = (int(x) for x in out[0])
-                raise DumpError(f"{s}, field '{k}': expert {int(r[p, layer, j])} at position "
-                                f"{p}, layer {layer} is outside [0, {E})")
-            dup = (r.sort(-1).values.diff(dim=-1) == 0).any(-1).nonzero()
-            if len(dup):
-                p, layer = (int(x) for x in dup[0])
-                raise DumpError(f"{s}, field '{k}': position {p}, layer {layer} repeats an "
-                                f"expert ({r[p, layer].tolist()})")
+            try:
+                validate_ids(t[k][b, :seq[b] - 1], E)
+            except RouteError as e:
+                raise DumpError(f"{s}, field '{k}': {e}") from None
         for k in LOGPROB_FIELDS:
             v = t[k][b][resp[b]]
             bad = (~torch.isfinite(v) | (v > 1e-4)).nonzero()

@@ -43,6 +43,8 @@ from collections.abc import Iterator
 
 import torch
 
+from lockstep.kernels.routes import RouteError, check_routes_BTLK
+
 Tensor = torch.Tensor
 
 
@@ -65,22 +67,12 @@ def _router_modules(model) -> list:
 
 
 def build_replay_ids(ids_BTLK: Tensor, valid_BT: Tensor, *, num_experts: int) -> Tensor:
-    """Checked int64 routes [B, T, L, K]: the given ids where valid, a placeholder elsewhere
-    (expert ids (t*K + k) % E; the forward replaces them with the router's natural choice)."""
-    if ids_BTLK.dim() != 4:
-        raise ValueError(f"routes must be [B, T, L, K], got shape {tuple(ids_BTLK.shape)}")
+    """Int64 routes [B, T, L, K]: the given ids where valid, a placeholder elsewhere (expert
+    ids (t*K + k) % E; the forward replaces them with the router's natural choice). Shapes are
+    checked; the ids were validated where they entered (`RoutingTrace`) or are recorded ones."""
+    check_routes_BTLK(ids_BTLK, valid_BT, mask="valid_BT")
     B, T, L, K = ids_BTLK.shape
-    if valid_BT.shape != (B, T) or valid_BT.dtype != torch.bool:
-        raise ValueError(f"valid_BT must be bool [{B}, {T}], got {valid_BT.dtype} "
-                         f"{tuple(valid_BT.shape)}")
-    if ids_BTLK.dtype.is_floating_point or ids_BTLK.dtype == torch.bool:
-        raise ValueError(f"routes must be an integer tensor, got {ids_BTLK.dtype}")
     ids = ids_BTLK.to(torch.int64)
-    bad = valid_BT[..., None, None] & ((ids < 0) | (ids >= num_experts))
-    if bad.any():
-        b, t, l, k = bad.nonzero()[0].tolist()
-        raise ValueError(f"sample {b} position {t} MoE layer {l}: expert id {ids[b, t, l, k]} "
-                         f"is outside [0, {num_experts})")
     t_T, k_K = torch.arange(T, device=ids.device), torch.arange(K, device=ids.device)
     spread_TK = (t_T[:, None] * K + k_K) % num_experts
     fill = spread_TK[None, :, None, :].expand(B, T, L, K)
@@ -329,7 +321,7 @@ class RouteReplay:
         if self._mode is not Mode.REPLAY:
             raise RuntimeError("set_routes needs an open Mode.REPLAY session")
         if ids_BTLK.dim() != 4 or ids_BTLK.shape[2] != self.num_layers:
-            raise ValueError(f"routes have shape {tuple(ids_BTLK.shape)}; expected [B, T, "
+            raise RouteError(f"routes have shape {tuple(ids_BTLK.shape)}; expected [B, T, "
                              f"L={self.num_layers}, K] (MoE layers of this model)")
         if valid_BT is None:
             valid_BT = torch.ones(ids_BTLK.shape[:2], dtype=torch.bool, device="cpu")
