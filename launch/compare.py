@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockstep.trainer.metrics import read_metrics, summarize, write_plots
+from lockstep.trainer.rundir import MARKER
+from lockstep.trainer.metrics import history_problem, read_metrics, summarize, write_plots
 
 COLUMNS = ("reward/first_mean", "reward/last_mean", "rollout_corr/k3_kl_mean",
            "rollout_corr/kl_mean", "routing/flip_rate_mean", "routing/token_any_flip_mean")
@@ -46,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
         if not rows:
             print(f"lockstep compare: {path} has no steps yet", file=sys.stderr)
             return 2
+        problem = history_problem(rows)  # a doubled row would skew every mean silently
+        if problem is not None:
+            print(f"lockstep compare: {path} is not one row per step 1..{rows[-1]['step']}: "
+                  f"{problem}", file=sys.stderr)
+            return 2
         runs[Path(d).name] = rows
     if len(set(runs)) != len(args.runs):
         print("lockstep compare: run directories must have distinct names", file=sys.stderr)
@@ -53,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         print(f"lockstep compare: --out {out} is a file, not a directory", file=sys.stderr)
+        return 2
+    if out.is_dir() and any((out / n).exists() for n in ("metrics.jsonl", MARKER)):
+        print(f"lockstep compare: --out {out} is a run directory; its plots would be "
+              f"overwritten: choose another --out", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     written = write_plots(out, runs)

@@ -45,6 +45,29 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _nothing_to_run(out: Path, steps: int) -> str | None:
+    """Why `--resume` with loop.steps=`steps` would run no step (nothing is written then), or
+    None. A newest checkpoint that fails verification is not counted: the resume redoes it."""
+    from lockstep.trainer.checkpoint import CheckpointError, list_checkpoints, verify_manifest
+
+    ckpts = list_checkpoints(out)
+    if not ckpts:
+        return None
+    done = int(ckpts[-1].name[5:])
+    if steps > done:
+        return None
+    if steps < done:
+        return (f"--resume: {out} is already at step {done} ({ckpts[-1].name}) and "
+                f"loop.steps={steps} asks for fewer; nothing was run or changed (raise "
+                f"loop.steps above {done} to continue it)")
+    try:
+        verify_manifest(ckpts[-1])
+    except CheckpointError:
+        return None
+    return (f"--resume: {out} is complete (step {done} of loop.steps={steps}); nothing to do, "
+            f"nothing changed (raise loop.steps to continue it)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None and not 1 <= args.threads <= 4096:
         return _fail(f"--threads={args.threads} must be in [1, 4096]")
@@ -71,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or cfg.loop.out_dir)
+    if args.resume and (done := _nothing_to_run(out, cfg.loop.steps)):
+        print(f"lockstep train: {done}", file=sys.stderr)
+        return 0 if "nothing to do" in done else 2
     with claim_run_dir(out, args.resume):  # held (and the PID shown) until the run ends
 
         def log(msg: str) -> None:

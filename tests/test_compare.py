@@ -31,3 +31,23 @@ def test_compare_names_a_directory_without_metrics(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(tmp_path / "cmp")]) == 2
     assert "no metrics.jsonl in" in capsys.readouterr().err
+
+
+def test_compare_refuses_a_run_with_a_doubled_metrics_row(tmp_path, capsys):
+    write_run(tmp_path / "r3", [0.2, 0.4, 0.6], [1e-3] * 3)
+    with open(tmp_path / "r3" / "metrics.jsonl") as f:
+        lines = f.readlines()
+    (tmp_path / "r3" / "metrics.jsonl").write_text(lines[0] + lines[0] + "".join(lines[1:]))
+    assert main(["compare", str(tmp_path / "r3"), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "step 1 appears more than once" in err, err
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_never_writes_its_plots_into_a_run_directory(tmp_path, capsys):
+    write_run(tmp_path / "off", [0.2, 0.3], [2e-3] * 2)
+    write_run(tmp_path / "r3", [0.2, 0.4], [1e-3] * 2)
+    (tmp_path / "r3" / "reward.png").write_bytes(b"the run's own plot")
+    assert main(["compare", str(tmp_path / "off"), "--out", str(tmp_path / "r3")]) == 2
+    assert "is a run directory" in capsys.readouterr().err
+    assert (tmp_path / "r3" / "reward.png").read_bytes() == b"the run's own plot"

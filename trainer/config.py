@@ -802,5 +802,6 @@ def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
     d = json.loads(json.dumps(cfg.to_dict(), default=lambda o: getattr(o, "value", str(o))))
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a planted link there: replaced, never written through
     tmp.write_text(yaml.safe_dump(d, sort_keys=False))
     tmp.replace(path)

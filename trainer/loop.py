@@ -37,7 +37,8 @@ from lockstep.trainer.correction import (CorrectionResult, correct, is_split_met
 from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
-from lockstep.trainer.metrics import MetricsWriter, read_metrics, summarize, write_plots
+from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history, summarize,
+                                     write_plots)
 from lockstep.trainer.pipeline import RolloutPipeline
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
                                    stats_values)
@@ -235,7 +236,7 @@ class Trainer:
                 self.actor.load_rank_state(trainer_state)
             set_rng_state(trainer_state["rng"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, state.step, cfg.loop.tensorboard,
-                                     progress)
+                                     progress, log=log)
 
     def make_backend(self, model: MoEModel | Path, weight_version: str) -> RolloutBackend:
         """The rollout engine, holding `model`'s weights at `weight_version`. `model` an HF
@@ -418,6 +419,7 @@ class Trainer:
 
         def write_actor(tmp: Path) -> tuple[dict, dict]:
             state, known = self.actor.write_checkpoint(tmp, self.source.tokenizer)
+            save_history(self.metrics.path, tmp)  # restores a damaged metrics.jsonl on resume
             check_weight_names(self.state.step, state.pop("nonfinite"), self.cfg,
                                latest_checkpoint(self.out))
             return {**state, **layout_state(self.cfg)}, known

@@ -3,10 +3,16 @@
 `DIR/metrics.jsonl` holds one object per RL step (keys documented in docs/training.md). On
 resume from the checkpoint of step s, lines of steps > s (written by the killed run after its
 last checkpoint) are dropped first, so the file ends up exactly as an uninterrupted run's.
+
+Each checkpoint keeps its own gzipped copy of the history (`HISTORY_FILE`, covered by its
+manifest). On resume the rows of steps 1..s must be there, in order, once, and equal to that
+copy: a torn, missing, doubled, reordered or emptied history is restored from the copy (said
+on the log), or, for a checkpoint without one (earlier versions), refused naming the problem.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import time
@@ -24,8 +30,11 @@ PLOTS = {  # file name -> (title, metric keys)
 }
 
 
+HISTORY_FILE = "metrics.jsonl.gz"  # a checkpoint's copy of metrics.jsonl
+
+
 class MetricsFileError(ValueError):
-    """A metrics.jsonl file that is not one step record per line."""
+    """A metrics.jsonl file that is not one step record per line (or not the run's history)."""
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -36,6 +45,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         lines = path.read_text().splitlines()
     except UnicodeDecodeError:
         raise MetricsFileError(f"{path} is not a text file") from None
+    return _parse(lines, path)
+
+
+def _parse(lines: list[str], path: Path) -> list[dict[str, Any]]:
     rows = []
     for i, line in enumerate(lines):
         try:
@@ -50,6 +63,77 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def history_problem(rows: list[dict[str, Any]], upto: int | None = None) -> str | None:
+    """What is wrong with `rows` as the history of steps 1..`upto` (default: the last row's
+    step), one step each, in order; None when nothing is."""
+    steps = [r["step"] for r in rows]
+    upto = steps[-1] if upto is None and steps else upto or 0
+    if steps == list(range(1, upto + 1)):
+        return None
+    seen: set[int] = set()
+    for i, s in enumerate(steps):
+        if s in seen:
+            return f"step {s} appears more than once (again at row {i + 1})"
+        if i and s < steps[i - 1]:
+            return f"steps out of order at row {i + 1} (step {s} after {steps[i - 1]})"
+        seen.add(s)
+    missing = [s for s in range(1, upto + 1) if s not in seen]
+    if not steps:
+        return f"it holds no rows, the run is at step {upto}"
+    return (f"{len(missing)} of steps 1..{upto} missing (first: step {missing[0]})" if missing
+            else f"it has rows past step {upto}")
+
+
+def save_history(metrics_path: str | Path, folder: str | Path) -> Path:
+    """Copy `metrics_path` into checkpoint folder `folder` as `HISTORY_FILE` (gzipped)."""
+    out = Path(folder) / HISTORY_FILE
+    out.write_bytes(gzip.compress(Path(metrics_path).read_bytes(), mtime=0))
+    return out
+
+
+def _checkpoint_history(out_dir: Path, step: int) -> list[dict[str, Any]] | None:
+    """The rows kept by the checkpoint of `step` (verified with it on load), or None when it
+    has no copy (checkpoints of earlier versions)."""
+    copy = out_dir / "checkpoints" / f"step_{step}" / HISTORY_FILE
+    if not copy.is_file():
+        return None
+    text = gzip.decompress(copy.read_bytes()).decode()
+    return [r for r in _parse(text.splitlines(), copy) if r["step"] <= step]
+
+
+def resumed_history(path: Path, step: int, log: Callable[[str], None] | None = None,
+                    ) -> list[dict[str, Any]]:
+    """The rows of steps 1..`step` a resume from the checkpoint of `step` continues: those of
+    `path`, checked against the checkpoint's copy (restored from it, with a line on `log`,
+    when they differ); raises `MetricsFileError` when they are wrong and there is no copy."""
+    # a torn last line is dropped by read_metrics: a missing step if it was checkpointed
+    try:
+        rows = [r for r in read_metrics(path) if r["step"] <= step] if path.exists() else []
+        problem = history_problem(rows, step)
+    except MetricsFileError as e:
+        rows, problem = None, str(e)
+    copy = _checkpoint_history(path.parent, step)
+    if rows is None and copy is None:
+        raise MetricsFileError(f"{problem} (checkpoint step_{step} keeps no copy to restore "
+                               f"from; repair the file or start a new run)")
+    if copy is not None:  # the history as it was when the checkpoint was written
+        if rows != copy:
+            why = problem or ("missing" if not path.exists() else "rows differ from it")
+            if log is not None:
+                log(f"warning: {path} does not match checkpoint step_{step} ({why}); "
+                    f"restored its {step} rows from the checkpoint's copy")
+            return copy
+        return rows
+    if not path.exists():
+        raise FileNotFoundError(f"resuming at step {step} but {path} is missing (and "
+                                f"checkpoint step_{step} keeps no copy of it)")
+    if problem is not None:
+        raise MetricsFileError(f"{path} is not the history of steps 1..{step} of the "
+                               f"checkpoint: {problem} (checkpoint step_{step} keeps no copy "
+                               f"to restore from; repair the file or start a new run)")
+    return rows
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None  # JSON has no NaN; null reads as "not measured"
@@ -60,14 +144,15 @@ class MetricsWriter:
     """Writes step metrics to JSONL (+ TensorBoard) and drives a tqdm progress bar."""
 
     def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True,
+                 log: Callable[[str], None] | None = None):
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / "metrics.jsonl"
-        if self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
+        if start_step:  # resume: the checkpointed history, checked (see the module doc)
+            kept = resumed_history(self.path, start_step, log)
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        elif start_step:
-            raise FileNotFoundError(f"resuming at step {start_step} but {self.path} is missing")
+        elif self.path.exists():
+            self.path.write_text("")
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:

@@ -11,7 +11,12 @@
   `DIR/.lockstep-run` (written when a run starts) and has no checkpoint yet: a run killed
   before its first checkpoint can be restarted from scratch, a run with checkpoints needs
   `--resume`, and files lockstep did not create are never written over;
-- `--resume` needs a checkpoint and says how to restart when there is none.
+- `--resume` needs a checkpoint and says how to restart when there is none;
+- nothing in the directory is followed through a symbolic link: a run file, the marker or the
+  lock that is a link (planted, e.g. in a shared /tmp) is refused, never written through, and
+  the marker counts only as a regular file;
+- `--out` inside another run's directory tree (e.g. `runs/x/checkpoints/step_6`) is refused:
+  its files would break that run's checkpoints.
 
 Every refusal is a `RunDirError` with a one-line message.
 """
@@ -22,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -33,6 +39,8 @@ LOCK_FILE = ".lockstep-lock"
 OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "warmstart.json", "checkpoints",
            "tensorboard", "weights", "reward.png", "flip_rate.png", "k3_kl.png",
            "flip_rate_layers.png")
+# A checkpoint folder (trainer/checkpoint.py) is recognised by these files.
+CHECKPOINT_FILES = ("manifest.json", "state.json")
 
 
 class RunDirError(RuntimeError):
@@ -50,9 +58,11 @@ class RunLock:
     def acquire(cls, out: str | Path) -> "RunLock":
         out = Path(out)
         path = out / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # O_NOFOLLOW: a planted link to someone's file is refused, never truncated
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunDirError(_link_msg(path)) from None
             raise RunDirError(f"cannot write to {out}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -64,6 +74,9 @@ class RunLock:
             os.close(fd)
             raise RunDirError(f"{out} is in use by another lockstep process (PID {holder}); "
                               f"wait for it to finish, stop it, or choose another --out") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirError(f"{path} is not a regular file; remove it or choose another --out")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return cls(out, fd)
@@ -80,8 +93,49 @@ class RunLock:
         self.release()
 
 
+def _link_msg(path: Path) -> str:
+    return (f"{path} is a symbolic link; lockstep never writes through links in a run "
+            f"directory (one planted there could point at anyone's file): remove it or "
+            f"choose another --out")
+
+
+def _is_regular(path: Path) -> bool:
+    """`path` is a regular file itself (not a link to one)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def is_lockstep_run(out: str | Path) -> bool:
-    return (Path(out) / MARKER).is_file()
+    """`out` carries lockstep's marker, as a regular file (a link does not count)."""
+    return _is_regular(Path(out) / MARKER)
+
+
+def _check_no_links(out: Path) -> None:
+    """Refuse a run directory whose lock, marker or run files are symbolic links."""
+    for name in (LOCK_FILE, MARKER, *OUTPUTS):
+        if (out / name).is_symlink():
+            raise RunDirError(_link_msg(out / name))
+
+
+def enclosing_run(out: Path) -> Path | None:
+    """The lockstep run directory (marker) or checkpoint folder that `out` lies inside (or
+    is, for a checkpoint folder), if any."""
+    def is_checkpoint(d: Path) -> bool:
+        return all(_is_regular(d / f) for f in CHECKPOINT_FILES)
+
+    out = out.resolve()
+    if is_checkpoint(out):
+        return out
+    return next((p for p in out.parents if is_lockstep_run(p) or is_checkpoint(p)), None)
+
+
+def _write_marker(out: Path) -> None:
+    fd = os.open(out / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"created_by": "lockstep", "pid": os.getpid(),
+                            "time": time.time()}) + "\n")
 
 
 def _restart_hint(out: Path) -> str:
@@ -94,6 +148,13 @@ def claim_run_dir(out: str | Path, resume: bool) -> RunLock:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file, not a directory")
+    inside = enclosing_run(out)
+    if inside is not None:
+        raise RunDirError(f"--out {out} lies inside the lockstep run or checkpoint {inside}; "
+                          f"its files there would break that run (and its checkpoints): "
+                          f"choose an --out outside it")
+    if out.is_dir():
+        _check_no_links(out)
     if resume:
         if not out.is_dir():
             raise RunDirError(f"--resume: {out} does not exist")
@@ -126,8 +187,7 @@ def claim_run_dir(out: str | Path, resume: bool) -> RunLock:
                               f"{ckpts[-1].name}); pass --resume to continue it or choose "
                               f"another --out")
         if not is_lockstep_run(out):
-            (out / MARKER).write_text(json.dumps({"created_by": "lockstep", "pid": os.getpid(),
-                                                  "time": time.time()}) + "\n")
+            _write_marker(out)
     except BaseException:
         if fresh_lock and not is_lockstep_run(out):
             (out / LOCK_FILE).unlink(missing_ok=True)  # leave a foreign directory as it was
