@@ -27,16 +27,9 @@ from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_F
                             decode_routes, routes_encoding)
 from ..replay.trace import RouteError
 from .engine import Engine
-from .types import GenerateRequest, GenerationResult
-
-
-class RolloutError(RuntimeError):
-    """A server refused a request or answered something that breaks the contract."""
-
-
-class EngineDown(RolloutError):
-    """The server did not answer: connection refused or lost, or no answer within the timeout
-    (a dead or hung engine; a fleet retries the request on another engine)."""
+from .types import EngineDown, GenerateRequest, GenerationResult, PushRefused, RolloutError
+from .weight_sync import (TENSOR_FORMAT, DistributedWeightSync, as_buckets, tensor_payload,
+                          write_hf_buckets)
 
 
 class RolloutBackend(ABC):
@@ -124,7 +117,10 @@ class HTTPBackend(RolloutBackend):
     `distributed` broadcasts buckets over a process group the server joins
     (/init_weights_update_group + /update_weights_from_distributed; `rollout.weight_sync`);
     `tensor` POSTs each bucket as base64 safetensors to /update_weights_from_tensor (lockstep
-    serve only); `auto` tries `distributed` on the first push and falls back to `disk`.
+    serve only: refused for servers that do not list the format); `auto` uses `distributed`
+    and falls back to `disk` for good (said once) when joining fails or a push is refused
+    before any weight changed. Pushes run inside SGLang's /begin_weight_update ...
+    /end_weight_update session.
     """
 
     WEIGHT_SYNC = ("auto", "distributed", "tensor", "disk")
@@ -326,20 +322,30 @@ class HTTPBackend(RolloutBackend):
         server shares)."""
         if isinstance(source, (str, Path)):
             return await self._from_disk(source, weight_version, None)
-        from .weight_sync import as_buckets  # noqa: PLC0415 (weight_sync imports this module)
         weight_version = weight_version or uuid.uuid4().hex[:8]
         buckets = as_buckets(source, self.bucket_bytes)
         if self.weight_sync in ("auto", "distributed") and await asyncio.to_thread(self._join):
-            return await asyncio.to_thread(self._push_distributed, buckets, weight_version)
+            try:
+                return await asyncio.to_thread(self._push_distributed, buckets, weight_version)
+            except PushRefused as e:
+                if self.weight_sync != "auto":
+                    raise
+                self._fall_back(f"the server refused the push before any weight changed ({e})")
+                buckets = e.buckets
         if self.weight_sync == "tensor":
             return await self._push_tensor(buckets, weight_version)
         return await self._push_disk(source, buckets, weight_version)
+
+    def _fall_back(self, why: str) -> None:
+        """`auto` gives up on the distributed path for good (said once) and uses disk."""
+        self._log(f"rollout.weight_sync=auto: {why}; pushing weights through disk from now on")
+        self.weight_sync = "disk"
+        self.close()
 
     def _join(self) -> bool:
         """Join the server in a weight-update group (once); False when `auto` cannot."""
         if self._sync is not None:
             return True
-        from .weight_sync import DistributedWeightSync  # noqa: PLC0415
         auto = self.weight_sync == "auto"
         try:
             self._sync = DistributedWeightSync(
@@ -348,8 +354,7 @@ class HTTPBackend(RolloutBackend):
         except RolloutError as e:
             if not auto:
                 raise
-            self._log(f"rollout.weight_sync=auto: {e}; pushing weights through disk instead")
-            self.weight_sync = "disk"
+            self._fall_back(f"joining the weight group failed ({e})")
             return False
         if auto:
             self._sync.timeout_s = self.timeout.total
@@ -358,34 +363,59 @@ class HTTPBackend(RolloutBackend):
         return True
 
     def _push_distributed(self, buckets, weight_version: str) -> str:
-        stats = self._sync.push(buckets, weight_version)
+        """A failed push leaves the group unusable: it is destroyed here (the next push
+        joins a new one)."""
+        try:
+            stats = self._sync.push(buckets, weight_version)
+        except BaseException:
+            self.close()
+            raise
         self.last_push = {"mode": "distributed", **stats}
         return self._check_version(self._get_sync("/model_info"), weight_version,
                                    "update_weights_from_distributed")
 
     async def _push_tensor(self, buckets, weight_version: str) -> str:
         """Each bucket as base64 safetensors (our server's safe format; real SGLang's
-        formats are pickled and refused by ours), the last one flushing with the version."""
-        from .weight_sync import tensor_payload  # noqa: PLC0415
+        formats are pickled and refused by ours), the last one flushing with the version,
+        inside one weight-update session. Refused before sending for a server that does not
+        say it takes safetensors (real SGLang unpickles the payload: a safetensors file
+        inside a session kills its scheduler)."""
+        info = await self.get("/server_info")
+        formats = info.get("weight_tensor_formats") if isinstance(info, dict) else None
+        if not isinstance(formats, list) or TENSOR_FORMAT not in formats:
+            raise RolloutError(
+                f"rollout.weight_sync=tensor: {self.url} does not list {TENSOR_FORMAT!r} in "
+                f"/server_info weight_tensor_formats (real SGLang unpickles "
+                f"/update_weights_from_tensor payloads; lockstep's safetensors payload would "
+                f"kill its scheduler); use weight_sync 'distributed' or 'disk'")
         t0, total, count = time.perf_counter(), 0, 0
         async with aiohttp.ClientSession(timeout=self.timeout) as s:
-            it = iter(buckets)
-            cur = next(it, None)
-            while cur is not None:
-                nxt = next(it, None)
-                body, n = tensor_payload(cur, nxt is None, weight_version)
-                resp = await self._post(s, "/update_weights_from_tensor", body)
-                if not isinstance(resp, dict) or resp.get("success") is not True:
-                    raise RolloutError(f"update_weights_from_tensor (bucket {count}) failed: "
-                                       f"{resp!r}"[:800])
-                total, count, cur = total + n, count + 1, nxt
+            await self._post(s, "/begin_weight_update", {})
+            pushed = False
+            try:
+                it = iter(buckets)
+                cur = next(it, None)
+                while cur is not None:
+                    nxt = next(it, None)
+                    body, n = tensor_payload(cur, nxt is None, weight_version)
+                    resp = await self._post(s, "/update_weights_from_tensor", body)
+                    if not isinstance(resp, dict) or resp.get("success") is not True:
+                        raise RolloutError(f"update_weights_from_tensor (bucket {count}) "
+                                           f"failed: {resp!r}"[:800])
+                    total, count, cur = total + n, count + 1, nxt
+                pushed = True
+            finally:
+                try:
+                    await self._post(s, "/end_weight_update", {})
+                except RolloutError:
+                    if pushed:  # else the push's own error says more
+                        raise
         self.last_push = {"mode": "tensor", "bytes": total, "buckets": count,
                           "seconds": time.perf_counter() - t0}
         return self._check_version(await self.get("/model_info"), weight_version,
                                    "update_weights_from_tensor")
 
     async def _push_disk(self, source, buckets, weight_version: str) -> str:
-        from .weight_sync import write_hf_buckets  # noqa: PLC0415
         if self.weights_dir is None:
             raise RolloutError("pushing weights through disk needs weights_dir (a folder the "
                                "server can read)")

@@ -33,7 +33,7 @@ from .engine import Engine
 from .memory_occupation import MemoryOccupation
 from .request_fields import check_generate_fields
 from .types import GenerateRequest, GenerationResult, RequestError, SamplingParams
-from .weight_receiver import RECEIVER, WeightReceiver
+from .weight_receiver import RECEIVER, TENSOR_FORMAT, WeightReceiver
 
 _SAMPLING_LOGPROBS_MODES = ("selected", "support")
 
@@ -505,7 +505,8 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             "waiting": len(engine.waiting), "steps": worker.steps,
             "weight_version": engine.weight_version, "tp_size": 1,
             "sampling_mask_max_tokens": sampling_mask_max_tokens,
-            "max_request_bytes": max_body_bytes, "memory_released": sorted(memory.released)})
+            "max_request_bytes": max_body_bytes, "memory_released": sorted(memory.released),
+            "weight_tensor_formats": [TENSOR_FORMAT]})
 
     async def on_startup(app):
         await worker.start()

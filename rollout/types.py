@@ -25,6 +25,26 @@ class RequestError(ValueError):
     """A generation request that cannot be served; the message names the offending value."""
 
 
+class RolloutError(RuntimeError):
+    """A server refused a request or answered something that breaks the contract."""
+
+
+class EngineDown(RolloutError):
+    """The server did not answer: connection refused or lost, or no answer within the timeout
+    (a dead or hung engine; a fleet retries the request on another engine)."""
+
+
+class PushRefused(RolloutError):
+    """A server answered a weight push with a refusal before any of its weights changed
+    (`/begin_weight_update` or the first bucket refused): the same weights can still go
+    another way (`rollout.weight_sync: auto` falls back to disk). `buckets`: what the push
+    had not sent yet, in order (the refused bucket first)."""
+
+    def __init__(self, message: str, buckets=()):
+        super().__init__(message)
+        self.buckets = buckets
+
+
 # SGLang 0.5.x `SamplingParams` API keys (python/sglang/srt/sampling/sampling_params.py).
 SGLANG_SAMPLING_KEYS = (
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",

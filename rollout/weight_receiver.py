@@ -1,7 +1,13 @@
 """Server side of disk-free weight sync: SGLang's `/init_weights_update_group`,
-`/update_weights_from_distributed`, `/destroy_weights_update_group` and
-`/update_weights_from_tensor`, with SGLang's request fields and `{success, message}` answers
-(HTTP 200, or 400 with success=false).
+`/update_weights_from_distributed`, `/destroy_weights_update_group`,
+`/update_weights_from_tensor` and the weight-update session around pushes
+(`/begin_weight_update`, `/end_weight_update`), with SGLang's request fields and
+`{success, message}` answers (HTTP 200, or 400 with success=false).
+
+As in SGLang 0.5.23, `/update_weights_from_distributed` and `/update_weights_from_tensor` are
+refused unless a session is open (one per server, whoever opened it); a second begin and an
+end without a begin are refused; `/update_weights_from_disk` needs none. A push staged but not
+flushed when the session ends is discarded.
 
 How a push works (docs/rollout.md, "Weight sync"): the trainer is rank 0 of a process group
 this server joins as rank `rank_offset` (`rollout/weight_group.py`); per bucket it POSTs the
@@ -54,6 +60,9 @@ DISTRIBUTED_FIELDS = ("names", "dtypes", "shapes", "group_name", "flush_cache",
                       "abort_all_requests", "weight_version", "load_format", "torch_empty_cache") + _BASE
 TENSOR_FIELDS = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
                  "weight_version", "disable_draft_model") + _BASE
+BEGIN_FIELDS = ("selector",) + _BASE
+END_FIELDS = _BASE
+SELECTORS = ("target", "draft", "all")
 TENSOR_FORMAT = "safetensors"
 
 
@@ -157,6 +166,7 @@ class WeightReceiver:
         self.staged: dict[str, torch.Tensor] = {}
         self.staged_version: str | None = None
         self._targets: dict[str, torch.Tensor] | None = None
+        self.session = False  # a /begin_weight_update without its /end_weight_update yet
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -245,7 +255,36 @@ class WeightReceiver:
         return [("/init_weights_update_group", self._wrap(body_of, self.init_group)),
                 ("/destroy_weights_update_group", self._wrap(body_of, self.destroy_group)),
                 ("/update_weights_from_distributed", self._wrap(body_of, self.from_distributed)),
-                ("/update_weights_from_tensor", self._wrap(body_of, self.from_tensor))]
+                ("/update_weights_from_tensor", self._wrap(body_of, self.from_tensor)),
+                ("/begin_weight_update", self._wrap(body_of, self.begin)),
+                ("/end_weight_update", self._wrap(body_of, self.end))]
+
+    async def begin(self, body: Any) -> web.Response:
+        body = check_fields(body, "begin_weight_update", BEGIN_FIELDS)
+        selector = body.get("selector", "all")
+        if selector not in SELECTORS:
+            raise RequestError(f"selector={selector!r}; valid: {list(SELECTORS)}"[:200])
+        if self.session:
+            return fail("a weight-update session is already open; call end_weight_update() "
+                        "first")
+        self.session = True
+        return ok("weight-update session opened")
+
+    async def end(self, body: Any) -> web.Response:
+        check_fields(body, "end_weight_update", END_FIELDS)
+        if not self.session:
+            return fail("no weight-update session is open; call begin_weight_update() first")
+        async with self.lock:  # after a push in flight
+            self.session = False
+            dropped = len(self.staged)
+            self.discard()
+        return ok("weight-update session closed" + (
+            f"; {dropped} staged tensors never flushed were discarded" if dropped else ""))
+
+    def _need_session(self, endpoint: str) -> None:
+        if not self.session:
+            raise RequestError(f"{endpoint} must run between begin_weight_update() and "
+                               f"end_weight_update()")
 
     @staticmethod
     def _wrap(body_of, fn):
@@ -302,6 +341,7 @@ class WeightReceiver:
         group = self.groups.get(name) if isinstance(name, str) else None
         try:
             meta = parse_push(body)
+            self._need_session("update_weights_from_distributed")
             if group is None:
                 raise RequestError(f"no weight-update group {name!r} (joined: "
                                    f"{sorted(self.groups)}): call /init_weights_update_group first")
@@ -310,7 +350,7 @@ class WeightReceiver:
                 raise RequestError(f"the bucket would take {meta.nbytes} bytes, more than twice "
                                    f"this model in float64 ({limit // 2} bytes)")
         except RequestError as e:
-            if group is None:
+            if group is None or not self.session:  # no session: as SGLang, the group stays
                 return fail(str(e))
             # The trainer's broadcast of this bucket is in flight: the group is out of step.
             self._drop_group(name)
@@ -343,6 +383,7 @@ class WeightReceiver:
 
     async def from_tensor(self, body: Any) -> web.Response:
         body = check_fields(body, "update_weights_from_tensor", TENSOR_FIELDS)
+        self._need_session("update_weights_from_tensor")
         fmt = body.get("load_format")
         if fmt != TENSOR_FORMAT:
             raise RequestError(

@@ -6,6 +6,14 @@ SGLang server: the same requests), and the check that samples carry the versions
     stats = sync.push(actor.export_weights(bucket_bytes), "7")           # streamed, in order
     sync.close()                                                         # destroys it
 
+Each push runs inside a weight-update session on every engine (`/begin_weight_update` before
+the first bucket, `/end_weight_update` after the last, and after a failed push too): SGLang
+0.5.23 refuses pushes outside one. A push refused before any weight changed (a begin or the
+first bucket refused) raises `PushRefused`. The group name is unique per sync
+(`lockstep-<12 hex>`): a group a dead client never destroyed cannot block the next one. A
+failed join destroys the group on every engine before raising. The backend is gloo unless
+every engine serves on a GPU and this process has one (NCCL; `backend=` overrides).
+
 The trainer is rank 0; engine i joins as ranks `rank_offset_i .. rank_offset_i + tp_i - 1`
 with rank_offset_i = 1 + the TP sizes of the engines before it (`tp_size` from /server_info,
 1 when absent). Per bucket the trainer POSTs `/update_weights_from_distributed` (names, dtypes,
@@ -23,10 +31,12 @@ ours loads nothing until the last): push again before generating.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import shutil
 import threading
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -43,8 +53,7 @@ from ..moe.buckets import Bucket, bucketize, flatten_bucket, tensor_bytes
 from ..moe.checkpoint import INDEX_FILE, hf_state_dict
 from ..moe.config import ModelConfig
 from ..moe.model import MoEModel
-from .client import RolloutError
-from .types import GenerationResult
+from .types import GenerationResult, PushRefused, RolloutError
 from .weight_group import WeightGroup, free_port
 
 
@@ -71,13 +80,16 @@ def as_buckets(source: Any, bucket_bytes: int) -> Iterable[Bucket]:
     return source
 
 
+TENSOR_FORMAT = "safetensors"  # /update_weights_from_tensor load_format of lockstep serve
+
+
 def tensor_payload(bucket: Bucket, last: bool, weight_version: str) -> tuple[dict, int]:
     """The /update_weights_from_tensor body of one bucket in our safe format (base64 of a
     safetensors file) and its tensor bytes."""
     sd = {name: t.detach().to("cpu").contiguous() for name, t in bucket}
     body: dict[str, Any] = {
         "serialized_named_tensors": [base64.b64encode(save_safetensors(sd)).decode()],
-        "load_format": "safetensors", "flush_cache": last, "abort_all_requests": False}
+        "load_format": TENSOR_FORMAT, "flush_cache": last, "abort_all_requests": False}
     if last:
         body["weight_version"] = str(weight_version)
     return body, sum(tensor_bytes(t) for t in sd.values())
@@ -108,6 +120,19 @@ def write_hf_buckets(buckets: Iterable[Bucket], cfg: ModelConfig,
     return out, total, count
 
 
+def choose_backend(server_infos: list[Any]) -> str:
+    """NCCL when every engine reports a CUDA device (SGLang's /server_info `device`; lockstep
+    serve's `engine.device`) and this process has a GPU; gloo otherwise (CPU servers)."""
+    def device(info: Any) -> str:
+        if not isinstance(info, dict):
+            return "cpu"
+        engine = info.get("engine")
+        d = info.get("device") or (engine.get("device") if isinstance(engine, dict) else None)
+        return str(d or "cpu")
+    on_gpu = all(device(info).startswith("cuda") for info in server_infos)
+    return "nccl" if on_gpu and torch.cuda.is_available() else "gloo"
+
+
 def dtype_name(dt: torch.dtype) -> str:
     """SGLang's spelling of a dtype (`getattr(torch, name)` on its side)."""
     return str(dt).removeprefix("torch.")
@@ -116,32 +141,40 @@ def dtype_name(dt: torch.dtype) -> str:
 class DistributedWeightSync:
     """Rank 0 of a weight-update group over `urls` (module docstring)."""
 
-    def __init__(self, urls: list[str], *, backend: str = "gloo", master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, group_name: str = "lockstep-weights",
-                 api_key: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], *, backend: str | None = None,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 group_name: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0):
         if not urls:
             raise ValueError("DistributedWeightSync needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
-        self.backend, self.group_name, self.api_key = backend, group_name, api_key
-        self.timeout_s = timeout_s
+        self.group_name = group_name or f"lockstep-{uuid.uuid4().hex[:12]}"
+        self.api_key, self.timeout_s = api_key, timeout_s
         self.group: WeightGroup | None = None
         self.broken: str | None = None  # why the group can no longer be used
         self._idle = threading.Event()  # set while no collective of ours is running
         self._idle.set()
         self._pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="lockstep-wsync")
+        asked = False
         try:
-            sizes = list(self._pool.map(self._tp_size, range(len(self.urls))))
+            infos = list(self._pool.map(self._server_info, range(len(self.urls))))
+            sizes = [self._tp_size(i, info) for i, info in enumerate(infos)]
+            self.backend = backend or choose_backend(infos)
             self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
             self.world_size = 1 + sum(sizes)
             port = master_port or free_port(master_addr)
             body = lambda i: {"master_address": master_addr, "master_port": port,  # noqa: E731
                               "rank_offset": self.rank_offsets[i], "world_size": self.world_size,
-                              "group_name": group_name, "backend": backend}
+                              "group_name": self.group_name, "backend": self.backend}
+            asked = True
             posts = [self._pool.submit(self._post, i, "/init_weights_update_group", body(i))
                      for i in range(len(self.urls))]
             self.group = self._run_with(posts, "init_weights_update_group", lambda: WeightGroup(
-                master_addr, port, 0, self.world_size, group_name, backend, timeout_s))
+                master_addr, port, 0, self.world_size, self.group_name, self.backend,
+                timeout_s))
         except BaseException:
+            if asked:  # engines that joined would keep the name: destroy it everywhere
+                self._destroy_everywhere()
             self._pool.shutdown(wait=False, cancel_futures=True)
             raise
 
@@ -160,6 +193,17 @@ class DistributedWeightSync:
         cur = next(it, None)
         if cur is None:
             raise ValueError("push: no buckets to send")
+        self._begin_sessions(lambda: itertools.chain([cur], it))
+        try:
+            total, count = self._push_buckets(cur, it, weight_version)
+        except BaseException:
+            self._end_sessions(strict=False)
+            raise
+        self._end_sessions(strict=True)
+        return {"bytes": total, "seconds": time.perf_counter() - t0, "buckets": count}
+
+    def _push_buckets(self, cur: Bucket, it, weight_version: str) -> tuple[int, int]:
+        total = count = 0
         while cur is not None:
             nxt = next(it, None)  # one bucket of look-ahead: is this the last?
             last = nxt is None
@@ -174,29 +218,76 @@ class DistributedWeightSync:
                 body["weight_version"] = str(weight_version)
             posts = [self._pool.submit(self._post, i, "/update_weights_from_distributed", body)
                      for i in range(len(self.urls))]
-            self._run_with(posts, f"update_weights_from_distributed (bucket {count})",
-                           lambda: self.group.broadcast(flat))
+            try:
+                self._run_with(posts, f"update_weights_from_distributed (bucket {count})",
+                               lambda: self.group.broadcast(flat))
+            except PushRefused as e:
+                if count:  # earlier buckets may be loaded (SGLang loads each as it arrives)
+                    raise RolloutError(str(e)) from None
+                rest = itertools.chain([cur] + ([] if last else [nxt]), it)
+                raise PushRefused(str(e), rest) from None
             total += flat.numel()
             count += 1
             cur = nxt
-        return {"bytes": total, "seconds": time.perf_counter() - t0, "buckets": count}
+        return total, count
+
+    def _begin_sessions(self, rest) -> None:
+        """Open a weight-update session on every engine; a refusal closes those opened and
+        raises PushRefused (nothing was sent); `rest()` gives the buckets not sent."""
+        futs = [self._pool.submit(self._post, i, "/begin_weight_update", {})
+                for i in range(len(self.urls))]
+        errors, opened = [], []
+        for i, f in enumerate(futs):
+            try:
+                f.result(self.timeout_s)
+                opened.append(i)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            for i in opened:
+                self._quiet_post(i, "/end_weight_update")
+            refused = all(isinstance(e, PushRefused) for e in errors)
+            raise (PushRefused(f"weight sync: {errors[0]}", rest()) if refused
+                   else RolloutError(f"weight sync: {errors[0]}"))
+
+    def _end_sessions(self, strict: bool) -> None:
+        """Close every engine's session; after a good push, a refusal is an error."""
+        futs = [self._pool.submit(self._post, i, "/end_weight_update", {}, 30.0)
+                for i in range(len(self.urls))] if strict else [
+                self._pool.submit(self._quiet_post, i, "/end_weight_update")
+                for i in range(len(self.urls))]
+        for f in futs:
+            try:
+                f.result(60)
+            except RolloutError as e:
+                raise RolloutError(f"weight sync: {e}") from None
+            except Exception:  # a pool shut down by a failed collective: best effort
+                if strict:
+                    raise
+
+    def _quiet_post(self, i: int, path: str, body: dict | None = None) -> None:
+        try:
+            self._post(i, path, body or {}, 5.0)
+        except Exception:  # a dead engine, or one that already dropped it
+            pass
 
     def close(self) -> None:
         """Destroy the group on every engine that answers and here (idempotent)."""
         if self.group is None:
             return
         self._release_group()
-        # A fresh pool: the sync's own threads may still wait on a failed push's answers.
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            for f in [pool.submit(self._post, i, "/destroy_weights_update_group",
-                                  {"group_name": self.group_name}, 5.0)
-                      for i in range(len(self.urls))]:
-                try:
-                    f.result(10)
-                except Exception:  # a dead engine, or one that already dropped the group
-                    pass
+        self._destroy_everywhere()
         self.group = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _destroy_everywhere(self) -> None:
+        """/destroy_weights_update_group on every engine that answers (best effort), from a
+        fresh pool: the sync's own threads may still wait on a failed call's answers."""
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            for f in [pool.submit(self._quiet_post, i, "/destroy_weights_update_group",
+                                  {"group_name": self.group_name})
+                      for i in range(len(self.urls))]:
+                f.result(15)
 
     def _release_group(self) -> None:
         """Close our end of the group unless a collective of ours still runs in it (a hung
@@ -234,7 +325,7 @@ class DistributedWeightSync:
                     try:
                         f.result()
                     except RolloutError as e:
-                        self._fail(f"{what}: {e}")
+                        self._fail(f"{what}: {e}", refused=isinstance(e, PushRefused))
             if "error" in box:
                 e = box["error"]
                 dead = self._dead_engines()
@@ -248,10 +339,10 @@ class DistributedWeightSync:
             time.sleep(0.002)
         return box.get("value")
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, refused: bool = False) -> None:
         self.broken = message
         self._release_group()
-        raise RolloutError(f"weight sync: {message}")
+        raise (PushRefused if refused else RolloutError)(f"weight sync: {message}")
 
     def _dead_engines(self) -> list[str]:
         def alive(i: int) -> bool:
@@ -264,10 +355,12 @@ class DistributedWeightSync:
                                                 self._pool.map(alive, range(len(self.urls))))
                 if not ok]
 
-    def _tp_size(self, i: int) -> int:
+    def _server_info(self, i: int) -> Any:
+        return self._request(i, "GET", "/server_info", None, min(self.timeout_s, 60.0))
+
+    def _tp_size(self, i: int, info: Any) -> int:
         """The engine's TP size from /server_info (SGLang and lockstep serve report
         `tp_size`); 1 when the field is absent."""
-        info = self._request(i, "GET", "/server_info", None, min(self.timeout_s, 60.0))
         tp = info.get("tp_size", 1) if isinstance(info, dict) else 1
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise RolloutError(f"{self.engine(i)}: /server_info reports tp_size={tp!r}")
@@ -276,7 +369,7 @@ class DistributedWeightSync:
     def _post(self, i: int, path: str, body: dict, timeout_s: float | None = None) -> Any:
         resp = self._request(i, "POST", path, body, timeout_s or self.timeout_s)
         if not isinstance(resp, dict) or resp.get("success") is not True:
-            raise RolloutError(f"{self.engine(i)}: POST {path} answered {resp!r}"[:800])
+            raise PushRefused(f"{self.engine(i)}: POST {path} answered {resp!r}"[:800])
         return resp
 
     def _request(self, i: int, method: str, path: str, body: dict | None,
@@ -292,8 +385,9 @@ class DistributedWeightSync:
                 text = r.read().decode()
         except urllib.error.HTTPError as e:
             text = e.read().decode(errors="replace")
-            raise RolloutError(f"{self.engine(i)}: {method} {path} -> HTTP {e.code}: "
-                               f"{text[:500]}") from None
+            # An answer (4xx) is a refusal; 5xx: the server broke on it, its state is unknown.
+            raise (PushRefused if e.code < 500 else RolloutError)(
+                f"{self.engine(i)}: {method} {path} -> HTTP {e.code}: {text[:500]}") from None
         except (OSError, TimeoutError) as e:  # refused, reset, timed out
             raise RolloutError(f"{self.engine(i)}: {method} {path} failed: "
                                f"{type(e).__name__}: {e}") from None

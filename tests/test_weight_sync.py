@@ -212,8 +212,10 @@ def test_server_dying_mid_push_is_named_within_the_timeout(tmp_path):
 
 def test_weight_endpoints_are_strict(served):
     """Unknown fields name the closest valid one; SGLang's pickled tensor formats are refused
-    (no unpickling of request bytes); safetensors bytes load; no group: a clear error."""
+    (no unpickling of request bytes); safetensors bytes load; no group: a clear error. Pushes
+    need a weight-update session, as in SGLang 0.5.23 (test_weight_session_like_sglang)."""
     _, _, srv = served
+    assert call(srv.url, "/begin_weight_update", {}) == (200, {"success": True, "message": "weight-update session opened"})
     status, r = call(srv.url, "/update_weights_from_distributed",
                      {"names": [], "dtypes": [], "shapes": [], "weight_versoin": "3"})
     assert status == 400 and r["success"] is False and "did you mean 'weight_version'" in r["message"]
@@ -239,6 +241,35 @@ def test_weight_endpoints_are_strict(served):
     assert eng.weight_version == "t1"
     assert all(torch.equal(a, b) for a, b in zip(eng.model.state_dict().values(),
                                                  new.state_dict().values()))
+    assert call(srv.url, "/end_weight_update", {})[0] == 200
+
+
+def test_weight_session_like_sglang(served):
+    """As SGLang 0.5.23 (scheduler_components/weight_updater.py): distributed and tensor
+    pushes are refused outside a /begin_weight_update ... /end_weight_update session (the
+    weights stay); a second begin and an end without a begin are refused; disk needs none."""
+    _, _, srv = served
+    from lockstep.rollout.weight_receiver import RECEIVER
+    eng = srv.app[RECEIVER].engine
+    before = eng.weight_version
+    for path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
+        body = ({"names": [], "dtypes": [], "shapes": []} if "distributed" in path else
+                {"serialized_named_tensors": [""], "load_format": "safetensors"})
+        status, r = call(srv.url, path, body)
+        assert status == 400 and r["success"] is False, r
+        assert r["message"] == (f"{path[1:]} must run between begin_weight_update() and "
+                                f"end_weight_update()")
+    assert eng.weight_version == before
+    status, r = call(srv.url, "/end_weight_update", {})
+    assert status == 400 and "no weight-update session is open" in r["message"]
+    assert call(srv.url, "/begin_weight_update", {})[0] == 200
+    status, r = call(srv.url, "/begin_weight_update", {})
+    assert status == 400 and "already open" in r["message"]
+    status, r = call(srv.url, "/begin_weight_update", {"selector": "nope"})
+    assert status == 400 and "selector" in r["message"]
+    assert call(srv.url, "/end_weight_update", {})[0] == 200
+    status, r = call(srv.url, "/end_weight_update", {})
+    assert status == 400
 
 
 def test_check_versions_names_the_sample():
@@ -250,19 +281,28 @@ def test_check_versions_names_the_sample():
 
 
 def test_http_backend_auto_falls_back_to_disk_and_tensor_mode(served, tmp_path):
-    """HTTPBackend: `auto` pushes through disk (saying so) when the server cannot join a group
-    (here: its group name is taken), else distributed, writing nothing; `tensor` sends
+    """HTTPBackend: `auto` pushes through disk (saying so once, and from then on) when the
+    server refuses the push before any weight changed (here: another client holds the
+    weight-update session open), else distributed, writing nothing; `tensor` sends
     safetensors buckets over HTTP."""
     from lockstep.rollout.weight_receiver import RECEIVER
     _, _, srv = served
     eng = srv.app[RECEIVER].engine
     logs = []
-    with DistributedWeightSync([srv.url], timeout_s=30):  # holds "lockstep-weights" there
-        auto = HTTPBackend(srv.url, CFG, weights_dir=tmp_path / "a", weight_sync="auto",
-                           log=logs.append)
-        auto.update_weights(_buckets(_model(6)), "a1")
+    assert call(srv.url, "/begin_weight_update", {})[0] == 200  # someone else's session
+    auto = HTTPBackend(srv.url, CFG, weights_dir=tmp_path / "a", weight_sync="auto",
+                       log=logs.append, bucket_bytes=BUCKET)
+    new = _model(6)
+    auto.update_weights(_buckets(new), "a1")
     assert auto.last_push["mode"] == "disk" and auto.weight_sync == "disk"
-    assert any("already joined" in line and "through disk" in line for line in logs), logs
+    assert auto.last_push["buckets"] > 2  # every bucket reached disk, the refused one first
+    assert eng.weight_version == "a1" and all(torch.equal(a, b) for a, b in zip(
+        eng.model.state_dict().values(), new.state_dict().values()))
+    said = [line for line in logs if "through disk" in line]
+    assert len(said) == 1 and "already open" in said[0] and "refused the push" in said[0], logs
+    auto.update_weights(_buckets(_model(5)), "a1b")  # disk from now on, not said again
+    assert auto.last_push["mode"] == "disk" and len([x for x in logs if "disk" in x]) == 1
+    assert call(srv.url, "/end_weight_update", {})[0] == 200
     auto2 = HTTPBackend(srv.url, CFG, weights_dir=tmp_path / "b", weight_sync="auto",
                         bucket_bytes=BUCKET)
     auto2.update_weights(_model(7), "a2")
@@ -276,3 +316,38 @@ def test_http_backend_auto_falls_back_to_disk_and_tensor_mode(served, tmp_path):
     assert eng.weight_version == "a3"
     assert all(torch.equal(a, b) for a, b in zip(eng.model.state_dict().values(),
                                                  new.state_dict().values()))
+
+
+def test_group_names_are_unique_and_a_failed_push_destroys_its_group(served):
+    """Two syncs join one server at once (a name per sync, not one fixed name a dead run
+    could leave behind); a push the server refuses destroys the group and closes the
+    session on the server, so nothing of the failed client stays there."""
+    from lockstep.rollout.weight_receiver import RECEIVER
+    _, _, srv = served
+    receiver = srv.app[RECEIVER]
+    with DistributedWeightSync([srv.url], timeout_s=30) as a, \
+            DistributedWeightSync([srv.url], timeout_s=30) as b:
+        assert a.group_name != b.group_name and a.backend == b.backend == "gloo"
+        assert {a.group_name, b.group_name} <= set(receiver.groups)
+    assert not receiver.groups
+    client = HTTPBackend(srv.url, CFG, weight_sync="distributed", bucket_bytes=BUCKET)
+    bad = {"model.layers.1.mlp.gate.nope": torch.zeros(3), **hf_state_dict(_model(3))}
+    with pytest.raises(RolloutError, match="'model.layers.1.mlp.gate.nope' is not a weight"):
+        client.update_weights(bad, "b1")
+    assert not receiver.groups and not receiver.session and client._sync is None
+
+
+def test_trainer_that_fails_at_start_up_leaves_no_group(served, tmp_path):
+    """A run whose first push is refused (its model is not the server's) stops at start-up
+    and destroys its weight group there: a second run against the same server can join."""
+    from lockstep.rollout.weight_receiver import RECEIVER
+    from lockstep.trainer.config import load_config
+    from lockstep.trainer.loop import Trainer
+    _, _, srv = served
+    receiver = srv.app[RECEIVER]
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
+                      ["warmstart.enabled=false", "rollout.backend=http",
+                       f"rollout.url={srv.url}", "rollout.weight_sync=distributed"])
+    with pytest.raises(RolloutError, match=r"update_weights_from_distributed \(bucket 0\)"):
+        Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+    assert not receiver.groups and not receiver.session

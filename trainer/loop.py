@@ -132,6 +132,16 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool = False,
                  progress: bool = True, log: Callable[[str], None] = print):
+        self.rollout: RolloutBackend | None = None
+        try:
+            self._build(cfg, out_dir, resume, progress, log)
+        except BaseException:  # a failed start-up leaves no weight group on the servers
+            if self.rollout is not None:
+                self.rollout.close()
+            raise
+
+    def _build(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool,
+               progress: bool, log: Callable[[str], None]) -> None:
         check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
@@ -252,7 +262,11 @@ class Trainer:
                                   weight_sync=ro.weight_sync, log=self.log,
                                   bucket_bytes=self.cfg.cluster.weight_bucket_bytes)
             if folder is None:
-                backend.update_weights(model, weight_version)  # the server's weights are unknown
+                try:  # the server's weights are unknown
+                    backend.update_weights(model, weight_version)
+                except BaseException:
+                    backend.close()  # leave no weight group behind on the server
+                    raise
             return backend
         engine_cfg = EngineConfig(
             dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
