@@ -3,7 +3,8 @@
 Configs, the CLI and the embedded engine say "bf16"/"fp16"/"fp32" (`name`); HF config.json,
 SGLang's wire and launcher, and megatron-core's `params_dtype` say "bfloat16"/"float16"/
 "float32" (`hf`, the torch attribute name). Every module that maps one to another reads it here.
-float64 is only a wire dtype (SGLang accepts float64 tensors), not a model precision.
+float64 and the fp8 dtypes are only wire dtypes (SGLang accepts such tensors in a weight push),
+not model precisions.
 The table itself needs no torch import (`lockstep serve` and the SGLang launcher start without
 torch); `DType.torch` imports it on first use.
 """
@@ -38,6 +39,8 @@ DTYPES = (
     DType("fp16", "float16", 2, True),
     DType("fp32", "float32", 4, True),
     DType("fp64", "float64", 8, False),
+    DType("fp8_e4m3", "float8_e4m3fn", 1, False),
+    DType("fp8_e5m2", "float8_e5m2", 1, False),
 )
 PRECISIONS = tuple(d.name for d in DTYPES if d.precision)
 """Our spellings a config or the CLI accepts, in table order: ("bf16", "fp16", "fp32")."""

@@ -92,8 +92,27 @@ def check_tensors(targets: dict[str, torch.Tensor], sd: Mapping[str, torch.Tenso
         if t.is_floating_point() and not src.is_floating_point():
             raise CheckpointError(f"tensor {k} has dtype {src.dtype}; weights must be floating "
                                   f"point (the model's is {t.dtype})")
-        if src.is_floating_point() and not torch.isfinite(src).all():
-            raise CheckpointError(f"tensor {k} contains NaN or Inf")
+        if src.is_floating_point():
+            problem = nonfinite(src, t.dtype)
+            if problem:
+                raise CheckpointError(f"tensor {k} {problem}")
+
+
+def nonfinite(src: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Why floating `src` cast to `dtype` (the model's) is not all finite, or None.
+
+    Checked after the cast: a float64/fp32 value that is finite but beyond `dtype`'s range
+    becomes inf in a bf16/fp16 model. fp8 tensors (which `isfinite` does not take) are
+    checked through their cast too."""
+    cast = src if src.dtype == dtype else src.to(dtype)
+    if bool(torch.isfinite(cast).all()):
+        return None
+    wide = src.to(torch.float64)
+    if bool(torch.isfinite(wide).all()):
+        top = float(wide.abs().max())
+        return (f"overflows the model's {str(dtype).removeprefix('torch.')}: |values| up to "
+                f"{top:.3g}, its largest finite value is {torch.finfo(dtype).max:.3g}")
+    return "contains NaN or Inf"
 
 
 @torch.no_grad()

@@ -15,8 +15,15 @@ names, dtypes and shapes and broadcasts the tensors (one uint8 buffer with
 `load_format="flattened_bucket"`, else one broadcast per tensor in list order).
 
 Where we differ from SGLang, on purpose:
-- Validate, then swap. Each bucket is checked (known name, shape, floating dtype, finite) and
-  *staged*; staged tensors take effect together at the first call with `flush_cache=true`
+- Check before receiving. A distributed push's declared names and shapes are checked against
+  the model before its broadcast is received: gloo aborts the whole process (not just the call)
+  when a broadcast is longer than the receive buffer. Receive buffers are prefilled with NaN
+  bytes (a shorter broadcast is named by the finiteness check) and, in a gloo group of two,
+  have room for a longer one (named as such); a failed receive destroys the group, never the
+  server.
+- Validate, then swap. Each bucket is checked (known name, shape, floating dtype, finite after
+  the cast to the engine's dtype: fp8 and float64 are taken, values beyond the engine dtype's
+  range are refused) and *staged*; staged tensors take effect together at the first call with `flush_cache=true`
   (SGLang's default; a streaming client sends false on every bucket but the last), in one swap
   that waits for running samples and holds queued ones (as `/update_weights_from_disk`), so
   no sample mixes weight versions. A bad bucket discards the whole staged push and names the
@@ -45,12 +52,13 @@ from safetensors.torch import load as load_safetensors
 
 from ..kernels.dtypes import DTYPES as _TABLE
 from ..moe.buckets import Bucket, unflatten_bucket
-from ..moe.checkpoint import hf_state_dict
+from ..moe.checkpoint import hf_state_dict, nonfinite
 from .types import RequestError
 from .weight_group import BACKENDS, WeightGroup
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
-# Weights are floating point; SGLang names dtypes as torch attributes ("bfloat16").
+# Weights are floating point; SGLang names dtypes as torch attributes ("bfloat16") and takes
+# any of them: fp8 and float64 tensors are cast to the engine's dtype like the others.
 DTYPES = {d.hf: d.torch for d in _TABLE}
 _BASE = ("rid", "http_worker_ipc")  # SGLang's BaseReq fields, accepted and ignored
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "group_name",
@@ -110,13 +118,14 @@ class PushMeta:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for dt, shape in zip(self.dtypes, self.shapes):
-            n = 1
-            for s in shape:
-                n *= s
-            total += n * torch.empty((), dtype=dt).element_size()
-        return total
+        return sum(self.size_of(dt, shape) for dt, shape in zip(self.dtypes, self.shapes))
+
+    @staticmethod
+    def size_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        n = 1
+        for s in shape:
+            n *= s
+        return n * torch.empty((), dtype=dtype).element_size()
 
 
 def parse_push(body: Any) -> PushMeta:
@@ -193,37 +202,56 @@ class WeightReceiver:
         self.discard()
 
     # -- checks ----------------------------------------------------------------------------
-    def check_bucket(self, bucket: Bucket) -> Bucket:
-        """The bucket's tensors to stage (a tied model's lm_head.weight is dropped), or
-        WeightError naming the first tensor the model cannot take."""
+    def check_declared(self, names: list[str], shapes: list[tuple[int, ...]]) -> None:
+        """WeightError naming the first tensor the model cannot take by name or shape. Run on
+        a distributed push's declared names and shapes BEFORE its broadcast is received: a
+        receive buffer of another size than the trainer's tensor makes gloo abort the whole
+        process (a C++ `EnforceNotMet` on its own thread), so it is never posted."""
         targets, tied = self.targets, self.engine.model.lm_head is None
-        out = []
-        for name, t in bucket:
+        for name, shape in zip(names, shapes):
+            key = name
             if name not in targets:
-                if tied and name == "lm_head.weight":
-                    continue
-                close = difflib.get_close_matches(name, list(targets), n=1)
-                hint = f" (closest: {close[0]!r})" if close else ""
-                raise WeightError(f"tensor {name!r} is not a weight of this model{hint}")
+                if tied and name == "lm_head.weight":  # tied: checked as the embedding
+                    key = "model.embed_tokens.weight"
+                else:
+                    close = difflib.get_close_matches(name, list(targets), n=1)
+                    hint = f" (closest: {close[0]!r})" if close else ""
+                    raise WeightError(f"tensor {name!r} is not a weight of this model{hint}")
             if name in self.staged:
                 raise WeightError(f"tensor {name!r} was already sent in this push")
-            want = tuple(targets[name].shape)
-            if tuple(t.shape) != want:
-                raise WeightError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {want}")
+            want = tuple(targets[key].shape)
+            if tuple(shape) != want:
+                raise WeightError(f"tensor {name!r} has shape {tuple(shape)}, the model's is {want}")
+
+    def check_bucket(self, bucket: Bucket, short_hint: bool = False) -> Bucket:
+        """The bucket's tensors to stage, cast to the engine's dtypes (a tied model's
+        lm_head.weight is dropped), or WeightError naming the first tensor the model cannot
+        take. Finiteness is checked after the cast (a finite fp32 value can be inf in bf16).
+        `short_hint`: the tensors came from a broadcast into buffers prefilled with NaN."""
+        self.check_declared([n for n, _ in bucket], [tuple(t.shape) for _, t in bucket])
+        targets = self.targets
+        out = []
+        for name, t in bucket:
+            if name not in targets:  # a tied model's lm_head.weight
+                continue
             if not t.is_floating_point():
                 raise WeightError(f"tensor {name!r} has dtype {t.dtype}; weights are floating point")
-            if not bool(torch.isfinite(t).all()):
-                raise WeightError(f"tensor {name!r} contains NaN or Inf")
+            dtype = targets[name].dtype
+            problem = nonfinite(t, dtype)
+            if problem:
+                hint = (" (or the trainer broadcast fewer bytes than the declared names, "
+                        "dtypes and shapes)") if short_hint and "NaN" in problem else ""
+                raise WeightError(f"tensor {name!r} {problem}{hint}")
             # Staged in the engine's dtype (the swap would cast the same way): a bf16 engine
             # holds a bf16 copy of a pushed fp32 tensor, and the received buffer is freed.
-            out.append((name, t.to(targets[name].dtype)))
+            out.append((name, t.to(dtype)))
         return out
 
     # -- the swap --------------------------------------------------------------------------
     async def stage_or_commit(self, bucket: Bucket, flush: bool, version: str | None,
-                              abort: bool) -> web.Response:
+                              abort: bool, received: bool = False) -> web.Response:
         try:
-            bucket = self.check_bucket(bucket)
+            bucket = self.check_bucket(bucket, short_hint=received)
         except WeightError as e:
             self.discard()
             return fail(f"{e}; nothing was loaded (the staged push is discarded: send it "
@@ -345,10 +373,12 @@ class WeightReceiver:
             if group is None:
                 raise RequestError(f"no weight-update group {name!r} (joined: "
                                    f"{sorted(self.groups)}): call /init_weights_update_group first")
-            limit = 2 * sum(t.numel() for t in self.targets.values()) * 8
-            if meta.nbytes > limit:
-                raise RequestError(f"the bucket would take {meta.nbytes} bytes, more than twice "
-                                   f"this model in float64 ({limit // 2} bytes)")
+            try:  # every check before the receive: a mismatched one aborts the process
+                self.check_declared(meta.names, meta.shapes)
+            except WeightError as e:
+                self.discard()
+                raise RequestError(f"{e}; nothing was received or loaded (the staged push is "
+                                   f"discarded)") from None
         except RequestError as e:
             if group is None or not self.session:  # no session: as SGLang, the group stays
                 return fail(str(e))
@@ -365,20 +395,33 @@ class WeightReceiver:
                             f"{type(e).__name__}: {e}; nothing was loaded and the group is "
                             f"destroyed: join a new one"[:1000])
             return await self.stage_or_commit(bucket, meta.flush_cache, meta.weight_version,
-                                              meta.abort_all_requests)
+                                              meta.abort_all_requests, received=True)
 
     @staticmethod
     def _receive(group: WeightGroup, meta: PushMeta) -> Bucket:
+        """Receive the declared tensors. Buffers are prefilled with 0xFF bytes, a NaN in every
+        floating dtype: a broadcast shorter than declared leaves NaNs that the finiteness
+        check names. A longer one makes gloo abort the process unless the buffer has room:
+        in a gloo group of two (the trainer and this server: no rank forwards to another, so
+        a bigger buffer here changes nothing for other receivers) each buffer is twice the
+        declared size and bytes landing in the second half are an error (RuntimeError)."""
+        spare = 2 if group.world_size == 2 and group.backend == "gloo" else 1
+
+        def receive(nbytes: int) -> torch.Tensor:
+            buf = torch.full((nbytes * spare,), 255, dtype=torch.uint8, device=group.device)
+            group.broadcast(buf)
+            if spare > 1 and not bool((buf[nbytes:] == 255).all()):
+                raise RuntimeError(f"the trainer broadcast more than the {nbytes} bytes that "
+                                   f"the declared names, dtypes and shapes hold")
+            return buf[:nbytes]
+
         if meta.flattened:
-            flat = torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
-            group.broadcast(flat)
             return [(n, t.cpu()) for n, t in
-                    unflatten_bucket(flat, meta.names, meta.dtypes, meta.shapes)]
+                    unflatten_bucket(receive(meta.nbytes), meta.names, meta.dtypes, meta.shapes)]
         out = []
         for n, dt, shape in zip(meta.names, meta.dtypes, meta.shapes):
-            t = torch.empty(shape, dtype=dt, device=group.device)
-            group.broadcast(t)
-            out.append((n, t.cpu()))
+            buf = receive(PushMeta.size_of(dt, shape))
+            out.append((n, buf.view(dt).view(shape).cpu()))
         return out
 
     async def from_tensor(self, body: Any) -> web.Response:

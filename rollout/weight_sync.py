@@ -328,6 +328,18 @@ class DistributedWeightSync:
                         self._fail(f"{what}: {e}", refused=isinstance(e, PushRefused))
             if "error" in box:
                 e = box["error"]
+                # An engine that refused the bucket before receiving (a name or shape the
+                # model lacks) leaves the group at once: its answer names the tensor.
+                grace = min(time.monotonic() + 5.0, deadline)
+                while pending and time.monotonic() < grace:
+                    for i, f in list(pending.items()):
+                        if f.done():
+                            del pending[i]
+                            try:
+                                f.result()
+                            except RolloutError as refused:
+                                self._fail(f"{what}: {refused}")
+                    time.sleep(0.002)
                 dead = self._dead_engines()
                 who = ", ".join(dead) if dead else "every engine still answers /health"
                 self._fail(f"{what}: the broadcast failed ({type(e).__name__}: "

@@ -31,6 +31,7 @@ def test_edges_accept_the_spellings_of_today():
     assert engine == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     assert sglang == ("auto", "bfloat16", "float16", "float32")
     assert wire == {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                    "float32": torch.float32, "float64": torch.float64}
+                    "float32": torch.float32, "float64": torch.float64,
+                    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
     for s in HF_PRECISIONS:
         assert MegatronOptions(params_dtype=s).torch_dtype == getattr(torch, s)
