@@ -44,8 +44,20 @@ def _join(url, timeout=20):
     return group
 
 
+def _begin(url):
+    """Open a weight-update session (SGLang's rule: pushes only inside one); one already open
+    is fine."""
+    status, out = call(url, "/begin_weight_update", {})
+    assert status == 200 or "already open" in out["message"], out
+
+
+def _end(url):
+    assert call(url, "/end_weight_update", {})[0] == 200
+
+
 def _push(url, group, body, sent):
-    """POST the push and broadcast `sent` (None: nothing, the server refuses first)."""
+    """POST the push inside a session and broadcast `sent`."""
+    _begin(url)
     out = {}
     t = threading.Thread(target=lambda: out.update(r=call(
         url, "/update_weights_from_distributed", body, timeout=60)))
@@ -56,7 +68,16 @@ def _push(url, group, body, sent):
         except RuntimeError:  # the server left the group without receiving
             pass
     t.join(60)
+    _end(url)
     return out["r"]
+
+
+def _tensor_push(url, tensors, version):
+    _begin(url)
+    try:
+        return call(url, "/update_weights_from_tensor", _tensor_body(tensors, version))
+    finally:
+        _end(url)
 
 
 def _greedy(url):
@@ -138,8 +159,7 @@ def test_overflow_in_the_engine_dtype_is_refused(tmp_path):
         status, out = call(srv.url, "/update_weights_from_disk",
                            {"model_path": str(tmp_path / "w"), "weight_version": "x"})
         assert status == 400 and msg in out["message"], out
-        status, out = call(srv.url, "/update_weights_from_tensor",
-                           _tensor_body({"model.norm.weight": big}, "x"))
+        status, out = _tensor_push(srv.url, {"model.norm.weight": big}, "x")
         assert status == 400 and "'model.norm.weight' overflows the model's bfloat16" \
             in out["message"], out
         group = _join(srv.url)
@@ -163,8 +183,7 @@ def test_fp8_weights_are_cast_like_any_other(tmp_path):
         status, out = call(srv.url, "/update_weights_from_disk",
                            {"model_path": str(tmp_path / "w"), "weight_version": "d"})
         assert status == 200 and out["success"], out
-        status, out = call(srv.url, "/update_weights_from_tensor",
-                           _tensor_body({NAME: fp8[NAME]}, "t"))
+        status, out = _tensor_push(srv.url, {NAME: fp8[NAME]}, "t")
         assert status == 200 and out["success"], out
         group = _join(srv.url)
         x = fp8["model.norm.weight"].view(torch.uint8)  # gloo broadcasts no fp8: its bytes
@@ -181,6 +200,6 @@ def test_fp8_weights_are_cast_like_any_other(tmp_path):
 @pytest.mark.parametrize("dtype", ["int32", "complex64", "bool"])
 def test_non_floating_pushes_are_refused_by_name(dtype):
     with ServerThread(Engine.from_model(_model(0), EngineConfig(dtype="fp32", max_len=48))) as srv:
-        status, out = call(srv.url, "/update_weights_from_tensor", _tensor_body(
-            {"model.norm.weight": torch.ones(32).to(getattr(torch, dtype))}, "x"))
+        status, out = _tensor_push(srv.url, {"model.norm.weight": torch.ones(32).to(
+            getattr(torch, dtype))}, "x")
         assert status == 400 and "model.norm.weight" in out["message"], out
