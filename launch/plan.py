@@ -27,13 +27,23 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.kernels.dtypes import BY_NAME, hf_name
+from lockstep.kernels.dtypes import BY_NAME
 from lockstep.rollout.colocate import (RANK_SHARE, SERVER_SHARE, colocates_fleet,
                                        colocation_refusal, engine_bundles)
 from lockstep.trainer.config import ExperimentConfig, ExperimentConfigError, load_config
 
 GiB = float(1 << 30)
-SGLANG_DEFAULT_MEM_FRACTION = 0.9  # what the plan assumes when rollout.sglang leaves it unset
+SGLANG_DEFAULT_MEM_FRACTION = 0.9
+# the TransformerConfig arguments (trainer/megatron/layout.megatron_args) the plan prints
+_PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",
+              "expert_tensor_parallel_size", "pipeline_model_parallel_size",
+              "virtual_pipeline_model_parallel_size", "sequence_parallel", "num_layers",
+              "hidden_size", "num_attention_heads", "num_query_groups", "num_moe_experts",
+              "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+              "moe_router_dtype", "moe_enable_routing_replay", "moe_router_fusion",
+              "moe_expert_capacity_factor", "moe_router_load_balancing_type",
+              "moe_token_dispatcher_type", "moe_grouped_gemm", "params_dtype", "bf16", "fp16",
+              "recompute_granularity")  # what the plan assumes when rollout.sglang leaves it unset
 
 
 class PlanError(ExperimentConfigError):
@@ -234,44 +244,20 @@ class _Plan:
         return out
 
     def _check_actor_layout(self, N: int, tp: int, ep: int, etp: int, pp: int) -> None:
-        cfg, m = self.cfg, self.cfg.model
-        f = "actor.megatron."
+        """The megatron layout rules (trainer/megatron/layout.py, what the actor enforces)."""
+        cfg = self.cfg
         if cfg.actor.backend != "megatron":
             return
         if N == 1 and (tp, ep, etp, pp) != (1, 1, 1, 1):
+            f = "actor.megatron."
             self.refuse(f"{f}tensor_parallel={tp}, expert_parallel={ep}, pipeline_parallel={pp} "
                         "need cluster.actor_ranks > 1 (the in-process actor is a world of one)")
             return
-        if m.num_attention_heads % tp:
-            self.refuse(f"{f}tensor_parallel={tp} does not divide the model's "
-                        f"num_attention_heads={m.num_attention_heads}")
-        if m.num_key_value_heads % tp:
-            self.refuse(f"{f}tensor_parallel={tp} does not divide the model's "
-                        f"num_key_value_heads={m.num_key_value_heads} (megatron-core splits "
-                        "whole query groups over TP)")
-        if m.num_experts % ep:
-            self.refuse(f"{f}expert_parallel={ep} does not divide the model's "
-                        f"num_experts={m.num_experts}")
-        if m.vocab_size % tp:
-            self.refuse(f"{f}tensor_parallel={tp} does not divide vocab_size={m.vocab_size} "
-                        "(no vocabulary padding)")
-        from lockstep.moe.config import ConfigError
-        from lockstep.trainer.megatron.model import check_layout
+        from lockstep.trainer.megatron.layout import layout_problems, precision_problems
 
-        try:
-            check_layout(cfg.actor.megatron, N, on_gpu=self.gpu, cfg=m)
-        except ConfigError as e:
-            self.refuse(str(e))
-        a = cfg.actor
-        if a.router_dtype not in (None, a.dtype, "fp32"):
-            self.refuse(f"actor.router_dtype={a.router_dtype}: megatron-core's router dtype "
-                        "can only be raised to fp32")
-        if a.lm_head_dtype not in (None, a.dtype):
-            self.refuse(f"actor.lm_head_dtype={a.lm_head_dtype}: megatron-core has no "
-                        "separate LM-head dtype")
-        if a.dtype != "fp32" and not self.gpu:
-            self.refuse(f"actor.dtype={a.dtype}: the megatron backend on CPU trains in fp32 "
-                        "only (megatron-core's mixed-precision optimizer needs CUDA)")
+        for why in (layout_problems(cfg.actor.megatron, cfg.model, N, on_gpu=self.gpu)
+                    + precision_problems(cfg.actor, on_gpu=self.gpu)):
+            self.refuse(why)
 
     def _actor_memory(self, tp: int, ep: int, etp: int, pp: int, dp: int) -> dict[str, Any]:
         """Bytes per actor rank on the fullest pipeline stage."""
@@ -344,35 +330,27 @@ class _Plan:
         return tokens * (per_layer * layers + (full if recompute else 0)) + logits
 
     def _megatron_args(self, tp: int, ep: int, etp: int, pp: int, dp: int) -> dict[str, Any]:
-        """The megatron-core settings `trainer/megatron/model.py` passes for this layout
-        (TransformerConfig, DDP and optimizer); `auto` = decided on the GPU node."""
-        cfg, m = self.cfg, self.cfg.model
-        a, o = cfg.actor, cfg.actor.megatron
-        router = None if a.router_dtype in (None, a.dtype) else a.router_dtype
+        """The megatron-core settings the actor passes for this layout (TransformerConfig,
+        DDP and optimizer: `trainer/megatron/layout.py`, the same functions the actor calls);
+        `auto` = decided on the GPU node."""
+        from lockstep.trainer.megatron.layout import (actor_options, ddp_args, megatron_args,
+                                                      optimizer_args)
+
+        a = self.cfg.actor
+        o = actor_options(a, a.megatron)
         te = "auto" if o.use_transformer_engine is None else o.use_transformer_engine
-        grouped = te if o.grouped_gemm is None else o.grouped_gemm
-        params = hf_name(a.dtype)
-        return {
-            "tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
-            "expert_tensor_parallel_size": etp, "pipeline_model_parallel_size": pp,
-            "virtual_pipeline_model_parallel_size": o.vpp if o.vpp > 1 else None,
-            "data_parallel_size": dp, "sequence_parallel": tp > 1,
-            "num_layers": m.num_hidden_layers, "hidden_size": m.hidden_size,
-            "num_attention_heads": m.num_attention_heads,
-            "num_query_groups": m.num_key_value_heads,
-            "num_moe_experts": m.num_experts, "moe_router_topk": m.num_experts_per_tok,
-            "moe_ffn_hidden_size": m.moe_intermediate_size,
-            "moe_router_score_function": m.score_function,
-            "moe_router_dtype": router,
-            "moe_enable_routing_replay": True, "moe_router_fusion": False,
-            "moe_expert_capacity_factor": None, "moe_router_load_balancing_type": "none",
-            "moe_token_dispatcher_type": o.token_dispatcher,
-            "moe_grouped_gemm": grouped, "use_transformer_engine": te,
-            "params_dtype": params, "bf16": params == "bfloat16", "fp16": params == "float16",
-            "recompute_granularity": "full" if o.recompute_activations else None,
-            "ddp": {"grad_reduce_in_fp32": True, "use_distributed_optimizer": False},
-            "optimizer": {"optimizer": "adam", "lr": a.lr, "clip_grad": a.grad_clip},
-        }
+        args = megatron_args(self.cfg.model, o, use_te=te, on_gpu=self.gpu)
+        out: dict[str, Any] = {}
+        for k in _PLAN_ARGS:
+            out[k] = args[k]
+            if k == "virtual_pipeline_model_parallel_size":
+                out["data_parallel_size"] = dp  # plan-only: what the layout leaves for DP
+            elif k == "moe_grouped_gemm":
+                out["use_transformer_engine"] = te  # the spec build_gpt_model is given
+        ddp, opt = ddp_args(), optimizer_args(a, o)
+        out["ddp"] = {k: ddp[k] for k in ("grad_reduce_in_fp32", "use_distributed_optimizer")}
+        out["optimizer"] = {k: opt[k] for k in ("optimizer", "lr", "clip_grad")}
+        return out
 
     # -- the rollout -------------------------------------------------------------------
     def _rollout(self) -> dict[str, Any]:

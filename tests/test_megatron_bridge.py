@@ -100,9 +100,9 @@ def test_options_are_validated():
     assert MegatronOptions(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1).etp == 1
     cfg = ModelConfig(vocab_size=15, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ConfigError, match="vocab_size=15 is not divisible by tensor_parallel=2"):
+    with pytest.raises(ConfigError, match=r"actor\.megatron\.tensor_parallel=2 does not divide vocab_size=15"):
         transformer_config(cfg, MegatronOptions(tensor_parallel=2))
-    with pytest.raises(ConfigError, match="num_experts=4 is not divisible by expert_parallel=3"):
+    with pytest.raises(ConfigError, match=r"actor\.megatron\.expert_parallel=3 does not divide the model's num_experts=4"):
         transformer_config(cfg, MegatronOptions(expert_parallel=3))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="use_transformer_engine=True needs a CUDA GPU"):

@@ -24,7 +24,6 @@ Shapes: B batch rows, T padded time, L MoE layers, K top-k.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import socket
 from collections.abc import Mapping
@@ -33,7 +32,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lockstep.kernels.dtypes import hf_name
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.config import ModelConfig
@@ -46,6 +44,8 @@ from lockstep.trainer.batch import micro_batches, trim, trim_batch
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor
 from lockstep.trainer.megatron import convert
+from lockstep.trainer.megatron.layout import (actor_options, ddp_args, optimizer_args,
+                                              precision_problems)
 from lockstep.trainer.megatron.logprob import vocab_parallel_logprobs
 from lockstep.trainer.megatron.model import (MegatronOptions, build_model_chunks,
                                              forward_logits, initialize_parallel, is_last_stage,
@@ -75,25 +75,16 @@ def ddp_config():
     (and reduced over DP) in fp32 grad buffers (`main_grad`) whatever the parameter dtype."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                         use_distributed_optimizer=False)
+    return DistributedDataParallelConfig(**ddp_args())
 
 
 def options_for(cfg: ActorConfig, options: MegatronOptions | None) -> MegatronOptions:
-    """MegatronOptions with the precision / aux-loss knobs taken from the ActorConfig."""
-    opts = options or MegatronOptions()
-    if cfg.lm_head_dtype not in (None, cfg.dtype):
-        raise ValueError(f"actor.lm_head_dtype={cfg.lm_head_dtype} is not supported by the "
-                         "megatron backend (megatron-core has no separate LM-head dtype)")
-    if cfg.dtype != "fp32" and not torch.cuda.is_available():
-        raise ValueError(f"actor.dtype={cfg.dtype}: the megatron backend on CPU trains in fp32 "
-                         "only (megatron-core's mixed-precision optimizer needs CUDA)")
-    router = None if cfg.router_dtype in (None, cfg.dtype) else cfg.router_dtype
-    if router not in (None, "fp32"):
-        raise ValueError(f"actor.router_dtype={cfg.router_dtype}: megatron-core's router dtype "
-                         "can only be raised to fp32")
-    return dataclasses.replace(opts, params_dtype=hf_name(cfg.dtype), router_dtype=router,
-                               aux_loss_coef=cfg.aux_loss_coef)
+    """MegatronOptions with the precision / aux-loss knobs taken from the ActorConfig, refused
+    (ValueError) where megatron-core cannot run them here (`layout.precision_problems`)."""
+    problems = precision_problems(cfg, on_gpu=torch.cuda.is_available())
+    if problems:
+        raise ValueError(problems[0])
+    return actor_options(cfg, options)
 
 
 def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.Tensor:
@@ -250,12 +241,8 @@ class MegatronActor(RankActor):
         self.ddps = [DistributedDataParallel(config=tc, module=m, ddp_config=ddp_config(),
                                              disable_bucketing=c > 0)
                      for c, m in enumerate(self.chunks)]
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
-            clip_grad=cfg.grad_clip, params_dtype=self.opts.torch_dtype,
-            bf16=self.opts.params_dtype == "bfloat16", fp16=self.opts.params_dtype == "float16",
-        ), self.ddps)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**{
+            **optimizer_args(cfg, self.opts), "params_dtype": self.opts.torch_dtype}), self.ddps)
         self.lr_at = lr_lambda(cfg, total_updates)
         self.num_steps = 0
         self.aux_coef, self.num_moe_layers = self.opts.aux_loss_coef, mcfg.num_moe_layers
