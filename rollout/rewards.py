@@ -8,13 +8,19 @@ sample's score (`RewardConfig.error_score`) and a count in the metrics, never th
 
 The function is called as verl's reward managers call it, with keywords:
 `compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)`, and returns
-a finite number (bool counts as 0/1) or a dict with a finite number under "score" (other keys are
-ignored). Anything else is a `bad_value` error.
+a number in [-SCORE_LIMIT, SCORE_LIMIT] (bool counts as 0/1) or a dict with such a number under
+"score" (other keys are ignored). Anything else (a NaN, 1e300, a string) is a `bad_value` error
+naming the value: a score that large would overflow the float32 rewards to inf.
 
 Workers are fresh `python -m lockstep.rollout.rewards` processes (no fork of a process holding
 torch threads, no re-import of the caller's main module) that load the function once and take
 one call at a time over a socket; a call past its deadline gets its worker killed and replaced.
 Error kinds: `raised`, `timeout`, `bad_value`, `crashed` (the worker died).
+
+The function file is imported only in the workers, never in the caller's process, and each
+worker's start is bounded by `reward.import_timeout_s`: a file that raises, calls `sys.exit`,
+kills its process or hangs at import is one `RewardFunctionError` (a `ValueError`: a one-line
+error with exit status 2 from the CLI), before the run writes anything.
 
 This module imports only the standard library, so a worker starts in well under a second.
 """
@@ -36,7 +42,12 @@ from typing import Any
 
 BUILTINS = ("exact_match", "math_verify")
 ERROR_KINDS = ("raised", "timeout", "bad_value", "crashed")
-STARTUP_TIMEOUT_S = 120.0  # a worker's python start and import of the function file
+SCORE_LIMIT = 1e6  # |score| bound: larger ones are bad_value, not an inf reward
+
+
+class RewardFunctionError(ValueError):
+    """A reward function that cannot be loaded (missing callable, import raised, exited or
+    hung)."""
 
 
 @dataclass
@@ -53,6 +64,8 @@ class RewardConfig:
     """Score of a sample whose reward call raised, timed out or returned garbage."""
     num_workers: int = 2
     """Reward worker processes, in [1, 256]."""
+    import_timeout_s: float = 120.0
+    """Seconds a worker may take to start and import the function file, in (0, 3600]."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.function, str) and (self.function in BUILTINS
@@ -65,6 +78,12 @@ class RewardConfig:
             raise ValueError(f"reward.error_score={self.error_score!r} must be finite")
         if not 1 <= self.num_workers <= 256:
             raise ValueError(f"reward.num_workers={self.num_workers!r} is outside [1, 256]")
+        if not 0 < self.import_timeout_s <= 3600:
+            raise ValueError(f"reward.import_timeout_s={self.import_timeout_s!r} is outside "
+                             f"(0, 3600]")
+        if not abs(self.error_score) <= SCORE_LIMIT:
+            raise ValueError(f"reward.error_score={self.error_score!r} is outside "
+                             f"[-{SCORE_LIMIT:g}, {SCORE_LIMIT:g}]")
 
 
 # -- built-ins -----------------------------------------------------------------------------
@@ -88,24 +107,36 @@ def math_verify(data_source: str, solution_str: str, ground_truth: Any,
     return 1.0 if gold and answer and verify(gold, answer) else 0.0
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """The callable named by `spec` (a built-in name or `path/to/file.py:name`)."""
+def function_file(spec: str) -> Path | None:
+    """The file of a `path/to/file.py:name` spec (checked to exist), None for a built-in."""
     if spec in BUILTINS:
-        return globals()[spec]
-    path, _, name = spec.rpartition(":")
-    file = Path(path).expanduser()
+        return None
+    file = Path(spec.rpartition(":")[0]).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"reward.function={spec!r}: no file {file}")
+    return file
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The callable named by `spec` (a built-in name or `path/to/file.py:name`). Imports the
+    file into this process: the workers call it, `RewardPool` never does."""
+    file = function_file(spec)
+    if file is None:
+        return globals()[spec]
+    name = spec.rpartition(":")[2]
     mod_spec = importlib.util.spec_from_file_location(f"lockstep_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(mod_spec)
     try:
         mod_spec.loader.exec_module(module)
+    except SystemExit as e:  # a scheduler would read exit 0 as success
+        raise RewardFunctionError(f"reward.function={spec!r}: importing {file} called "
+                                  f"sys.exit({e.code!r})") from None
     except Exception as e:
-        raise ImportError(f"reward.function={spec!r}: importing {file} failed: "
-                          f"{type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"reward.function={spec!r}: importing {file} failed: "
+                                  f"{type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise AttributeError(f"reward.function={spec!r}: {file} has no callable {name!r}")
+        raise RewardFunctionError(f"reward.function={spec!r}: {file} has no callable {name!r}")
     return fn
 
 
@@ -121,13 +152,21 @@ def check_score(out: Any) -> float:
         raise ValueError(f"returned {type(out).__name__} {str(out)[:80]!r}, not a number")
     if not math.isfinite(out):
         raise ValueError(f"returned the non-finite score {out!r}")
+    if not abs(out) <= SCORE_LIMIT:
+        raise ValueError(f"returned {out!r}, outside the score range [-{SCORE_LIMIT:g}, "
+                         f"{SCORE_LIMIT:g}]")
     return float(out)
 
 
 # -- worker processes ----------------------------------------------------------------------
 def _worker(spec: str, conn: Connection) -> None:
-    """Load the function, say "ready", then answer (i, kwargs) with (i, kind, score-or-message)."""
-    fn = load_function(spec)
+    """Load the function, say "ready" (or ("error", message)), then answer (i, kwargs) with
+    (i, kind, score-or-message)."""
+    try:
+        fn = load_function(spec)
+    except RewardFunctionError as e:
+        conn.send(("error", str(e)))
+        return
     conn.send("ready")
     while True:
         try:
@@ -178,7 +217,7 @@ class RewardPool:
 
     def __init__(self, cfg: RewardConfig, log: Callable[[str], None] = print,
                  max_logged_errors: int = 5):
-        load_function(cfg.function)  # fail here, in the parent, on a bad path or name
+        function_file(cfg.function)  # a missing file fails here; its import only in a worker
         self.cfg, self.log = cfg, log
         self.max_logged, self.logged = max_logged_errors, 0
         self.workers: list[tuple[subprocess.Popen, Connection]] = [
@@ -192,15 +231,25 @@ class RewardPool:
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         conn = Connection(ours.detach())
         # the deadline of a call starts once the worker has loaded the function
+        limit = self.cfg.import_timeout_s
         try:
-            ready = conn.poll(STARTUP_TIMEOUT_S) and conn.recv() == "ready"
+            msg = conn.recv() if conn.poll(limit) else "timeout"
         except (EOFError, OSError):
-            ready = False
-        if not ready:
-            proc.kill()
-            raise RuntimeError(f"reward worker for {self.cfg.function!r} did not start within "
-                               f"{STARTUP_TIMEOUT_S}s (exit code {proc.poll()})")
-        return proc, conn
+            msg = "died"
+        if msg == "ready":
+            return proc, conn
+        proc.kill()
+        code = proc.wait()
+        conn.close()
+        spec = self.cfg.function
+        if isinstance(msg, tuple) and msg[0] == "error":
+            raise RewardFunctionError(msg[1])
+        if msg == "timeout":
+            raise RewardFunctionError(f"reward.function={spec!r}: its worker did not start "
+                                      f"(import the file) within reward.import_timeout_s="
+                                      f"{limit:g}")
+        raise RewardFunctionError(f"reward.function={spec!r}: its worker exited (code {code}) "
+                                  f"while importing the file")
 
     def _replace(self, w: int) -> None:
         proc, conn = self.workers[w]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lockstep.rollout.rewards import (RewardCall, RewardConfig, RewardPool, check_score,
-                                      exact_match)
+from lockstep.rollout.rewards import (RewardCall, RewardConfig, RewardFunctionError, RewardPool,
+                                      check_score, exact_match)
 
 MISBEHAVING = '''
 import os
@@ -64,7 +64,7 @@ def test_bad_reward_specs_fail_at_construction(tmp_path):
         RewardPool(RewardConfig(function=f"{tmp_path}/missing.py:f"))
     f = tmp_path / "r.py"
     f.write_text("x = 1\n")
-    with pytest.raises(AttributeError, match="has no callable 'compute_score'"):
+    with pytest.raises(RewardFunctionError, match="has no callable 'compute_score'"):
         RewardPool(RewardConfig(function=f"{f}:compute_score"))
     with pytest.raises(ValueError, match="must be 'path/to/file.py:name' or one of"):
         RewardConfig(function="mystery")
@@ -82,3 +82,34 @@ def test_builtins():
         out = pool.score([RewardCall("m", r"so it is $\boxed{\frac{1}{2}}$", "0.5"),
                           RewardCall("m", r"$\boxed{3}$", "4")])
     assert out.scores == [1.0, 0.0] and not out.errors
+
+
+@pytest.mark.parametrize("body, says", [
+    ("import sys\nsys.exit(0)\n", "called sys.exit(0)"),
+    ("raise RuntimeError('no GPU here')\n", "failed: RuntimeError: no GPU here"),
+    ("import os\nos._exit(0)\n", "exited (code 0) while importing"),
+    ("import time\ntime.sleep(600)\n", "did not start (import the file) within "
+                                       "reward.import_timeout_s=2"),
+])
+def test_a_file_that_exits_raises_or_hangs_at_import_is_one_error(tmp_path, body, says):
+    import time
+
+    f = tmp_path / "r.py"
+    f.write_text(body + "def compute_score(**kw):\n    return 1.0\n")
+    t0 = time.monotonic()
+    with pytest.raises(RewardFunctionError, match="reward.function=") as e:
+        RewardPool(RewardConfig(function=f"{f}:compute_score", import_timeout_s=2,
+                                num_workers=1))
+    assert says in str(e.value) and time.monotonic() - t0 < 30
+
+
+def test_scores_outside_the_range_are_bad_values_named(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return float(solution_str)\n")
+    with RewardPool(RewardConfig(function=f"{f}:compute_score", num_workers=1)) as pool:
+        out = pool.score([RewardCall("s", x, "1") for x in ("1e300", "-2e6", "1e6", "0.5")])
+    assert out.scores == [0.0, 0.0, 1e6, 0.5] and dict(out.errors) == {"bad_value": 2}
+    assert "returned 1e+300, outside the score range [-1e+06, 1e+06]" in out.messages[0]
+    with pytest.raises(ValueError, match="reward.error_score=1e\\+300 is outside"):
+        RewardConfig(error_score=1e300)
