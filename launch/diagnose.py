@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+URL_TIMEOUT_S = 120.0  # --url: seconds one request may take unless rollout.request_timeout_s is set
 SWEEP = (  # (label, overrides): each one changes one knob from the run's config
     ("as configured", []),
     ("engine fp32", ["rollout.dtype=fp32"]),
@@ -157,7 +158,7 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     if url is not None:
         from lockstep.trainer.config import rollout_api_key
         backend = HTTPBackend(url, cfg.model, api_key=rollout_api_key(ro),
-                              max_concurrency=prompts)
+                              max_concurrency=prompts, timeout_s=ro.request_timeout_s)
     else:
         backend = Trainer.make_backend(loop, model, weight_version)
     try:
@@ -199,6 +200,8 @@ def diagnose_checkpoint(checkpoint: str | Path, overrides: list[str], config: st
     from lockstep.trainer.diagnosis import analyze
 
     ckpt, hf = find_checkpoint(checkpoint)
+    if url is not None:  # one step's prompts: a server silent for minutes is down (--set wins)
+        overrides = [f"rollout.request_timeout_s={URL_TIMEOUT_S:g}", *overrides]
     cfg = load_run_config(ckpt, config, overrides)
     state = ckpt / "state.json"
     done = json.loads(state.read_text()) if state.exists() else {"step": 0, "weight_version": "0"}
@@ -260,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lockstep.launch.diagnose_report import summary_text, write_report
     from lockstep.trainer.config import ExperimentConfigError
+    from lockstep.rollout.types import RolloutError
     from lockstep.trainer.dump import DumpError
 
     if args.threads:
@@ -287,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             report = diagnose_checkpoint(args.checkpoint, sets, args.config, args.url, args.data,
                                          args.samples)
-    except (DumpError, ExperimentConfigError, FileNotFoundError, ValueError) as e:
+    except (DumpError, ExperimentConfigError, FileNotFoundError, ValueError, RolloutError) as e:
         return _fail(str(e))
     write_report(report, out)
     print(summary_text(report))

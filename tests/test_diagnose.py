@@ -105,6 +105,33 @@ def test_live_server_gives_the_engine_numbers(run_dir):
     assert cfg.rollout.dtype == "bf16"
 
 
+def test_url_to_a_server_that_never_answers_honours_request_timeout(run_dir, tmp_path, capsys):
+    """A server that accepts the connection and stays silent: --set
+    rollout.request_timeout_s=2 bounds the wait (it was ignored: the client's 600 s)."""
+    import socket
+    import threading
+    import time
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(64)],
+                     daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        code = cli.main(["diagnose", str(run_dir / "checkpoints" / "step_1"), "--out",
+                         str(tmp_path / "d"), "--url", f"http://127.0.0.1:{srv.getsockname()[1]}",
+                         "--set", "rollout.request_timeout_s=2"])
+        took = time.monotonic() - t0
+    finally:
+        srv.close()
+        for conn, _ in held:
+            conn.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("lockstep diagnose: ") and "within 2" in err[-1], err
+    assert took < 30, took
+    assert not (tmp_path / "d").exists()
+
+
 def test_cli_writes_report_and_rejects_bad_input(run_dir, tmp_path, capsys):
     out = tmp_path / "d"
     assert cli.main(["diagnose", "--dump", str(run_dir / "dumps" / "step_1.safetensors"),
