@@ -18,7 +18,6 @@ DIR/report.json, PNG plots, DIR/report.html (self-contained) and prints a summar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -137,7 +136,7 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     task = Task(cfg.task)
     ro = cfg.rollout
     if ro.backend != "local" and url is None:
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(ro, backend="local"))
+        cfg = cfg.model_copy(update={"rollout": ro.model_copy(update={"backend": "local"})})
     # the loop's own request and engine builders, so the samples are the run's
     source = TaskSource(task, cfg.loop.seed)
     loop = SimpleNamespace(cfg=cfg, task=task, source=source, out=None,

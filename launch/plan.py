@@ -665,23 +665,23 @@ def _colocated_note(cfg: ExperimentConfig) -> str:
 
 
 def check_devices(cfg: ExperimentConfig, source: str | None = None) -> None:
-    """Refuse, before any work, a run whose config plans GPUs that are not there: on a machine
-    without them (no cluster.ray_address) or over several nodes without a Ray cluster."""
+    """Refuse, before any work, a run whose config plans GPUs that are not there (on a machine
+    without them, no cluster.ray_address) or several nodes without a Ray cluster."""
     c = cfg.cluster
     why = colocation_refusal(cfg)  # a colocated layout the fleet cannot put in the ranks' bundles
     if why is not None:
         raise PlanError(f"{why}. This layout can be planned (`lockstep plan {source or 'CONFIG'}`) "
                         "but not trained (docs/ray.md, \"Colocated placement\")")
-    need = gpus_needed(cfg)
-    if c.gpus_per_node == 0 or need == 0 or c.ray_address is not None:
-        return  # CPU layouts; on a Ray cluster the placement group reserves (or names) the GPUs
     where = f"{source} plans" if source else "the config plans"
     hint = (f"`lockstep plan {source or 'CONFIG'}` shows the layout without GPUs; README "
             "\"Running on a cluster\" has the Ray commands")
-    if c.nodes > 1:
+    if c.nodes > 1 and c.ray_address is None:  # CPU-only nodes too: a local Ray is one machine
         raise PlanError(f"{where} {c.nodes} nodes (cluster.nodes={c.nodes}), which a run only "
                         "reaches through a running Ray cluster: start Ray on every node and "
                         f"pass --set cluster.ray_address=auto; {hint}")
+    need = gpus_needed(cfg)
+    if c.gpus_per_node == 0 or need == 0 or c.ray_address is not None:
+        return  # CPU layouts; on a Ray cluster the placement group reserves (or names) the GPUs
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0

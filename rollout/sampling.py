@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-_GREEDY_EPS = 1e-6
+from .types import GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -53,7 +53,7 @@ class SamplingTensors:
               min_p: list[float], vocab_size: int,
               device: str | torch.device = "cpu") -> "SamplingTensors":
         """From per-row Python lists (host work once per batch change), on `device`."""
-        greedy = [t < _GREEDY_EPS for t in temperature]
+        greedy = [t < GREEDY_TEMPERATURE for t in temperature]
         k = [vocab_size if (kk == -1 or kk >= vocab_size) else kk for kk in top_k]
         any_trunc = any(kk < vocab_size for kk in k) or any(p < 1.0 for p in top_p) \
             or any(m > 0.0 for m in min_p)

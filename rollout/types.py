@@ -63,7 +63,10 @@ _NOOP_ONLY = {
 # Keys about detokenisation or streaming: meaningless without a tokenizer, accepted and ignored.
 _IGNORED = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
             "stream_interval")
-_SAMPLING_EPS = 1e-6  # SGLang treats temperature below this as greedy
+# The one temperature rule: below this an engine samples greedily (SGLang's rule, and ours in
+# rollout/sampling.py) and reports temperature-1 log-probs, so a sampled run's
+# rollout.temperature must be at least this (trainer/sections.py).
+GREEDY_TEMPERATURE = 1e-6
 
 
 def _is_int(v: Any) -> bool:
@@ -105,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def truncates(self) -> bool:

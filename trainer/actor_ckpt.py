@@ -441,8 +441,8 @@ def without_layout(cfg) -> dict:
     m = dataclasses.replace(cfg.actor.megatron, tensor_parallel=1, expert_parallel=1,
                             expert_tensor_parallel=None, pipeline_parallel=1,
                             virtual_pipeline_parallel=None)
-    return {"cluster": dataclasses.replace(cfg.cluster, actor_ranks=1),
-            "actor": dataclasses.replace(cfg.actor, megatron=m)}
+    return {"cluster": cfg.cluster.model_copy(update={"actor_ranks": 1}),
+            "actor": cfg.actor.model_copy(update={"megatron": m})}
 
 
 def layout_state(cfg) -> dict:

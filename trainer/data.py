@@ -41,10 +41,11 @@ DATA_FILE = "data.json"  # in the run directory: the fingerprints a resumed run 
 class DataConfig:
     """Prompt data sets (verl's columns); empty train_files = the synthetic `task` section."""
 
-    train_files: list[str] = field(default_factory=list)
-    """JSONL (.jsonl) or Parquet (.parquet) files of training prompts, concatenated in order."""
-    val_files: list[str] = field(default_factory=list)
-    """Validation prompts (same format), scored every loop.val_every steps."""
+    train_files: list[str] | str = field(default_factory=list)
+    """JSONL (.jsonl) or Parquet (.parquet) files of training prompts, concatenated in order;
+    one file may be given as a string (as verl's configs write it), read as a list of one."""
+    val_files: list[str] | str = field(default_factory=list)
+    """Validation prompts (same format, a string or a list), scored every loop.val_every steps."""
     max_prompt_length: int = 512
     """Prompts longer than this many tokens (after the chat template) are dropped, in [1, 2^20]."""
     shuffle: bool = True
@@ -55,6 +56,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for key in ("train_files", "val_files"):
+            if isinstance(getattr(self, key), str):
+                setattr(self, key, [getattr(self, key)])
             for f in getattr(self, key):
                 if not str(f).endswith((".jsonl", ".parquet")):
                     raise ValueError(f"data.{key}: {f!r} is neither .jsonl nor .parquet")
