@@ -54,6 +54,17 @@ class RolloutBackend(ABC):
     def close(self) -> None:
         """Release what the backend holds (worker processes, placement); no-op by default."""
 
+    def counters(self) -> dict[str, float]:
+        """Running totals the loop logs with each step's metrics (none by default)."""
+        return {}
+
+
+def _aborted(item: Any) -> bool:
+    """A /generate answer whose sample was aborted (finish_reason type 'abort')."""
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(finish, dict) and finish.get("type") == "abort"
+
 
 def as_source(source: Any) -> Any:
     """An iterable of weight buckets as one dict of HF-named tensors; anything else as is."""
@@ -108,6 +119,11 @@ class HTTPBackend(RolloutBackend):
     with seeds seed + j (SGLang fails n > 1 with the mask), regrouped in order, which gives
     the engine's n-sample results exactly.
 
+    A request with a sample that comes back with `finish_reason: abort` (an /abort_request
+    on the server) is sent again under a fresh rid, at most `abort_retries` times (then a
+    RolloutError), as the fleet resends it: aborted samples never reach the loss;
+    `aborted_resent` counts the resends (`counters()`: the `rollout/aborted_resent` metric).
+
     Every response must carry the `weight_version` that produced it. After `update_weights`
     the client expects exactly the version it pushed: results of any other version are
     refused naming both, as are weight updates the server reports under another version.
@@ -130,11 +146,13 @@ class HTTPBackend(RolloutBackend):
                  backoff_s: float = 0.5, compact_routes: bool = True,
                  weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096,
                  fan_out_samples: bool = False, weight_sync: str = "disk",
-                 bucket_bytes: int = 256 << 20, log=None):
+                 bucket_bytes: int = 256 << 20, log=None, abort_retries: int = 3):
         if weight_sync not in self.WEIGHT_SYNC:
             raise ValueError(f"HTTPBackend: weight_sync={weight_sync!r}; valid: "
                              f"{list(self.WEIGHT_SYNC)}")
         self.weight_sync, self.bucket_bytes = weight_sync, bucket_bytes
+        self.abort_retries = abort_retries
+        self.aborted_resent = 0  # requests sent again because a sample came back aborted
         self._sync = None  # the DistributedWeightSync, joined on the first push
         self._log = log or (lambda s: None)
         self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
@@ -238,14 +256,24 @@ class HTTPBackend(RolloutBackend):
                     parts = await asyncio.gather(*(one(i, sub, j) for j, sub in enumerate(subs)))
                     return [dataclasses.replace(r[0], index=j, rid=req.rid or r[0].rid)
                             for j, r in enumerate(parts)]
-                body = self.request_body(req)  # refuses before sending what SGLang refuses
-                async with sem:
-                    resp = await self._post(session, "/generate", body)
-                items = resp if isinstance(resp, list) else [resp]
-                if len(items) != req.sampling.n:
-                    raise RolloutError(f"request {i}: asked n={req.sampling.n}, server answered "
-                                       f"{len(items)} results")
-                return [self.parse(item, req, i, j0 + j) for j, item in enumerate(items)]
+                for attempt in range(self.abort_retries + 1):
+                    sent = req if attempt == 0 or req.rid is None else dataclasses.replace(
+                        req, rid=f"{req.rid}-resent{attempt}")  # a rid the server has not seen
+                    body = self.request_body(sent)  # refuses before sending what SGLang refuses
+                    async with sem:
+                        resp = await self._post(session, "/generate", body)
+                    items = resp if isinstance(resp, list) else [resp]
+                    if len(items) != req.sampling.n:
+                        raise RolloutError(f"request {i}: asked n={req.sampling.n}, server "
+                                           f"answered {len(items)} results")
+                    if not any(map(_aborted, items)):  # (an aborted one may lack routes)
+                        out = [self.parse(item, sent, i, j0 + j) for j, item in enumerate(items)]
+                        return out if sent is req else [dataclasses.replace(r, rid=req.rid)
+                                                        for r in out]
+                    self.aborted_resent += 1  # an aborted sample never reaches the loss
+                raise RolloutError(f"request {i} ({req.rid}): aborted by the server "
+                                   f"{self.abort_retries + 1} times (rollout requests are "
+                                   f"resent at most {self.abort_retries} times)")
             per_req = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         return [res for group in per_req for res in group]
 
@@ -298,7 +326,7 @@ class HTTPBackend(RolloutBackend):
         support_lp = None
         if sel is not None and req.return_support_logprobs:
             support_lp, sel = [torch.tensor(x, dtype=torch.float32) for x in sel], None
-        inp = meta.get("input_token_logprobs")
+        inp = meta.get("input_token_logprobs") if req.return_input_logprobs else None
         return GenerationResult(
             rid=req.rid or str(meta.get("id", "")), index=j, prompt_ids=list(req.input_ids),
             output_ids=out_ids,
@@ -440,6 +468,9 @@ class HTTPBackend(RolloutBackend):
                                f"server reports {now!r}")
         self.weight_version = self._pushed_version = now
         return now
+
+    def counters(self) -> dict[str, float]:
+        return {"rollout/aborted_resent": float(self.aborted_resent)}
 
     def close(self) -> None:
         """Leave the weight-update group (the server destroys its side)."""

@@ -185,6 +185,8 @@ def build_response(res: GenerationResult, p: _Parsed, engine: Engine, n: int) ->
             s = p.logprob_start_len
             meta["input_token_logprobs"] = _lp_entries(res.input_logprobs[s:].tolist(),
                                                        res.prompt_ids[s:])
+        elif p.logprob_start_len < 0:  # not asked: SGLang 0.5.23 sends an empty list
+            meta["input_token_logprobs"] = []
         if p.req.top_logprobs_num:
             meta["output_top_logprobs"] = _top_entries(res.top_logprobs or [])
             if p.logprob_start_len >= 0 and res.input_top_logprobs is not None:

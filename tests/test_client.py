@@ -253,3 +253,41 @@ def test_weight_versions_tracked_over_http(model, tmp_path):
             http.update_weights(str(tmp_path / "missing"))
     local = LocalBackend(Engine.from_model(model, ENGINE))
     assert local.update_weights(new, "s2") == "s2" and local.weight_version == "s2"
+
+
+def test_aborted_samples_are_resent_never_returned(model):  # noqa: F811
+    """A sample that comes back with finish_reason abort (someone called /abort_request) is
+    sent again under a fresh rid (bounded), counted in the rollout/aborted_resent metric; the
+    caller gets only finished samples, under the rid it asked for."""
+    from lockstep.rollout.engine import EngineConfig
+    engine = Engine.from_model(model, EngineConfig(dtype="fp32", max_running=1, max_len=48))
+    with ServerThread(engine) as srv:
+        long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        blocker = threading.Thread(target=lambda: HTTPBackend(srv.url, model.cfg).generate(
+            [GenerateRequest([1, 2], long, rid="blocker")]))
+        blocker.start()  # holds the only running slot: "ab" waits in the queue
+
+        def abort_ab():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                queued = [r.rid for r in list(engine.waiting)] + [
+                    s.req.rid for s in list(engine.running.values())]
+                if "ab" in queued:
+                    urllib_call(srv.url, "/abort_request", {"rid": "ab"})
+                    return
+                time.sleep(0.001)
+        aborter = threading.Thread(target=abort_ab)
+        aborter.start()
+        client = HTTPBackend(srv.url, model.cfg)
+        res = client.generate([GenerateRequest([1, 3], long, rid="ab")])
+        aborter.join(30)
+        blocker.join(30)
+    assert [r.finish_reason["type"] for r in res] == ["length"] and res[0].rid == "ab"
+    assert len(res[0].output_ids) == 40
+    assert client.aborted_resent == 1
+    assert client.counters() == {"rollout/aborted_resent": 1.0}
+
+
+def urllib_call(url, path, body):
+    from server_fixtures import call
+    return call(url, path, body)

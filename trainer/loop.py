@@ -322,7 +322,8 @@ class Trainer:
                                            mask_BT))  # pi_old/mu = version lag x engine
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **reward_m,
                 **corr.metrics, **split, "replay/mode": self.mode.value, **stats_values(old.stats),
-                **stats_values(upd.stats), **lag_m, "time/rollout_s": gen_s, **t.metrics()}
+                **stats_values(upd.stats), **lag_m, **self.rollout.counters(),
+                "time/rollout_s": gen_s, **t.metrics()}
 
     # -- pieces of the step ----------------------------------------------------------------
     def step_requests(self, step: int) -> tuple[list, list[GenerateRequest]]:

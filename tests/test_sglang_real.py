@@ -1,0 +1,148 @@
+"""The RL loop against a real SGLang 0.5.23 server on CPU (the `sglang` tier; skipped without
+the venv of tests/sglang_cpu/install.sh). One fp32 server of the toy Qwen3-MoE (written by our
+code) serves the whole module.
+
+- A run that fails at start-up after joining the weight group, then a second run against the
+  same server: 3 R3 steps with the default rollout.weight_sync (the distributed path, no
+  fallback); after every push the server's prompt log-probs and routes equal our fp32
+  engine's over the actor's weights (it serves exactly the pushed weights).
+- The same with weight_sync=disk.
+- top_p 0.9 (sampling-mask replay) with n=4 samples per prompt: each request goes out as n
+  single requests (SGLang answers n > 1 with the mask with HTTP 500).
+- weight_sync=tensor is refused before anything is sent (SGLang would unpickle the payload).
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.moe.checkpoint import save_hf
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.client import HTTPBackend, RolloutError
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.types import GenerateRequest, SamplingParams
+from lockstep.rollout.weight_sync import choose_backend
+from lockstep.trainer.config import load_config
+from lockstep.trainer.loop import Trainer
+
+from sglang_fixtures import alive, server_info, sglang_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+TOY = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
+SMALL = ["warmstart.enabled=false", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+         "actor.mini_batch_size=32", "actor.micro_batch_size=32", "loop.steps=3",
+         "loop.tensorboard=false", "loop.plots=false", "rollout.backend=http"]
+PROBE = [[1, 5, 7, 3, 9], [1, 12, 4], [1, 8, 8, 8, 2, 6, 11]]  # prompts the checks score
+
+
+@pytest.fixture(scope="module")
+def sgl(tmp_path_factory):
+    """(url, base config) of an fp32 SGLang server over a random toy model."""
+    cfg = load_config(TOY, SMALL[:-1])
+    torch.manual_seed(99)  # not the trainer's initial weights: its first push must land
+    root = tmp_path_factory.mktemp("sglang")
+    folder = save_hf(MoEModel(cfg.model), root / "hf")
+    with sglang_server(folder, "float32", root) as url:
+        yield url
+
+
+def _config(url: str, *extra: str):
+    return load_config(TOY, SMALL + [f"rollout.url={url}", *extra])
+
+
+def _served_equals(url: str, model: MoEModel, version: str) -> float:
+    """Max |log-prob difference| of the server's prompt log-probs vs our fp32 engine over
+    `model`; routes must be identical and the server must report `version`."""
+    client = HTTPBackend(url, model.cfg, weight_sync="disk")
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=1, temperature=1.0),
+                            return_input_logprobs=True, return_routes=True) for p in PROBE]
+    theirs = client.generate(reqs)
+    ours = Engine.from_model(copy.deepcopy(model), EngineConfig(dtype="fp32", max_len=32)) \
+        .generate([GenerateRequest(p, SamplingParams(max_new_tokens=1, temperature=1.0,
+                                                     seed=0), return_input_logprobs=True,
+                                   return_routes=True) for p in PROBE])
+    worst = 0.0
+    for t, o, p in zip(theirs, ours, PROBE):
+        assert t.weight_version == version
+        n = len(p)  # rows of the prompt's own tokens (the sampled one may differ)
+        assert torch.equal(t.routes_NLK[:n - 1], o.routes_NLK[:n - 1])
+        a, b = t.input_logprobs[1:], o.input_logprobs[1:n]
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def _run_checked(url: str, out: Path, *extra: str):
+    """A 3-step run; after each push the served weights are checked against the actor's."""
+    logs: list[str] = []
+    tr = Trainer(_config(url, *extra), out, progress=False, log=logs.append)
+    checks = []
+    sync = tr.sync_weights
+
+    def sync_and_check(step: int) -> str:
+        version = sync(step)
+        checks.append((tr.rollout.last_push["mode"],
+                       _served_equals(url, tr.actor.master, version)))
+        return version
+    tr.sync_weights = sync_and_check
+    tr.run()
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return checks, logs, metrics
+
+
+def test_second_run_after_a_failed_start_up_trains_r3_over_the_distributed_path(sgl, tmp_path):
+    """Run 1 joins a weight group and dies at start-up; run 2 (default weight_sync) joins
+    its own group, pushes over it each step (never falling back to disk) and the server
+    serves exactly the pushed weights (fp32: prompt log-probs within 1e-5, equal routes)."""
+    class Died(Exception):
+        pass
+
+    def die_once_joined(line: str) -> None:
+        if "joined" in line:
+            raise Died(line)
+    with pytest.raises(Died, match="in weight group 'lockstep-"):
+        Trainer(_config(sgl), tmp_path / "failed", progress=False, log=die_once_joined)
+    checks, logs, metrics = _run_checked(sgl, tmp_path / "run")
+    assert [mode for mode, _ in checks] == ["distributed"] * 3
+    assert not any("through disk" in line for line in logs), logs
+    assert max(d for _, d in checks) < 1e-5, checks
+    assert len(metrics) == 3 and metrics[-1]["replay/mode"] == "R3"
+    assert not (tmp_path / "run" / "weights").exists()  # nothing written for the pushes
+
+
+def test_disk_weight_sync_serves_the_pushed_weights(sgl, tmp_path):
+    checks, _, metrics = _run_checked(sgl, tmp_path / "run", "rollout.weight_sync=disk")
+    assert [mode for mode, _ in checks] == ["disk"] * 3
+    assert max(d for _, d in checks) < 1e-5, checks
+    assert len(metrics) == 3
+
+
+def test_top_p_mask_replay_with_n_samples(sgl, tmp_path):
+    """top_p 0.9: the loop asks for sampling masks, 4 samples per prompt go out as single
+    requests, and the replayed support gives IS weights of mean 1 on the first step (the
+    actor's fp32 support equals the fp32 server's)."""
+    out = tmp_path / "run"
+    tr = Trainer(_config(sgl, "rollout.top_p=0.9", "loop.steps=2"), out, progress=False,
+                 log=lambda s: None)
+    assert tr.requests(tr.source.prompts(0, 1), 1)[0].return_sampling_mask
+    tr.run()
+    m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 2
+    assert abs(m[0]["rollout_corr/rollout_is_mean"] - 1.0) < 1e-3, m[0]
+    client = HTTPBackend(sgl, tr.cfg.model)
+    res = client.generate([GenerateRequest([1, 5, 7], SamplingParams(
+        top_p=0.9, max_new_tokens=4, n=3, seed=5), return_sampling_mask=True)])
+    assert [r.index for r in res] == [0, 1, 2]
+    assert all(len(r.sampling_mask) == len(r.output_ids) for r in res)
+
+
+def test_tensor_sync_is_refused_for_real_sglang_and_the_server_lives(sgl):
+    cfg = _config(sgl).model
+    assert choose_backend([server_info(sgl)]) == "gloo"  # a CPU server
+    client = HTTPBackend(sgl, cfg, weight_sync="tensor")
+    with pytest.raises(RolloutError, match="unpickles /update_weights_from_tensor payloads"):
+        client.update_weights(MoEModel(cfg), "t1")
+    assert alive(sgl)
