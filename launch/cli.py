@@ -51,7 +51,7 @@ def describe_error(e: BaseException) -> tuple[str, int]:
     from lockstep.moe.checkpoint import CheckpointError
     from lockstep.moe.config import ConfigError
     from lockstep.trainer.config import ExperimentConfigError
-    from lockstep.trainer.divergence import DivergenceError
+    from lockstep.trainer.nonfinite import DivergenceError
     from lockstep.trainer.metrics import MetricsFileError
     from lockstep.trainer.rundir import RunDirError
 

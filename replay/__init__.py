@@ -18,7 +18,7 @@ from .codec import (
     encode_sglang,
     wire_bytes_per_token,
 )
-from .divergence import RouteComparison, compare_routes, routing_divergence
+from .route_divergence import RouteComparison, compare_routes, routing_divergence
 from .policy import NO_REPLAY, ReplayMode, ReplayPlan, old_logprob_plan, update_plan
 from .trace import (
     RouteError,

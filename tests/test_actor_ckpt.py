@@ -16,7 +16,7 @@ from lockstep.trainer.actor_ckpt import (MOMENTS, actor_parts, finish, num_parts
 from lockstep.trainer.checkpoint import (TRAINER_STATE, latest_checkpoint, load_tree, save_tree,
                                          write_manifest)
 from lockstep.trainer.config import ActorConfig, load_config
-from lockstep.trainer.divergence import DivergenceError
+from lockstep.trainer.nonfinite import DivergenceError
 from lockstep.trainer.loop import Trainer
 
 from model_fixtures import tiny_config

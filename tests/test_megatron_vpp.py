@@ -81,19 +81,20 @@ def _checkpoint_round_trip(actor, cfg, rank: int, folder: str) -> dict:
 
     import torch.distributed as dist
 
-    from lockstep.trainer.actor_ckpt import _adam_states, actor_load, actor_parts, write_parts
+    from lockstep.trainer.actor_ckpt import actor_load, actor_parts, write_parts
+    from lockstep.trainer.megatron.checkpoint import adam_states
 
     parts, state = actor_parts(actor, rank, 2)
     write_parts(Path(folder), parts, cfg)
     dist.barrier()
-    adam = {k: o.state[main] for k, (o, main) in _adam_states(actor).items()
+    adam = {k: o.state[main] for k, (o, main) in adam_states(actor).items()
             if o.state.get(main)}
     before = {k: (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for k, s in adam.items()}
     for s in adam.values():
         s["exp_avg"].zero_()
         s["exp_avg_sq"].zero_()
     actor_load(actor, Path(folder), state)
-    adam = {k: o.state[main] for k, (o, main) in _adam_states(actor).items()
+    adam = {k: o.state[main] for k, (o, main) in adam_states(actor).items()
             if o.state.get(main)}
     n_params = sum(1 for m in actor.chunks for _ in m.parameters())
     return dict(params=n_params, with_state=len(before),

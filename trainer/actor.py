@@ -27,17 +27,21 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
+from lockstep.moe.checkpoint import CheckpointError, hf_state_dict
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compact_dtype
 from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
                                     micro_batches, minibatch_schedule, trim, trim_batch)
+from lockstep.trainer.actor_ckpt import (MOMENTS, Part, check_adam, common_step, num_parts,
+                                         part_of, read_moments)
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor, Stats
 
@@ -91,6 +95,26 @@ def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:
         decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1 - frac
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
     return f
+
+
+def _hf_views(model, per_param: Mapping[torch.nn.Parameter, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For every HF name whose parameter has a tensor in `per_param` (same shape and strides
+    as the parameter), the same view of that tensor as `hf_state_dict(model)` takes of the
+    parameter (e.g. expert e's gate rows of the stacked gate_up_proj). Buffers (the expert
+    bias) have no optimiser state and are left out."""
+    by_storage = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    out = {}
+    for name, v in hf_state_dict(model).items():
+        p = by_storage.get(v.untyped_storage().data_ptr())
+        t = None if p is None else per_param.get(p)
+        if t is None:
+            continue
+        if t.shape != p.shape or t.stride() != p.stride():
+            raise CheckpointError(f"{name}: optimiser tensor {tuple(t.shape)}/{t.stride()} does not "
+                                  f"match its parameter {tuple(p.shape)}/{p.stride()}")
+        out[name] = t.as_strided(v.size(), v.stride(),
+                                 t.storage_offset() + v.storage_offset() - p.storage_offset())
+    return out
 
 
 class TorchActor(RankActor):
@@ -336,6 +360,64 @@ class TorchActor(RankActor):
         """What the log-prob forward reads: the compute model's parameters and buffers (a
         kept version is in the compute precision, as pi_old saw it)."""
         return [*self.compute.parameters(), *self.compute.buffers()]
+
+    # -- checkpoint (trainer/actor_ckpt.py has the format) ----------------------------------
+    def checkpoint_parts(self, rank: int = 0, world: int = 1) -> tuple[Iterator[Part], dict]:
+        """Its part of a checkpoint (trainer/actor_ckpt.py): (the parts rank `rank` of `world`
+        writes, the actor state). Every data-parallel rank holds the whole model and optimiser,
+        so nothing is exchanged."""
+        model, opt = self.master, self.optimizer
+        weights = {k: v.detach() for k, v in hf_state_dict(model).items()}
+        states = {p: opt.state[p] for g in opt.param_groups for p in g["params"] if opt.state.get(p)}
+        for p, s in states.items():
+            check_adam(s, "torch actor")
+        moments = {m: _hf_views(model, {p: s[m] for p, s in states.items()}) for m in MOMENTS}
+        step = common_step([s["step"] for s in states.values()], "torch actor")
+        n = num_parts(self.model_cfg)
+
+        def parts() -> Iterator[Part]:
+            for p in range(rank, n, world):
+                names = [k for k in weights if part_of(k) == p]
+                no_state = {k for k in names if k not in moments["exp_avg"]}
+                yield Part(p, {k: weights[k] for k in names},
+                           {m: {k: (torch.zeros_like(weights[k]) if k in no_state else moments[m][k])
+                                for k in names} for m in MOMENTS}, no_state)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return parts(), {"step": step, "scheduler": self.scheduler.state_dict(),
+                         "param_groups": groups}
+
+    def load_checkpoint(self, folder, state: dict) -> None:
+        """Restore the optimiser from checkpoint `folder` written on any layout (`state`: what
+        `write_checkpoint` returned): the HF-named moments `optim/<m>/`, viewed as the master
+        model's parameters."""
+        moments = read_moments(Path(folder))
+        model, opt = self.master, self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        per = {m: {p: torch.zeros_like(p) for p in params} for m in MOMENTS}
+        no_state = set(state.get("no_state", ()))
+        have: dict[torch.nn.Parameter, bool] = {}
+        views = {m: _hf_views(model, per[m]) for m in MOMENTS}
+        by_storage = {p.untyped_storage().data_ptr(): p for p in params}
+        with torch.no_grad():
+            for m in MOMENTS:
+                for name, view in views[m].items():
+                    view.copy_(moments[m][name])
+            for name, v in hf_state_dict(model).items():
+                p = by_storage.get(v.untyped_storage().data_ptr())
+                if p is not None:
+                    have[p] = have.get(p, False) or name not in no_state
+        opt.state.clear()
+        step = state.get("step")
+        if step is not None:
+            for p in params:
+                if have.get(p):
+                    opt.state[p] = {"step": torch.tensor(step["step"], dtype=getattr(torch, step["dtype"]),
+                                                         device=p.device),
+                                    **{m: per[m][p] for m in MOMENTS}}
+        for g, saved in zip(opt.param_groups, state["param_groups"]):
+            g.update(saved)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sync_compute()
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

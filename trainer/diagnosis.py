@@ -4,7 +4,7 @@
 live) into the report `lockstep diagnose` writes as report.json. Numbers that training also
 logs come from the same functions and carry the same names, so a report and a run's
 metrics.jsonl compare line by line:
-  routing/*        `replay.divergence.routing_divergence(rollout routes, actor natural top-k,
+  routing/*        `replay.route_divergence.routing_divergence(rollout routes, actor natural top-k,
                    rollout_routes_valid)`: every routed row, prompt rows included
   rollout_corr/*   `trainer.correction.correct(run's correction config, pi_old, mu_old)`
 What only a diagnosis has is under `diagnose/`:

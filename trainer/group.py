@@ -109,15 +109,9 @@ class RankWorker:
         hf = LazyHF(source) if isinstance(source, str) else source
         if cfg.actor.backend == "megatron":
             from lockstep.trainer.megatron.actor import MegatronActor
-            from lockstep.trainer.rank import RankActor
             self.actor = MegatronActor(hf, cfg.actor, total_updates, temperature=temperature,
                                        options=cfg.actor.megatron, model_cfg=cfg.model)
             self._read(hf)
-            if type(self.actor)._train_steps is RankActor._train_steps:
-                # NOTE: MegatronActor splits rows over its own DP group inside `logprobs` /
-                # `update` and sums the results, so until it implements the sharded rank
-                # interface every rank gets the whole batch (one "DP rank" to the driver).
-                return 0, 1
         else:
             from lockstep.trainer.actor import TorchActor
             model = MoEModel(cfg.model)
@@ -200,16 +194,13 @@ class RankWorker:
         and the small state go back to the driver."""
         from pathlib import Path
 
-        from lockstep.trainer.actor_ckpt import actor_parts, write_parts
-        parts, state = actor_parts(self.actor, self.rank, self.world)
+        from lockstep.trainer.actor_ckpt import write_parts
+        parts, state = self.actor.checkpoint_parts(self.rank, self.world)
         meta = write_parts(Path(folder), parts, self.cfg.model)
         return {**meta, "state": state}
 
     def load_checkpoint(self, folder: str, state: dict) -> None:
-        from pathlib import Path
-
-        from lockstep.trainer.actor_ckpt import actor_load
-        actor_load(self.actor, Path(folder), state)
+        self.actor.load_checkpoint(folder, state)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from lockstep.trainer.actor import Batch, TorchActor, collate
 from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
                                          save_actor_checkpoint, set_rng_state)
 from lockstep.trainer.config import ExperimentConfig, rollout_api_key, save_config
-from lockstep.trainer.divergence import check_step, check_weight_names, from_step_error
+from lockstep.trainer.nonfinite import check_step, check_weight_names, from_step_error
 from lockstep.trainer.correction import (CorrectionResult, correct, is_split_metrics,
                                          version_split_metrics)
 from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume

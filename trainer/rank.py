@@ -65,7 +65,7 @@ import torch
 from lockstep.moe.buckets import Bucket, bucketize
 from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.replay import ReplayMode, old_logprob_plan, update_plan
-from lockstep.replay.divergence import compare_routes
+from lockstep.replay.route_divergence import compare_routes
 from lockstep.trainer.batch import Batch, minibatch_schedule, trim_batch
 from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.losses import LossConfig, policy_loss
@@ -179,6 +179,11 @@ class RankActor:
     dp_size: int = 1
     reference = None  # a ReferencePolicy once set_reference was called (loss.kl_coef > 0)
 
+    def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False):
+        """`logprobs` of `batch`, this rank's shard of the step's rows: an actor that splits a
+        whole batch over its own data-parallel group (megatron) is told not to."""
+        return self.logprobs(batch, routes_BTLK, replay_mask_BT, record=record)
+
     def _kept_routes(self) -> dict:
         if not hasattr(self, "_kept"):
             self._kept: dict[int, tuple] = {}
@@ -187,7 +192,7 @@ class RankActor:
     @torch.no_grad()
     def old_logprobs(self, batch: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
         plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
-        res = self.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)
+        res = self.shard_logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)
         kept = self._kept_routes()
         kept.clear()  # a step never updated (a failed run) leaves nothing behind
         kept[step] = (res.routes_BTLK, res.natural_BTLK)
@@ -261,7 +266,7 @@ class RankActor:
             sub = trim_batch(batch, rows)
             plan = old_logprob_plan(mode, sub.rollout_routes_BTLK, sub.rollout_routes_valid_BT)
             with store.swapped_in(v, live):
-                lp = self.logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT).logprobs_BT
+                lp = self.shard_logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT).logprobs_BT
             keep = torch.isin(rows, mine)
             out_bT[rows[keep], :lp.shape[1]] = lp[keep]
         store.advance(step, live)
@@ -308,13 +313,8 @@ class RankActor:
         from lockstep.trainer.actor_ckpt import write_in_process
         return write_in_process(Path(folder), self, self.model_cfg, tokenizer), {}
 
-    def load_checkpoint(self, folder, state: dict) -> None:
-        """Restore the optimiser from checkpoint `folder` written on any layout (`state`:
-        what `write_checkpoint` returned)."""
-        from pathlib import Path
-
-        from lockstep.trainer.actor_ckpt import actor_load
-        actor_load(self, Path(folder), state)
+    # each actor owns its checkpoint parts: `checkpoint_parts(rank, world)` -> (parts, state)
+    # and `load_checkpoint(folder, state)` (TorchActor, MegatronActor)
 
     def rank_state(self) -> dict:
         return self.state_dict()

@@ -64,11 +64,11 @@ class KeptVersions:
         if len(kept) != len(live):
             raise RuntimeError(f"version {version!r}: {len(kept)} kept tensors for "
                                f"{len(live)} live ones")
-        _exchange(live, kept)
+        exchange(live, kept)
         try:
             yield
         finally:
-            _exchange(live, kept)
+            exchange(live, kept)
 
     @torch.no_grad()
     def advance(self, step: int, live: list[torch.Tensor]) -> None:
@@ -91,7 +91,7 @@ class KeptVersions:
 
 
 @torch.no_grad()
-def _exchange(live: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+def exchange(live: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
     """Swap the values of `live` (the actor's device) and `kept` (CPU), tensor by tensor."""
     for t, k in zip(live, kept):
         tmp = t.detach().clone()

@@ -180,13 +180,13 @@ class ShardReference:
 
     def __init__(self, actor: "MegatronActor", folder: str | os.PathLike):
         from lockstep.moe.hf_lazy import LazyHF
-        from lockstep.trainer.versions import _exchange
+        from lockstep.trainer.versions import exchange
 
         self.actor, self.folder = actor, str(folder)
         live = actor._version_tensors()
         self.kept = [t.detach().to("cpu", copy=True) for t in live]  # the actor's weights now
         convert.load_hf_into_megatron(actor.chunks, LazyHF(self.folder), actor.model_cfg)
-        _exchange(live, self.kept)  # live: the actor again; kept: the reference's shard
+        exchange(live, self.kept)  # live: the actor again; kept: the reference's shard
 
     @property
     def nbytes(self) -> int:
@@ -196,14 +196,14 @@ class ShardReference:
     def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None,
                  replay_mask_BT: torch.Tensor | None) -> torch.Tensor:
         """fp32 [B, T] log-probs of `batch` under the reference, replaying `routes_BTLK`."""
-        from lockstep.trainer.versions import _exchange
+        from lockstep.trainer.versions import exchange
 
         live = self.actor._version_tensors()
-        _exchange(live, self.kept)
+        exchange(live, self.kept)
         try:
-            return self.actor.logprobs(batch, routes_BTLK, replay_mask_BT).logprobs_BT
+            return self.actor.shard_logprobs(batch, routes_BTLK, replay_mask_BT).logprobs_BT
         finally:
-            _exchange(live, self.kept)
+            exchange(live, self.kept)
 
 
 class MegatronActor(RankActor):
@@ -254,7 +254,6 @@ class MegatronActor(RankActor):
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = self.dp  # the rank interface's names
-        self._sharded = False
         self.tp = self.opts.tensor_parallel
         self.pp = self.opts.pipeline_parallel
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -311,8 +310,8 @@ class MegatronActor(RankActor):
             g["lr"] = lr
         return lr
 
-    def _my_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._sharded:  # the rank interface hands each DP rank its own rows
+    def _my_rows(self, rows: torch.Tensor, sharded: bool) -> torch.Tensor:
+        if sharded:  # the rank interface hands each DP rank its own rows
             return rows
         return rows.tensor_split(self.dp)[self.dp_rank]
 
@@ -321,8 +320,8 @@ class MegatronActor(RankActor):
             dist.all_reduce(x, group=self.pp_group)
         return x
 
-    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dp > 1 and not self._sharded:
+    def _dp_sum(self, x: torch.Tensor, sharded: bool = False) -> torch.Tensor:
+        if self.dp > 1 and not sharded:
             dist.all_reduce(x, group=self.dp_group)
         return x
 
@@ -481,11 +480,13 @@ class MegatronActor(RankActor):
     @torch.no_grad()
     def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None = None,
                  replay_mask_BT: torch.Tensor | None = None, record: bool = False,
-                 margin_BTL: torch.Tensor | None = None) -> LogprobResult:
+                 margin_BTL: torch.Tensor | None = None, *, sharded: bool = False
+                 ) -> LogprobResult:
         """As `TorchActor.logprobs`: replay `routes_BTLK` where `replay_mask_BT` (R3), or route
         naturally; `record` returns the routes the forward ran (R2 replays them). A given
         `margin_BTL` [B, T, L] fp32 receives the router margins of the same forward (every
-        MoE layer on every rank: dumps)."""
+        MoE layer on every rank: dumps). `sharded`: `batch` is this DP rank's own rows (the
+        rank interface), not a whole batch to split over the DP group and sum."""
         if routes_BTLK is None and replay_mask_BT is not None:
             raise ValueError("replay_mask_BT given without routes_BTLK")
         B, T = batch.input_ids_BT.shape
@@ -494,12 +495,12 @@ class MegatronActor(RankActor):
         lp_BT, ent_BT = torch.zeros(B, T, device=dev), torch.zeros(B, T, device=dev)
         nat = torch.zeros(B, T, L, K, dtype=torch.int64, device=dev)
         used = torch.zeros(B, T, L, K, dtype=torch.int64, device=dev)
-        micro = self._micro_batches(self._my_rows(torch.arange(B, device="cpu")), batch)
+        micro = self._micro_batches(self._my_rows(torch.arange(B, device="cpu"), sharded), batch)
         self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat, lp_BT=lp_BT,
                   ent_BT=ent_BT, margin_BTL=margin_BTL)
         more = () if margin_BTL is None else (margin_BTL,)
         for x in (lp_BT, ent_BT, used, nat, *more):  # rows over DP, layers / logits over PP
-            self._dp_sum(x)
+            self._dp_sum(x, sharded)
             self._pp_sum(x)
         return LogprobResult(lp_BT.cpu(), ent_BT.cpu(), self._host_routes(nat),
                              self._host_routes(used) if record else None)
@@ -545,7 +546,7 @@ class MegatronActor(RankActor):
         megatron-core's schedule; metrics are the mini-batch's on every rank. Under PP the
         loss is computed on the last stage; earlier stages then hand `loss_fn` the same
         log-probs (no grad) so its side effects (the loop keeps them) happen on every rank."""
-        micro = self._micro_batches(mini if sharded else self._my_rows(mini), batch)
+        micro = self._micro_batches(self._my_rows(mini, sharded), batch)
         self._update_lp = torch.zeros(batch.input_ids_BT.shape, device=self.device)
         metrics = self._run(batch, micro, routes_BTLK, replay_mask_BT, used, nat,
                             loss_fn=loss_fn, mini=mini,
@@ -573,15 +574,13 @@ class MegatronActor(RankActor):
         peers of a DP rank get the same shard and answer the same; only one of them counts
         its stats, so the group's sums are not multiplied)."""
         from lockstep.trainer.rank import OldLogprobs
-        with self._shard():
-            out = super().old_logprobs(batch, mode, step)
+        out = super().old_logprobs(batch, mode, step)
         return OldLogprobs(out.logprobs_BT, self._peer_stats(out.stats))
 
     def policy_update(self, batch: Batch, inputs, mode, step: int, steps=None):
         """`RankActor.policy_update` on this DP rank's rows (see `old_logprobs`)."""
         from lockstep.trainer.rank import UpdateResult
-        with self._shard():
-            out = super().policy_update(batch, inputs, mode, step, steps)
+        out = super().policy_update(batch, inputs, mode, step, steps)
         return UpdateResult(out.logprobs_BT, self._peer_stats(out.stats))
 
     def _train_steps(self, batch: Batch, objective, steps: list[torch.Tensor], routes_BTLK,
@@ -613,14 +612,10 @@ class MegatronActor(RankActor):
                  for k, v in sums.items()}
         return stats, self._host_routes(used), self._host_routes(nat)
 
-    @contextlib.contextmanager
-    def _shard(self):
-        """Inside: the batch given is this DP rank's shard (no row split, no DP sums)."""
-        self._sharded = True
-        try:
-            yield
-        finally:
-            self._sharded = False
+    def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False):
+        """`logprobs` of this DP rank's own rows (the rank interface: no row split, no DP
+        sums)."""
+        return self.logprobs(batch, routes_BTLK, replay_mask_BT, record, sharded=True)
 
     def _peer_stats(self, stats):
         """Stats as they are on the DP rank's representative (TP rank 0 of PP stage 0); zero
@@ -644,14 +639,13 @@ class MegatronActor(RankActor):
         plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
         B, T = batch.input_ids_BT.shape
         margin_BTL = torch.zeros(B, T, self.model_cfg.num_moe_layers, device=self.device)
-        with self._shard():
-            old = self.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT,
-                                margin_BTL=margin_BTL)
-            if plan.replays:
-                natural, replayed = self.logprobs(batch).logprobs_BT, old.logprobs_BT
-            else:
-                natural, replayed = old.logprobs_BT, self.logprobs(
-                    batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT).logprobs_BT
+        old = self.logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, margin_BTL=margin_BTL,
+                            sharded=True)
+        if plan.replays:
+            natural, replayed = self.logprobs(batch, sharded=True).logprobs_BT, old.logprobs_BT
+        else:
+            natural, replayed = old.logprobs_BT, self.shard_logprobs(
+                batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT).logprobs_BT
         return {"old_logprobs": old.logprobs_BT.float(), "natural_logprobs": natural.float(),
                 "replayed_logprobs": replayed.float(),
                 "actor_routes": old.natural_BTLK.to(batch.rollout_routes_BTLK.dtype),
@@ -704,8 +698,7 @@ class MegatronActor(RankActor):
                      stale=None):
         """`RankActor.gen_logprobs` on this DP rank's rows, under this rank's own kept shard
         of each version (megatron's forward: the version part holds no backend gap)."""
-        with self._shard():
-            return super().gen_logprobs(batch, versions, mode, step, max_staleness, stale)
+        return super().gen_logprobs(batch, versions, mode, step, max_staleness, stale)
 
     def set_reference(self, reference) -> None:
         """The KL reference: an HF folder (str | Path) becomes a `ShardReference` (this rank's
@@ -717,8 +710,7 @@ class MegatronActor(RankActor):
     def _version_tensors(self) -> list[torch.Tensor]:
         """This rank's shard of the weights the forward reads (TP / EP / PP slices) and the
         routers' expert biases (buffers; not their token counters)."""
-        chunks = getattr(self, "chunks", None) or [self.gpt]  # virtual pipeline: all chunks
-        return [t for m in chunks for t in (
+        return [t for m in self.chunks for t in (
             *m.parameters(), *(b for n, b in m.named_buffers() if n.endswith("expert_bias")))]
 
     def _gen_all_rows(self) -> bool:
@@ -733,6 +725,24 @@ class MegatronActor(RankActor):
         load_hf_state_dict(model, {k: v for bucket in self.export_weights(1 << 30)
                                    for k, v in bucket})
         return model
+
+    # -- checkpoint (trainer/actor_ckpt.py has the format, megatron/checkpoint.py the parts) --
+    def checkpoint_parts(self, rank: int = 0, world: int = 1):
+        """(the parts this rank writes, the actor state): a collective over the world, which
+        decides the writers (`rank` / `world` are the rank interface's; the same here)."""
+        from lockstep.trainer.megatron import checkpoint
+        return checkpoint.checkpoint_parts(self)
+
+    def load_checkpoint(self, folder, state: dict) -> None:
+        """Restore this rank's slices of the optimiser state from checkpoint `folder` written
+        on any layout (and, under a mixed-precision optimizer, its fp32 main weights)."""
+        from pathlib import Path
+
+        from lockstep.trainer.actor_ckpt import hf_mapping, read_moments
+        from lockstep.trainer.megatron import checkpoint
+        folder = Path(folder)
+        checkpoint.load_checkpoint(self, read_moments(folder), state,
+                                   weights=lambda: hf_mapping(folder / "hf"))
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
