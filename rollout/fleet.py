@@ -52,6 +52,7 @@ from lockstep.moe.checkpoint import hf_state_dict, save_hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import EngineDown, HTTPBackend, RolloutBackend, RolloutError
+from lockstep.rollout.types import PushRefused
 from lockstep.rollout.colocate import SERVER_SHARE, colocates_fleet, engine_bundles
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
@@ -222,17 +223,19 @@ class Fleet(RolloutBackend):
                  sampling_mask_max_tokens: int = 4096, bucket_bytes: int = 64 << 20,
                  startup_timeout_s: float = 300.0, colocate: bool = False,
                  log: Callable[[str], None] | None = None):
-        if weight_sync not in ("distributed", "disk"):
-            raise ValueError(f"Fleet: weight_sync must be 'distributed' or 'disk', got "
+        if weight_sync not in ("auto", "distributed", "disk"):
+            raise ValueError(f"Fleet: weight_sync must be 'auto', 'distributed' or 'disk', got "
                              f"{weight_sync!r}")
-        if weight_sync == "disk" and weights_dir is None:
-            raise ValueError("Fleet: weight_sync='disk' needs weights_dir (a folder every "
-                             "server can read)")
+        if weight_sync in ("auto", "disk") and weights_dir is None:
+            raise ValueError(f"Fleet: weight_sync={weight_sync!r} needs weights_dir (a folder "
+                             f"every server can read)")
         self.slots, self.cfg, self._launch, self.pg = slots, model_cfg, launch, pg
         self._owns_ray, self._owns_pg = owns_ray, owns_pg
         self.weight_version = str(weight_version)
         self.api_key = api_key
-        self.weight_sync = weight_sync
+        # auto: distributed, and disk for good once a push is refused before any weight changed
+        self.weight_sync = "distributed" if weight_sync == "auto" else weight_sync
+        self.auto_sync = weight_sync == "auto"
         self.weights_dir = None if weights_dir is None else Path(weights_dir)
         self._timeout_s = float(request_timeout_s)
         self.max_engine_restarts = int(max_engine_restarts)
@@ -609,18 +612,36 @@ class Fleet(RolloutBackend):
         urls = [s.url for s in targets]
         if self._sync is None or self._sync_urls != urls:  # a new member: a new group
             self._close_sync()
-            self._sync = DistributedWeightSync(urls, master_addr=_master_addr(urls),
-                                               api_key=self.api_key,
-                                               timeout_s=self.request_timeout_s)
+            try:
+                self._sync = DistributedWeightSync(urls, master_addr=_master_addr(urls),
+                                                   api_key=self.api_key,
+                                                   timeout_s=self.request_timeout_s)
+            except PushRefused as e:  # an engine refused to join
+                if not self.auto_sync:
+                    raise
+                return self._fall_back(e, source, version, targets)
             self._sync_urls = urls
         try:
             got = self._sync.push(self._buckets(source), version)
+        except PushRefused as e:  # refused before any weight changed
+            self._close_sync()
+            if not self.auto_sync:
+                raise EngineDown(f"distributed weight push to {urls}: {e}") from e
+            return self._fall_back(e, e.buckets, version, targets)
         except Exception as e:
             self._close_sync()
             raise EngineDown(f"distributed weight push to {urls}: {e}") from e
         self.stats.push_bytes = int(got.get("bytes", 0))
         for s in targets:
             s.client.weight_version = s.client._pushed_version = version
+
+    def _fall_back(self, why: Exception, source: Any, version: str,
+                   targets: list[EngineSlot]) -> None:
+        """weight_sync=auto: disk from now on (said once), this push included."""
+        self.log(f"fleet: rollout.weight_sync=auto: {why}; pushing weights through disk from "
+                 f"now on")
+        self.weight_sync, self.auto_sync = "disk", False
+        self._push_disk(source, version, targets)
 
     def _push_disk(self, source: Any, version: str, targets: list[EngineSlot]) -> None:
         folder = source
@@ -820,11 +841,11 @@ def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout
 
 # -- from the experiment config (Trainer.make_backend) --------------------------------------------
 def weight_sync_mode(cfg: Any) -> str:
-    """How the fleet pushes weights: `rollout.weight_sync` (auto = distributed when the
-    trainer can join a group with the engines, which it always can over gloo/NCCL)."""
+    """How the fleet pushes weights: `rollout.weight_sync` (auto = distributed, falling back
+    to disk for good when the engines refuse a push before any weight changed)."""
     mode = getattr(cfg.rollout, "weight_sync", "auto")
     if mode == "auto":
-        return "distributed" if importlib.util.find_spec("lockstep.rollout.weight_sync") else "disk"
+        return "auto"
     if mode not in ("distributed", "disk"):
         raise ValueError(f"rollout.weight_sync={mode!r} with rollout.backend="
                          f"{cfg.rollout.backend!r}: a fleet of HTTP servers takes 'distributed' "

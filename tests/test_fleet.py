@@ -286,3 +286,32 @@ def test_trainer_over_rollout_urls(tmp_path, staleness):
     assert not (tmp_path / "run" / "weights").exists()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["replay/mismatch"] == 0.0
+
+
+def test_auto_fleet_falls_back_to_disk_when_a_push_is_refused(model, servers, tmp_path):
+    """weight_sync=auto: a push one engine refuses before any weight changed (another client
+    holds its weight-update session) goes through disk, this push and every later one, said
+    once; `distributed` stops instead."""
+    import urllib.request
+
+    def post(url, path):
+        req = urllib.request.Request(url + path, data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            return r.status
+    assert post(servers[1].url, "/begin_weight_update") == 200
+    strict = Fleet.http([s.url for s in servers], model.cfg, weight_sync="distributed",
+                        weights_dir=tmp_path / "d", request_timeout_s=30)
+    with pytest.raises(FleetError, match="already open"):
+        strict.update_weights(model, "1")
+    strict.close()
+    logs = []
+    fleet = Fleet.http([s.url for s in servers], model.cfg, weight_sync="auto",
+                       weights_dir=tmp_path / "a", request_timeout_s=30, log=logs.append)
+    assert fleet.update_weights(model, "2") == "2" and fleet.weight_sync == "disk"
+    assert fleet.update_weights(model, "3") == "3"
+    said = [x for x in logs if "through disk" in x]
+    assert len(said) == 1 and "already open" in said[0], logs
+    assert {r.weight_version for r in fleet.generate(requests(k=2))} == {"3"}
+    fleet.close()
+    assert post(servers[1].url, "/end_weight_update") == 200
