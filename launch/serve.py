@@ -54,6 +54,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--weight-sync-timeout", type=float, default=600.0, metavar="S",
                    help="bound on joining a weight-update group and on each weight broadcast "
                         "(/init_weights_update_group, /update_weights_from_distributed)")
+    p.add_argument("--idle-timeout", type=float, default=30.0, metavar="S",
+                   help="close a connection with no request (idle, or headers still arriving) "
+                        "after S seconds (default 30)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="a request body must arrive within S seconds of its headers (HTTP 408; "
+                        "default 60)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections at most (default 4096, and below the open-file "
+                        "limit): one more evicts the oldest idle or slow-body connection")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -98,12 +107,17 @@ def _is_loopback(host: str) -> bool:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("threads", "max_running", "sampling_mask_max_tokens"):
+    for name in ("threads", "max_running", "sampling_mask_max_tokens", "max_connections"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ServeError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
     if args.max_len is not None and args.max_len < 2:
         raise ServeError(f"--max-len must be at least 2, got {args.max_len}")
+    for name in ("idle_timeout", "body_timeout"):
+        v = getattr(args, name)
+        if not 0 < v < float("inf"):
+            raise ServeError(f"--{name.replace('_', '-')} must be a positive number of seconds, "
+                             f"got {v}")
     if not args.weight_sync_timeout > 0:
         raise ServeError(f"--weight-sync-timeout must be > 0, got {args.weight_sync_timeout}")
     if not 0 < args.max_request_mb <= 64 * 1024:
@@ -143,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
     from lockstep.moe.config import ConfigError, ModelConfig
     from lockstep.rollout.engine import Engine, EngineConfig
     from lockstep.rollout.server import run_server
+    from lockstep.rollout.server_limits import ServerLimits
 
     _check_args(args)
     api_key = _api_key(args)
@@ -170,7 +185,10 @@ def _serve(args: argparse.Namespace) -> int:
         run_server(engine, host=args.host, port=args.port, api_key=api_key,
                    model_path=args.model, sampling_mask_max_tokens=args.sampling_mask_max_tokens,
                    max_body_bytes=int(args.max_request_mb * 1024 * 1024),
-                   weight_sync_timeout_s=args.weight_sync_timeout)
+                   weight_sync_timeout_s=args.weight_sync_timeout,
+                   limits=ServerLimits(idle_timeout_s=args.idle_timeout,
+                                       body_timeout_s=args.body_timeout,
+                                       max_connections=args.max_connections))
     except OSError as e:
         raise ServeError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     return 0

@@ -52,7 +52,8 @@ class MemoryOccupation:
         return tags
 
     def routes(self, body_of, busy) -> list[tuple[str, Any]]:
-        """(path, handler) pairs; `busy()` -> requests queued or running on the engine."""
+        """(path, handler) pairs; `busy()` -> requests in flight (handed to the engine worker,
+        maybe not yet on the engine, queued or running)."""
 
         async def release(request: web.Request) -> web.Response:
             tags = self._tags(await body_of(request), "release_memory_occupation")

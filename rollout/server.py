@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import signal
 import threading
 import uuid
 from typing import Any
@@ -31,6 +32,7 @@ from .engine import Engine
 from .generate_wire import build_response, check_type, err, parse_generate
 from .memory_occupation import MemoryOccupation
 from .server_engine import EngineWorker, ShuttingDown
+from .server_limits import Connections, Runner, ServerLimits, throttle_accept_errors
 from .types import GenerateRequest, RequestError, SamplingParams
 from .weight_receiver import RECEIVER, TENSOR_FORMAT, WeightReceiver
 
@@ -41,11 +43,15 @@ _BIG_BODY = 256 * 1024  # bodies above this are parsed on a thread, off the even
 def create_app(engine: Engine, api_key: str | None = None, model_path: str | None = None,
                sampling_mask_max_tokens: int | None = 4096,
                max_body_bytes: int = 64 * 1024 * 1024,
-               weight_sync_timeout_s: float = 600.0) -> web.Application:
+               weight_sync_timeout_s: float = 600.0,
+               limits: ServerLimits | None = None) -> web.Application:
     """The aiohttp application (engine worker started and stopped with the app).
 
     `max_body_bytes` bounds a request body (HTTP 413 above it, before it is read);
-    `weight_sync_timeout_s` bounds joining a weight-update group and each broadcast."""
+    `weight_sync_timeout_s` bounds joining a weight-update group and each broadcast;
+    `limits`: idle/body timeouts and the connection cap (rollout/server_limits.py), applied
+    by the runners below (`ServerThread`, `run_server`)."""
+    connections = Connections(limits or ServerLimits())
     worker = EngineWorker(engine)
     weights_lock = asyncio.Lock()
     receiver = WeightReceiver(engine, worker, weights_lock, weight_sync_timeout_s)
@@ -62,6 +68,10 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             return err(400, str(e))
         except _TooLarge as e:
             return err(413, str(e))
+        except _SlowBody as e:
+            slow = err(408, str(e))
+            slow.force_close()  # the rest of the body is not waited for
+            return slow
         except ShuttingDown as e:
             return err(503, str(e))
 
@@ -72,10 +82,21 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
                  f"--max-request-mb): split the batch into smaller requests")
         if request.content_length is not None and request.content_length > max_body_bytes:
             raise _TooLarge(f"request body of {request.content_length} bytes is too large; {limit}")
+        connections.reading.add(request.protocol)
+        wait = connections.limits.body_timeout_s
         try:
-            raw = await request.read()
+            async with asyncio.timeout(wait):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _TooLarge(f"request body is too large; {limit}") from None
+        except ConnectionResetError:  # the client went (or was evicted) mid-body
+            raise RequestError("the client closed the connection before its body arrived") \
+                from None
+        except TimeoutError:
+            raise _SlowBody(f"the request body did not arrive within {wait:g}s of its headers "
+                            f"(lockstep serve --body-timeout)") from None
+        finally:
+            connections.reading.discard(request.protocol)
 
         def decode():
             try:
@@ -193,7 +214,9 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
             "weight_version": engine.weight_version, "tp_size": 1,
             "sampling_mask_max_tokens": sampling_mask_max_tokens,
             "max_request_bytes": max_body_bytes, "memory_released": sorted(memory.released),
-            "weight_tensor_formats": [TENSOR_FORMAT]})
+            "weight_tensor_formats": [TENSOR_FORMAT],
+            "connections": {"open": connections.open, "cap": connections.cap,
+                            "evicted": connections.evicted, "refused": connections.refused}})
 
     async def on_startup(app):
         await worker.start()
@@ -212,7 +235,8 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
     for path, handler in receiver.routes(body_of):
         app.router.add_post(path, handler)
     app[RECEIVER] = receiver
-    for path, handler in memory.routes(body_of, lambda: len(engine.running) + len(engine.waiting)):
+    app[CONNECTIONS] = connections
+    for path, handler in memory.routes(body_of, worker.in_flight):
         app.router.add_post(path, handler)
     app.router.add_post("/abort_request", abort)
     app.router.add_route("*", "/flush_cache", flush_cache)
@@ -229,6 +253,10 @@ def create_app(engine: Engine, api_key: str | None = None, model_path: str | Non
 
 class _TooLarge(Exception):
     """A request body over the server's limit (HTTP 413)."""
+
+
+class _SlowBody(Exception):
+    """A request body that did not arrive within the body timeout (HTTP 408)."""
 
 
 def _known(body: dict, endpoint: str, fields: tuple[str, ...]) -> None:
@@ -248,6 +276,9 @@ def _opt_str(body: dict, key: str) -> str | None:
     return v
 
 
+CONNECTIONS = web.AppKey("connections", Connections)  # the app's connection state (runners, tests)
+
+
 class ServerThread:
     """Run the server on a background thread (tests, benchmarks, a trainer that serves its
     own engine): `with ServerThread(engine) as srv: ... srv.url`."""
@@ -255,11 +286,12 @@ class ServerThread:
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_path: str | None = None,
                  sampling_mask_max_tokens: int | None = 4096,
-                 max_body_bytes: int = 64 * 1024 * 1024, weight_sync_timeout_s: float = 600.0):
+                 max_body_bytes: int = 64 * 1024 * 1024, weight_sync_timeout_s: float = 600.0,
+                 limits: ServerLimits | None = None):
         self.app = create_app(engine, api_key=api_key, model_path=model_path,
                               sampling_mask_max_tokens=sampling_mask_max_tokens,
                               max_body_bytes=max_body_bytes,
-                              weight_sync_timeout_s=weight_sync_timeout_s)
+                              weight_sync_timeout_s=weight_sync_timeout_s, limits=limits)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -276,7 +308,9 @@ class ServerThread:
         return self
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=_SHUTDOWN_S)
+        throttle_accept_errors(asyncio.get_running_loop())
+        self._runner = Runner(self.app, self.app[CONNECTIONS], access_log=None,
+                              shutdown_timeout=_SHUTDOWN_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -300,10 +334,29 @@ def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 30000,
                api_key: str | None = None, model_path: str | None = None,
                sampling_mask_max_tokens: int | None = 4096,
                max_body_bytes: int = 64 * 1024 * 1024,
-               weight_sync_timeout_s: float = 600.0) -> None:
-    """Serve until interrupted (what `lockstep serve` runs)."""
+               weight_sync_timeout_s: float = 600.0,
+               limits: ServerLimits | None = None) -> None:
+    """Serve until SIGINT or SIGTERM (what `lockstep serve` runs)."""
     app = create_app(engine, api_key=api_key, model_path=model_path,
                      sampling_mask_max_tokens=sampling_mask_max_tokens,
-                     max_body_bytes=max_body_bytes, weight_sync_timeout_s=weight_sync_timeout_s)
-    web.run_app(app, host=host, port=port, access_log=None, shutdown_timeout=_SHUTDOWN_S,
-                print=lambda s: print(s, flush=True))
+                     max_body_bytes=max_body_bytes, weight_sync_timeout_s=weight_sync_timeout_s,
+                     limits=limits)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        throttle_accept_errors(loop)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        runner = Runner(app, app[CONNECTIONS], access_log=None, shutdown_timeout=_SHUTDOWN_S)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            c = app[CONNECTIONS]
+            print(f"lockstep serve: listening on http://{host}:{port} (at most {c.cap} "
+                  f"connections; idle {c.limits.idle_timeout_s:g}s, body "
+                  f"{c.limits.body_timeout_s:g}s); Ctrl+C stops", flush=True)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+    asyncio.run(serve())

@@ -78,6 +78,12 @@ class EngineWorker:
                 asyncio.ensure_future(self.call(self.engine.abort, r.rid))
             raise
 
+    def in_flight(self) -> int:
+        """Requests from the moment /generate hands them over (before the engine has them:
+        they may wait for the engine thread) until answered; at least what the engine runs
+        or queues (a request whose client left may still run until its abort lands)."""
+        return max(len(self._waiters), len(self.engine.running) + len(self.engine.waiting))
+
     def _add_all(self, reqs: list[GenerateRequest]) -> None:
         for r in reqs:  # all or nothing: validate first
             self.engine.validate(r)

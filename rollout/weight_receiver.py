@@ -42,6 +42,8 @@ import asyncio
 import base64
 import binascii
 import difflib
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,8 @@ from .types import RequestError
 from .weight_group import BACKENDS, WeightGroup
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+JOIN_THREADS = 4  # group joins waiting for an answer at once (more: HTTP 503, retry)
+JOIN_THREADS_ALIVE = 16  # join threads alive, with those still blocked after their answer
 # Weights are floating point; SGLang names dtypes as torch attributes ("bfloat16") and takes
 # any of them: fp8 and float64 tensors are cast to the engine's dtype like the others.
 DTYPES = {d.hf: d.torch for d in _TABLE}
@@ -176,6 +180,13 @@ class WeightReceiver:
         self.staged_version: str | None = None
         self._targets: dict[str, torch.Tensor] | None = None
         self.session = False  # a /begin_weight_update without its /end_weight_update yet
+        # Joins wait for a master that may never answer (torch's TCPStore client then blocks
+        # until the master closes, whatever its timeout): each on its own daemon thread, never
+        # on the default executor that reads disk updates and big bodies; answered by
+        # timeout_s, and at most JOIN_THREADS answers / JOIN_THREADS_ALIVE threads at once.
+        self._joining: set[str] = set()
+        self._join_threads = 0
+        self._join_lock = threading.Lock()
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -347,14 +358,47 @@ class WeightReceiver:
         if name in self.groups:
             raise RequestError(f"group {name!r} is already joined; call "
                                f"/destroy_weights_update_group first")
+        if name in self._joining:
+            raise RequestError(f"a join of group {name!r} is already in flight")
+        if len(self._joining) >= JOIN_THREADS or self._join_threads >= JOIN_THREADS_ALIVE:
+            return fail(f"{len(self._joining)} group joins are in flight and "
+                        f"{self._join_threads - len(self._joining)} more wait on masters that "
+                        f"never answered (at most {JOIN_THREADS} / {JOIN_THREADS_ALIVE}; each is "
+                        f"answered within {self.timeout_s:g}s, lockstep serve "
+                        f"--weight-sync-timeout): retry when one ends", status=503)
+        self._joining.add(name)
+        job = self._start_join(addr, port, offset, world, name, backend)
         try:
-            group = await asyncio.to_thread(WeightGroup, addr, port, offset, world, name,
-                                            backend, self.timeout_s)
+            group = await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
+        except asyncio.TimeoutError:  # the thread ends when the master answers or closes
+            job.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            return fail(f"could not join group {name!r} at {addr}:{port} as rank {offset} of "
+                        f"{world}: no answer from the master within {self.timeout_s:g}s")
         except Exception as e:  # store/connect failure or timeout (DistStoreError, RuntimeError)
             return fail(f"could not join group {name!r} at {addr}:{port} as rank {offset} of "
                         f"{world} within {self.timeout_s:.0f}s: {type(e).__name__}: {e}"[:1000])
+        finally:
+            self._joining.discard(name)
         self.groups[name] = group
         return ok(f"joined group {name!r} as rank {offset} of {world} ({backend})")
+
+    def _start_join(self, *args) -> Future:
+        """WeightGroup(*args, timeout_s) on a daemon thread of its own."""
+        job: Future = Future()
+        job.set_running_or_notify_cancel()  # running: a timed-out wait cannot cancel it
+        with self._join_lock:
+            self._join_threads += 1
+
+        def run() -> None:
+            try:
+                job.set_result(WeightGroup(*args, self.timeout_s))
+            except BaseException as e:  # answered by init_group
+                job.set_exception(e)
+            finally:
+                with self._join_lock:
+                    self._join_threads -= 1
+        threading.Thread(target=run, daemon=True, name="lockstep-join").start()
+        return job
 
     async def destroy_group(self, body: Any) -> web.Response:
         body = check_fields(body, "destroy_weights_update_group", DESTROY_FIELDS)
@@ -462,5 +506,5 @@ def ok(message: str) -> web.Response:
     return web.json_response({"success": True, "message": message})
 
 
-def fail(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
+def fail(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)

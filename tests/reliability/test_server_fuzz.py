@@ -7,9 +7,11 @@ The outcome counts (hangs, 5xx, 4xx without a message, changed greedy output) ar
 `test_fuzz_summary` at the end (`pytest -s`); all must be 0.
 """
 
+import base64
 import json
 import os
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -18,8 +20,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save as save_safetensors
 
-from lockstep.moe.checkpoint import save_hf
+from lockstep.moe.checkpoint import hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.request_fields import VALID
@@ -54,6 +57,7 @@ def srv(tmp_path_factory):
         s.paths = [str(folder), str(fifo), str(folder.parent), "/dev/zero", "/proc/self",
                    str(folder / "model.safetensors"), ""]
         s.greedy = _greedy(s.url)
+        s.targets = {k: v.detach().clone() for k, v in hf_state_dict(model).items()}
         yield s
 
 
@@ -175,6 +179,133 @@ def test_any_headers(srv, headers, path):
     if "Authorization" in headers and headers["Authorization"] != AUTH["Authorization"] \
             and path != "/health":
         assert status == 401
+
+
+# -- weight pushes with mismatched declared/sent names, shapes, dtypes, values (issue 22) ---
+PUSH_DTYPES = ["float32", "float64", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+               "int32", "bool", "complex64"]
+FILLS = ["same", "nan", "inf", "huge", "tiny"]
+
+
+def _tensor(srv, name, shape, dtype, fill):
+    """A tensor of `shape` in `dtype`: the server's own values where they fit (`same`), else
+    a constant; NaN/inf/1e39 for the bad fills."""
+    own = srv.targets.get(name)
+    if fill == "same" and own is not None and tuple(own.shape) == tuple(shape):
+        t = own.detach().clone().to(torch.float64)
+    else:
+        value = {"same": 0.25, "nan": float("nan"), "inf": float("inf"), "huge": 1e39,
+                 "tiny": 1e-3}[fill]
+        t = torch.full(shape, value, dtype=torch.float64)
+    return t.to(getattr(torch, dtype))
+
+
+def _session(srv, fn):
+    _send(srv.url, "/begin_weight_update", raw=b"{}")
+    try:
+        return fn()
+    finally:
+        _send(srv.url, "/end_weight_update", raw=b"{}")
+
+
+def _restore(srv, name):
+    """Push the server's own fp32 tensor back after a push that landed (greedy unchanged)."""
+    if name in srv.targets:
+        raw = base64.b64encode(save_safetensors({name: srv.targets[name].detach().clone()}))
+        body = {"serialized_named_tensors": [raw.decode()], "load_format": "safetensors"}
+        status, text = _session(srv, lambda: _send(srv.url, "/update_weights_from_tensor",
+                                                    raw=json.dumps(body).encode()))
+        assert status == 200, text
+
+
+def _shapes(own):
+    """The model's shape (most draws) or another one."""
+    other = st.lists(st.integers(0, 5), max_size=3).map(tuple)
+    if own is None:
+        return other
+    return st.just(tuple(own.shape)) | st.just(tuple(own.shape)) | other
+
+
+def _push_name(srv):
+    return st.sampled_from(sorted(srv.targets)) | st.sampled_from(["lm_head.weight",
+                                                                   "model.layers.9.x", ""])
+
+
+@FUZZ
+@given(data=st.data())
+def test_tensor_push_takes_any_tensor(srv, data):
+    name = data.draw(_push_name(srv))
+    own = srv.targets.get(name)
+    shape = data.draw(_shapes(own))
+    dtype = data.draw(st.sampled_from(PUSH_DTYPES))
+    fill = data.draw(st.sampled_from(FILLS))
+    t = _tensor(srv, name, shape, dtype, fill)
+    raw = base64.b64encode(save_safetensors({name or "x": t})).decode()
+    body = {"serialized_named_tensors": [raw], "load_format": "safetensors"}
+    status, text = _session(srv, lambda: _send(srv.url, "/update_weights_from_tensor",
+                                                raw=json.dumps(body).encode()))
+    if status == 200:
+        _restore(srv, name)
+    _check(srv, status, text, f"tensor push {name} {shape} {dtype} {fill}")
+
+
+@FUZZ
+@given(data=st.data())
+def test_distributed_push_takes_any_mismatch(srv, data):
+    """Declared names/dtypes/shapes against what the trainer broadcasts (plain and
+    flattened_bucket). Sent bytes stay within twice the declared ones: beyond that gloo aborts
+    the receiving process (docs/rollout.md, "Check before receiving")."""
+    from lockstep.rollout.weight_group import WeightGroup, free_port
+    name = data.draw(_push_name(srv))
+    own = srv.targets.get(name)
+    declared_shape = data.draw(_shapes(own))
+    declared = data.draw(st.sampled_from(PUSH_DTYPES[:6]))
+    sent_dtype = data.draw(st.sampled_from(["float32", "bfloat16", "float16", "float64"]))
+    cut = data.draw(st.sampled_from([0, 0, 1, 8, -4]))  # elements dropped (or added: < 0)
+    flat = data.draw(st.booleans())
+    fill = data.draw(st.sampled_from(FILLS))
+    sent = _tensor(srv, name, declared_shape, sent_dtype, fill).reshape(-1)
+    if cut > 0:
+        sent = sent[:max(sent.numel() - cut, 0)]
+    elif cut < 0:
+        sent = torch.cat([sent, sent[:-cut]])
+    sent_bytes = sent.contiguous().view(torch.uint8) if sent.numel() else \
+        torch.zeros(0, dtype=torch.uint8)
+    n_declared = int(torch.tensor(declared_shape).prod()) if declared_shape else 1
+    n_declared *= torch.empty((), dtype=getattr(torch, declared)).element_size()
+    if sent_bytes.numel() > 2 * n_declared or sent_bytes.numel() == 0:
+        return  # see the docstring (and an empty broadcast is nothing to receive)
+    port, group_name = free_port(), f"fuzz-{free_port()}"
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "backend": "gloo", "group_name": group_name}
+    box = {}
+    joiner = threading.Thread(target=lambda: box.update(r=_send(
+        srv.url, "/init_weights_update_group", raw=json.dumps(init).encode())))
+    joiner.start()
+    group = WeightGroup("127.0.0.1", port, 0, 2, group_name, "gloo", 20)
+    joiner.join(30)
+    assert box["r"][0] == 200, box
+    body = {"names": [name], "dtypes": [declared], "shapes": [list(declared_shape)],
+            "group_name": group_name, "load_format": "flattened_bucket" if flat else None}
+
+    def push():
+        t = threading.Thread(target=lambda: box.update(p=_send(
+            srv.url, "/update_weights_from_distributed", raw=json.dumps(body).encode())))
+        t.start()
+        try:
+            group.broadcast(sent_bytes if flat else sent)
+        except RuntimeError:  # the server refused before receiving and left the group
+            pass
+        t.join(TIMEOUT)
+        return box.get("p", ("hang", ""))
+    status, text = _session(srv, push)
+    group.close()
+    _send(srv.url, "/destroy_weights_update_group",
+          raw=json.dumps({"group_name": group_name}).encode())
+    if status == 200:
+        _restore(srv, name)
+    _check(srv, status, text, f"distributed push {body} sent {sent_dtype} {sent.numel()} "
+           f"elements {fill}")
 
 
 def test_fuzz_summary():

@@ -167,3 +167,92 @@ def test_serve_under_load_with_pushes_and_aborts(tmp_path):
         t_stop = time.monotonic()
         proc.wait(30)
         assert time.monotonic() - t_stop < 15, "shutdown was not prompt"
+
+
+SLOW_CLIENTS, SLOW_SECONDS = 5000, 8.0
+PARTIAL = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 4096\r\n\r\n{")
+
+
+def test_serve_answers_under_slowloris(tmp_path):
+    """Issue 22: 5,000 connections that sent their headers and one body byte stay open and
+    idle while /health and /generate keep answering within a bound; the server's RSS stays
+    flat and its log quiet (before: no timeout, no cap; at the fd limit /health stopped and
+    the log grew by accept errors)."""
+    import resource
+    import urllib.request
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * SLOW_CLIENTS + 1024  # ours and the server's ends, loopback
+    if hard != resource.RLIM_INFINITY and hard < want:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    torch.manual_seed(0)
+    folder = str(save_hf(MoEModel(tiny_config(max_position_embeddings=32)), tmp_path / "A"))
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep.launch.serve", "--model", folder, "--dtype", "fp32",
+         "--port", str(port), "--threads", "1", "--max-len", "32",
+         "--max-connections", str(SLOW_CLIENTS + 1000)], stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    held = []
+
+    def timed(path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            r.read()
+        return time.monotonic() - t0
+
+    try:
+        for _ in range(240):
+            try:
+                timed("/health")
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+                time.sleep(0.25)
+        quiet = max(timed("/generate", {"input_ids": [3, 5], "sampling_params": GREEDY})
+                    for _ in range(3))
+        for _ in range(SLOW_CLIENTS):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(PARTIAL)
+            held.append(s)
+        time.sleep(1.0)
+        with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
+            conns = json.loads(r.read())["connections"]
+        assert conns["open"] >= SLOW_CLIENTS and conns["evicted"] == 0, conns
+        rss0 = _rss_kb(proc.pid)
+        worst = {"health": 0.0, "generate": 0.0}
+        stop = time.monotonic() + SLOW_SECONDS
+        n = 0
+        while time.monotonic() < stop:
+            worst["health"] = max(worst["health"], timed("/health"))
+            worst["generate"] = max(worst["generate"], timed(
+                "/generate", {"input_ids": [3 + n % 7, 5], "sampling_params": GREEDY}))
+            n += 1
+            time.sleep(0.1)
+        rss1 = _rss_kb(proc.pid)
+        log_bytes = (tmp_path / "serve.log").stat().st_size
+        print(f"\nslowloris: {SLOW_CLIENTS} partial connections open ({conns}); {n} rounds; "
+              f"worst /health {worst['health']:.3f}s, worst /generate {worst['generate']:.3f}s "
+              f"(quiet {quiet:.3f}s); RSS {rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MB; log "
+              f"{log_bytes} bytes")
+        assert n > 10
+        assert worst["health"] < 2.0 and worst["generate"] < max(3.0, 10 * quiet), worst
+        assert rss1 - rss0 < 32 * 1024, f"RSS grew {rss0} -> {rss1} kB"
+        assert log_bytes < 64 * 1024
+        assert proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(30)
+        log.close()
