@@ -131,6 +131,7 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     from lockstep.trainer.actor import TorchActor, collate
     from lockstep.trainer.dump import record_step, run_header
     from lockstep.trainer.data import TaskSource
+    from lockstep.trainer.backends import make_rollout
     from lockstep.trainer.loop import Trainer
 
     task = Task(cfg.task)
@@ -159,7 +160,9 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
         backend = HTTPBackend(url, cfg.model, api_key=rollout_api_key(ro),
                               max_concurrency=prompts, timeout_s=ro.request_timeout_s)
     else:
-        backend = Trainer.make_backend(loop, model, weight_version)
+        backend = make_rollout(cfg, model, weight_version,
+                               max_len=source.max_prompt_len + loop.max_new_tokens,
+                               run_dir=loop.out, log=print)
     try:
         results = backend.generate(requests)
     finally:

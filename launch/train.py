@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config, args.overrides)  # errors: one line via lockstep.launch.cli
     from lockstep.launch.plan import check_devices
     check_devices(cfg, str(config))  # a GPU layout on a machine without those GPUs: refuse now
+    if not args.resume and cfg.cluster.actor_ranks == 1:  # the policy is built in this process
+        from lockstep.trainer.backends import check_policy_fits
+        check_policy_fits(cfg)  # a size typo: "would need N GB", before any allocation
 
     import torch
 

@@ -31,6 +31,7 @@ from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_sta
 from ..kernels.dtypes import BY_NAME, PRECISIONS
 from ..moe.config import strict_kwargs
 from ..moe.model import KVCache, MoEModel
+from ..moe.sizes import check_fits, kv_cache_bytes
 from .decode import cached_forward_step, decode_step, make_decode_weights
 from .sampling import RowUniforms, SamplingTensors, sample
 from .types import GenerateRequest, GenerationResult, RequestError
@@ -135,6 +136,11 @@ class Engine:
         S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
         # Every per-slot buffer lives on the engine's device; the host keeps only Python
         # bookkeeping (which slot runs which request).
+        buffers = kv_cache_bytes(mcfg, S, M, DTYPES[cfg.dtype]) + S * M * (L * K * 2 + 16)
+        check_fits(f"the engine's KV cache and sequence buffers ({S} slots x max_len {M} "
+                   f"tokens x {mcfg.num_hidden_layers} layers)", buffers, dev,
+                   "lower the engine's max_len (`lockstep serve --max-len`; it defaults to the "
+                   "model's max_position_embeddings) or its max_running")
         self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype], device=dev)
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16

@@ -52,6 +52,9 @@ BAD = {
     ("reward.num_workers=0",): r"yaml: reward\.num_workers=0 is outside \[1, 256\]",
     ("model.num_experts=0",): r"model: num_experts must be >= 1",
     ("task.sort_length=64",): r"task\.sort_length must be an integer in \[1, 32\]",
+    ("model.hidden_size=1000000000",): r"the 4,371\.00B-parameter policy \(model\.hidden_size="
+                                       r"1000000000, .* would need [\d,]+\.\d GB but this "
+                                       r"machine's memory is",
 }
 
 
@@ -117,3 +120,15 @@ def test_data_files_may_be_a_string(tmp_path):
     listed = load_config(None, base + ["data.train_files=[train.jsonl]",
                                        "data.val_files=[val.jsonl]"])
     assert cfg == listed and cfg.hash() == listed.hash()
+
+
+def test_engine_buffers_are_estimated_before_allocation():
+    from lockstep.moe.model import MoEModel
+    from lockstep.rollout.engine import Engine, EngineConfig
+
+    model = MoEModel(ModelConfig(vocab_size=16, max_position_embeddings=10**9))
+    with pytest.raises(ValueError, match=r"KV cache and sequence buffers \(64 slots x max_len "
+                                         r"1000000000 tokens x 3 layers\) would need [\d,]+\.\d "
+                                         r"GB .*lockstep serve --max-len"):
+        Engine(model, EngineConfig())
+    assert Engine(model, EngineConfig(max_len=64)).max_len == 64  # a bounded engine builds

@@ -109,8 +109,8 @@ def _inner(tp: Any) -> list[Any]:
     while todo:
         t = todo.pop(0)
         out.append(t)
-        todo.extend(a for a in typing.get_args(t) if not isinstance(a, (str, int, float))
-                    or typing.get_origin(t) is not Literal)
+        if typing.get_origin(t) is not Literal:  # a Literal's arguments are values
+            todo.extend(typing.get_args(t))
     return out
 
 
@@ -130,19 +130,18 @@ def _choices(tp: Any) -> list[Any] | None:
 
 
 def _walk(loc: tuple) -> tuple[str, Any, type[BaseModel] | None]:
-    """(dotted key, field info, section model holding it) of an error location; union member
-    tags in `loc` are skipped, list indices read `[i]`."""
-    model: Any = ExperimentConfig
-    key, info, parent = "", None, None
+    """(dotted key, field info of its last field, section model it points into) of an error
+    location; union member tags in `loc` are skipped, list indices read `[i]`."""
+    section: Any = ExperimentConfig
+    key, info = "", None
     for part in loc:
         if isinstance(part, int):
             key += f"[{part}]"
-        elif model is not None and part in model.model_fields:
-            parent, info = model, model.model_fields[part]
+        elif section is not None and part in section.model_fields:
+            info = section.model_fields[part]
             key = f"{key}.{part}" if key else part
-            model = _section_of(info.annotation) or _section_of(
-                Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
-    return key, info, parent
+            section = _section_of(info.annotation)
+    return key, info, section
 
 
 def _bounds(info: Any) -> str:
@@ -182,9 +181,7 @@ def _message(err: ValidationError) -> str:
     errors = err.errors()
     extra = [e for e in errors if e["type"] == "extra_forbidden"]
     if extra:
-        where, _, model = _walk(extra[0]["loc"][:-1])
-        model = model.model_fields[where.rsplit(".", 1)[-1]] if where else None
-        section = _section_of(model.annotation) if model else ExperimentConfig
+        where, _, section = _walk(extra[0]["loc"][:-1])
         names = list(section.model_fields)
         unknown = sorted(str(e["loc"][-1]) for e in extra if e["loc"][:-1] == extra[0]["loc"][:-1])
         prefix = f"{where}." if where else ""
@@ -202,7 +199,7 @@ def _message(err: ValidationError) -> str:
     if kind in _BOUNDS:
         if isinstance(v, int) and float in _inner(info.annotation):
             v = float(v)
-        why = BOUND_REASONS.get(where)
+        why = BOUND_REASONS.get(where) if kind.startswith("greater") else None
         return f"{where}={v!r} is outside {_bounds(info)}{'; ' + why if why else ''}"
     if kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), ExperimentConfigError):
         return str(e["ctx"]["error"])

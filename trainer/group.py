@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from lockstep.moe.buckets import Bucket
-from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
+from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
@@ -103,24 +103,14 @@ class RankWorker:
         from HF-named weights (a dict through the object store); returns its (dp_rank,
         dp_size)."""
         import torch.distributed as dist
+
+        from lockstep.trainer.backends import make_actor
         self.cfg = cfg
         self.startup["rss_before"] = _rss_now()
-        temperature = cfg.rollout.temperature
         hf = LazyHF(source) if isinstance(source, str) else source
-        if cfg.actor.backend == "megatron":
-            from lockstep.trainer.megatron.actor import MegatronActor
-            self.actor = MegatronActor(hf, cfg.actor, total_updates, temperature=temperature,
-                                       options=cfg.actor.megatron, model_cfg=cfg.model)
-            self._read(hf)
-        else:
-            from lockstep.trainer.actor import TorchActor
-            model = MoEModel(cfg.model)
-            load_hf_state_dict(model, hf)
-            self._read(hf)
-            del hf
-            self.actor = TorchActor(model, cfg.actor, total_updates, temperature=temperature,
-                                    dp_group=dist.group.WORLD,
-                                    device=resolve_device(cfg.cluster.device))
+        self.actor = make_actor(cfg, hf, total_updates, dp_group=dist.group.WORLD)
+        self._read(hf)
+        del hf
         return self.actor.dp_rank, self.actor.dp_size
 
     def _read(self, hf) -> None:
@@ -165,16 +155,8 @@ class RankWorker:
         """The frozen KL reference (an HF folder this node reads, or HF-named weights) on this
         rank, next to its actor: its `policy_update` computes pi_ref of the rank's rows with
         the update's replay plan."""
-        from lockstep.trainer.reference import ReferencePolicy
-        if self.cfg.actor.backend == "megatron" and isinstance(source, str):
-            self.actor.set_reference(source)  # this rank's shard of it only (ShardReference)
-            return
-        model = MoEModel(self.cfg.model)
-        load_hf_state_dict(model, LazyHF(source) if isinstance(source, str) else source)
-        device = "cpu" if self.cfg.actor.backend == "megatron" else \
-            resolve_device(self.cfg.cluster.device)
-        self.actor.set_reference(ReferencePolicy(model, self.cfg.actor,
-                                                 self.cfg.rollout.temperature, device))
+        from lockstep.trainer.backends import rank_reference
+        self.actor.set_reference(rank_reference(self.cfg, self.actor, source))
 
     def export_weights(self, bucket_bytes: int, send: bool):
         """Every rank runs the export (sharded backends gather in it); only `send` yields.

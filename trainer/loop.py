@@ -22,15 +22,16 @@ import torch
 
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
+from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.colocate import colocates_fleet
-from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import Batch, TorchActor, collate
+from lockstep.trainer.actor import Batch, collate
 from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
                                          save_actor_checkpoint, set_rng_state)
-from lockstep.trainer.config import ExperimentConfig, rollout_api_key, save_config
+from lockstep.trainer.backends import (make_actor, make_rollout, needs_initial_push,
+                                       run_reference)
+from lockstep.trainer.config import ExperimentConfig, save_config
 from lockstep.trainer.nonfinite import check_step, check_weight_names, from_step_error
 from lockstep.trainer.correction import (CorrectionResult, correct, is_split_metrics,
                                          version_split_metrics)
@@ -40,9 +41,7 @@ from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history, summarize,
                                      write_plots)
 from lockstep.trainer.pipeline import RolloutPipeline
-from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, resolve_device, shuffle_seed,
-                                   stats_values)
-from lockstep.trainer.reference import ReferencePolicy, reference_folder_for_run
+from lockstep.trainer.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
 from lockstep.trainer.versions import VersionSplit
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
@@ -111,37 +110,11 @@ def initial_folder(cfg: ExperimentConfig, run_dir: Path, model: MoEModel) -> Pat
     return save_hf(model, Path(run_dir) / "weights" / "initial")
 
 
-def reference_folder(cfg: ExperimentConfig, run_dir: Path) -> Path:
-    """The KL reference's HF folder (the ranks load it), checked to exist (--resume)."""
-    from lockstep.trainer.reference import reference_source
-    src = reference_source(cfg, run_dir)
-    if not (src / "config.json").exists():
-        raise FileNotFoundError(f"--resume with loss.kl_coef > 0: the reference weights {src} "
-                                f"are missing")
-    return src
-
-
-def needs_initial_push(cfg: ExperimentConfig) -> bool:
-    """Backends whose servers are pushed the policy's weights at start-up (a given URL's
-    server holds unknown weights; a fleet's servers are pushed as make_fleet did)."""
-    return cfg.rollout.backend in ("http", "serve", "sglang")
-
-
 class Trainer:
     """Owns the engine, the actor, the prompt source (task or data set) and the run directory."""
 
     def __init__(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool = False,
                  progress: bool = True, log: Callable[[str], None] = print):
-        self.rollout: RolloutBackend | None = None
-        try:
-            self._build(cfg, out_dir, resume, progress, log)
-        except BaseException:  # a failed start-up leaves no weight group on the servers
-            if self.rollout is not None:
-                self.rollout.close()
-            raise
-
-    def _build(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool,
-               progress: bool, log: Callable[[str], None]) -> None:
         check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
@@ -150,94 +123,24 @@ class Trainer:
         self.mode = cfg.replay.mode
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None
-        # an actor group reads its weights from an HF folder; the driver holds none
-        lean = lean_startup(cfg)
-        if resume:
-            found = load_latest(self.out, warn=log, weights=not lean)  # past corrupt ones
-            if found is None:
-                raise FileNotFoundError(
-                    f"--resume: {self.out} has no checkpoint yet (the run stopped before its "
-                    f"first one); restart it from scratch with `lockstep train "
-                    f"{self.out / 'config.yaml'} --out {self.out}`")
-            ckpt, model, trainer_state, state = found
-            if state.config_hash not in (run_hash(cfg), run_hash(cfg, layout=True)):
-                raise ValueError(f"--resume: {ckpt} was written by a run with another config "
-                                 f"(hash {state.config_hash} != {run_hash(cfg)}); only "
-                                 f"loop.steps, the output settings and the actor's layout "
-                                 f"(cluster.actor_ranks, actor.megatron.*_parallel; not for "
-                                 f"checkpoints of earlier versions) may change on resume")
-            if "actor" not in trainer_state and state.config_hash != run_hash(cfg, layout=True):
-                raise ValueError(f"--resume: {ckpt} holds each rank's optimiser state as "
-                                 f"earlier lockstep versions wrote it, which loads only on the "
-                                 f"layout it was written with; resume with that run's "
-                                 f"cluster.actor_ranks and actor.megatron parallel sizes")
-            check_data_on_resume(self.source, self.out, fresh=False)
-            log(f"resuming from {ckpt} (step {state.step})")
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out / "config.yaml")
-            torch.manual_seed(cfg.loop.seed)
-            model = (Path(cfg.model.path) if lean and cfg.model.path and not cfg.warmstart.enabled
-                     else load_hf(cfg.model.path) if cfg.model.path else MoEModel(cfg.model))
-            check_data_on_resume(self.source, self.out, fresh=True)
-            state = LoopState(step=0, cursor=0, config_hash=run_hash(cfg), weight_version="0")
-            if cfg.warmstart.enabled:
-                self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed,
-                                            cache_key(cfg), log, progress)
-                (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
-            if lean and isinstance(model, MoEModel):  # random init / warm start: one folder
-                model = initial_folder(cfg, self.out, model)
-        self.state = state
-        if lean:  # the ranks (and engines) load `model`, a folder; pi_ref from its own folder
-            reference = reference_folder(cfg, self.out) if cfg.loss.kl_coef > 0 else None
-        else:
+        lean = lean_startup(cfg)  # an actor group reads its weights from an HF folder
+        ckpt, model, trainer_state, self.state = (self._resume_from(lean) if resume
+                                                  else self._start(lean, progress))
+        if not lean:
             model.zero_grad(set_to_none=True)  # RL's first update must see only its own gradient
-            reference = None
-            if cfg.loss.kl_coef > 0 and cfg.actor.backend == "megatron":  # its own shard of it
-                reference = reference_folder_for_run(cfg, self.out, None if resume else model)
-            elif cfg.loss.kl_coef > 0:
-                reference = ReferencePolicy.for_run(
-                    cfg, self.out, None if resume else model,
-                    device="cpu" if cfg.cluster.actor_ranks > 1
-                    else resolve_device(cfg.cluster.device))
-        ro = cfg.rollout
-        updates_per_step = cfg.actor.epochs * ro.batch_size // cfg.actor.mini_batch_size
-        total_updates = cfg.loop.steps * updates_per_step
-        self.actor = None
-        if colocates_fleet(cfg) and cfg.cluster.actor_ranks > 1:  # servers join its bundles
-            from lockstep.trainer.group import ActorGroup
-            self.actor = ActorGroup(cfg, model, total_updates)
-        try:
-            self.rollout = self.make_backend(model, state.weight_version)
-        except BaseException:
-            if self.actor is not None:
-                self.actor.close()
-            raise
+        # pi_ref next to the actor, which replays the update's routes in it
+        reference = run_reference(cfg, self.out, None if resume or lean else model,
+                                  in_driver=not lean)
+        self._make_backends(model, self.state.weight_version)
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
         self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
-                                        cfg.loop.steps, first_version=int(state.weight_version))
+                                        cfg.loop.steps, first_version=int(self.state.weight_version))
         # pi_gen of samples of older versions: the actor's ranks keep their own old shards
         self.versions = VersionSplit(cfg.loop.max_staleness)
-        if self.actor is not None:  # built above (colocated)
-            pass
-        elif cfg.cluster.actor_ranks > 1:  # a Ray actor group: the same interface
-            from lockstep.trainer.group import ActorGroup
-            try:
-                self.actor = ActorGroup(cfg, model, total_updates)
-            except BaseException:
-                self.rollout.close()
-                raise
-        elif cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
-            from lockstep.trainer.megatron.actor import MegatronActor
-            self.actor = MegatronActor(model, cfg.actor, total_updates,
-                                       temperature=ro.temperature, options=cfg.actor.megatron)
-        else:
-            self.actor = TorchActor(model, cfg.actor, total_updates, temperature=ro.temperature,
-                                    device=resolve_device(cfg.cluster.device))
         if lean and needs_initial_push(cfg):  # the servers' weights are not the policy's
             self.rollout.update_weights(self.actor.export_weights(
-                cfg.cluster.weight_bucket_bytes), state.weight_version)  # streamed from the group
-        if reference is not None:  # pi_ref next to the actor: it replays the update's routes
+                cfg.cluster.weight_bucket_bytes), self.state.weight_version)  # from the group
+        if reference is not None:
             self.actor.set_reference(reference)
         if resume:
             if "actor" in trainer_state:  # HF-named optimiser state: any layout
@@ -245,50 +148,88 @@ class Trainer:
             else:  # checkpoints of earlier versions: per-rank state, same layout
                 self.actor.load_rank_state(trainer_state)
             set_rng_state(trainer_state["rng"])
-        self.metrics = MetricsWriter(self.out, cfg.loop.steps, state.step, cfg.loop.tensorboard,
-                                     progress, log=log)
+        self.metrics = MetricsWriter(self.out, cfg.loop.steps, self.state.step,
+                                     cfg.loop.tensorboard, progress, log=log)
+
+    def _resume_from(self, lean: bool) -> tuple[Path, MoEModel | Path, dict, LoopState]:
+        """(checkpoint, its weights, trainer state, loop state) of the newest valid checkpoint,
+        checked to belong to this config; `lean`: the weights stay in the folder."""
+        cfg, log = self.cfg, self.log
+        found = load_latest(self.out, warn=log, weights=not lean)  # past corrupt ones
+        if found is None:
+            raise FileNotFoundError(
+                f"--resume: {self.out} has no checkpoint yet (the run stopped before its "
+                f"first one); restart it from scratch with `lockstep train "
+                f"{self.out / 'config.yaml'} --out {self.out}`")
+        ckpt, model, trainer_state, state = found
+        if state.config_hash not in (run_hash(cfg), run_hash(cfg, layout=True)):
+            raise ValueError(f"--resume: {ckpt} was written by a run with another config "
+                             f"(hash {state.config_hash} != {run_hash(cfg)}); only "
+                             f"loop.steps, the output settings and the actor's layout "
+                             f"(cluster.actor_ranks, actor.megatron.*_parallel; not for "
+                             f"checkpoints of earlier versions) may change on resume")
+        if "actor" not in trainer_state and state.config_hash != run_hash(cfg, layout=True):
+            raise ValueError(f"--resume: {ckpt} holds each rank's optimiser state as "
+                             f"earlier lockstep versions wrote it, which loads only on the "
+                             f"layout it was written with; resume with that run's "
+                             f"cluster.actor_ranks and actor.megatron parallel sizes")
+        check_data_on_resume(self.source, self.out, fresh=False)
+        log(f"resuming from {ckpt} (step {state.step})")
+        return ckpt, model, trainer_state, state
+
+    def _start(self, lean: bool, progress: bool) -> tuple[None, MoEModel | Path, dict, LoopState]:
+        """A fresh run: its directory and config.yaml, the initial policy (random init under
+        loop.seed, model.path, then the warm start); `lean`: written once as an HF folder."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out / "config.yaml")
+        torch.manual_seed(cfg.loop.seed)
+        model = (Path(cfg.model.path) if lean and cfg.model.path and not cfg.warmstart.enabled
+                 else load_hf(cfg.model.path) if cfg.model.path else MoEModel(cfg.model))
+        check_data_on_resume(self.source, self.out, fresh=True)
+        if cfg.warmstart.enabled:
+            self.warmstart = warm_start(model, self.task, cfg.warmstart, cfg.loop.seed,
+                                        cache_key(cfg), self.log, progress)
+            (self.out / "warmstart.json").write_text(json.dumps(asdict(self.warmstart)) + "\n")
+        if lean and isinstance(model, MoEModel):  # random init / warm start: one folder
+            model = initial_folder(cfg, self.out, model)
+        return None, model, {}, LoopState(step=0, cursor=0, config_hash=run_hash(cfg),
+                                          weight_version="0")
+
+    def _make_backends(self, model: MoEModel | Path, weight_version: str) -> None:
+        """`self.actor` (in process, or a Ray actor group) and `self.rollout`. A colocated
+        fleet's servers join the group's bundles, so the group comes first; otherwise the
+        engines do. A failure closes what was built."""
+        cfg = self.cfg
+        updates_per_step = cfg.actor.epochs * cfg.rollout.batch_size // cfg.actor.mini_batch_size
+        total_updates = cfg.loop.steps * updates_per_step
+        group = cfg.cluster.actor_ranks > 1
+        if group:
+            from lockstep.trainer.group import ActorGroup
+        self.actor = None
+        if group and colocates_fleet(cfg):
+            self.actor = ActorGroup(cfg, model, total_updates)
+        try:
+            self.rollout = self.make_backend(model, weight_version)
+        except BaseException:
+            if self.actor is not None:
+                self.actor.close()
+            raise
+        if self.actor is None:
+            try:
+                self.actor = (ActorGroup(cfg, model, total_updates) if group
+                              else make_actor(cfg, model, total_updates))
+            except BaseException:
+                self.rollout.close()
+                raise
 
     def make_backend(self, model: MoEModel | Path, weight_version: str) -> RolloutBackend:
-        """The rollout engine, holding `model`'s weights at `weight_version`. `model` an HF
-        folder (an actor group's run, `lean_startup`): the engines load it themselves, and
-        servers that need a push get the group's streamed export afterwards
-        (`needs_initial_push`)."""
-        ro = self.cfg.rollout
-        folder = model if isinstance(model, Path) else None
-        if ro.backend == "http" and not ro.urls:
-            backend = HTTPBackend(ro.url, self.cfg.model, api_key=rollout_api_key(ro),
-                                  max_concurrency=ro.prompts_per_step,
-                                  timeout_s=ro.request_timeout_s, weights_dir=ro.weights_dir or self.out / "weights",
-                                  weight_sync=ro.weight_sync, log=self.log,
-                                  bucket_bytes=self.cfg.cluster.weight_bucket_bytes)
-            if folder is None:
-                try:  # the server's weights are unknown
-                    backend.update_weights(model, weight_version)
-                except BaseException:
-                    backend.close()  # leave no weight group behind on the server
-                    raise
-            return backend
-        engine_cfg = EngineConfig(
-            dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
-            max_running=ro.batch_size, max_len=self.source.max_prompt_len + self.max_new_tokens,
-            seed=self.cfg.loop.seed, device=str(resolve_device(self.cfg.cluster.device)))
-        if ro.backend in ("serve", "sglang", "http"):  # a fleet of servers (needs 'ray' but http)
-            from lockstep.rollout.fleet import make_fleet
-            return make_fleet(self.cfg, model, weight_version, engine_cfg, self.out, self.log,
-                              actor_pg=getattr(getattr(self, "actor", None), "placement_group",
-                                               None))  # colocated: the group's bundles
-        if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
-            from lockstep.rollout.ray_backend import RayBackend
-            kw = dict(address=ro.ray_address, request_timeout_s=ro.request_timeout_s,
-                      max_engine_restarts=ro.max_engine_restarts,
-                      threads_per_engine=self.cfg.cluster.threads_per_rank)
-            if folder is not None:  # each engine loads the folder
-                return RayBackend(str(folder), engine_cfg, ro.num_engines, weight_version,
-                                  self.cfg.model, **kw)
-            return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version, **kw)
-        if folder is not None:
-            return LocalBackend(Engine.from_hf(folder, engine_cfg, weight_version=weight_version))
-        return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
+        """The rollout backend (trainer/backends.py `make_rollout`), holding `model`'s
+        weights at `weight_version`; colocated servers join the actor group's bundles."""
+        return make_rollout(self.cfg, model, weight_version,
+                            max_len=self.source.max_prompt_len + self.max_new_tokens,
+                            run_dir=self.out, log=self.log,
+                            actor_pg=getattr(self.actor, "placement_group", None))
 
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:

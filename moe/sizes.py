@@ -1,0 +1,43 @@
+"""Memory a model or an engine's buffers would take, checked before anything is allocated, so
+a size typo (`model.hidden_size=1000000000`, `max_position_embeddings=1000000000`) is a
+one-line "would need N GB" error with a hint instead of an allocator traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lockstep.moe.config import ConfigError, ModelConfig
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of the model `cfg` describes, counted on the meta device (no memory)."""
+    from lockstep.moe.model import MoEModel
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in MoEModel(cfg).parameters())
+
+
+def kv_cache_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of `moe.model.KVCache.allocate(cfg, slots, max_len, dtype)`."""
+    heads, dk, dv = cfg.kv_cache_dims
+    return cfg.num_hidden_layers * slots * heads * max_len * (dk + dv) * dtype.itemsize
+
+
+def memory_of(device: str | torch.device) -> tuple[int, str]:
+    """(bytes, what) of the memory `device` allocates from: the GPU's, else the machine's RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device.index or 0)
+        return props.total_memory, f"GPU {device.index or 0} ({props.name})"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
+def check_fits(what: str, nbytes: int, device: str | torch.device, hint: str) -> None:
+    """Raise ConfigError naming `what` when `nbytes` exceed the memory of `device`."""
+    have, where = memory_of(device)
+    if nbytes > have:
+        raise ConfigError(f"{what} would need {nbytes / 1e9:,.1f} GB but {where} is "
+                          f"{have / 1e9:,.1f} GB; {hint}")
