@@ -50,7 +50,6 @@ def describe_error(e: BaseException) -> tuple[str, int]:
     """(one-line message, exit status) for an exception that ended a command."""
     from lockstep.moe.checkpoint import CheckpointError
     from lockstep.moe.config import ConfigError
-    from lockstep.trainer.config import ExperimentConfigError
     from lockstep.trainer.nonfinite import DivergenceError
     from lockstep.trainer.metrics import MetricsFileError
     from lockstep.trainer.rundir import RunDirError
@@ -65,7 +64,7 @@ def describe_error(e: BaseException) -> tuple[str, int]:
         return one, 1
     if isinstance(e, CheckpointError) and "could not write checkpoint" in str(e):
         return one, 1
-    if isinstance(e, (ExperimentConfigError, ConfigError, CheckpointError, RunDirError,
+    if isinstance(e, (ConfigError, CheckpointError, RunDirError,  # a bad config: ConfigError
                       MetricsFileError)):
         return one, 2
     if isinstance(e, OSError) and e.strerror:

@@ -536,11 +536,6 @@ class ExperimentConfig(Section):
              f"data.max_prompt_length + rollout.max_new_tokens = {longest} exceeds the model's "
              f"max_position_embeddings={self.model.max_position_embeddings}")
 
-    def replace(self, **sections: Any) -> ExperimentConfig:
-        """This config with some sections replaced (checked again, as a loaded one is)."""
-        return ExperimentConfig(**{**{k: getattr(self, k) for k in type(self).model_fields},
-                                   **sections})
-
     def to_dict(self) -> dict[str, Any]:
         """Every section; a default `cluster` (one in-process actor) is left out, so saved
         configs and hashes read as before the section existed."""
