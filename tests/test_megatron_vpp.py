@@ -63,7 +63,7 @@ def _worker(rank: int, port: int, path: str) -> None:
 def test_interleaved_group_size_is_one_megatron_core_accepts():
     """microbatch_group_size_per_vp_stage: in [PP, M], and M % g is 0 or >= PP (schedules.py
     raises otherwise); the smallest such g."""
-    from lockstep.trainer.megatron.actor import vp_group_size
+    from lockstep.trainer.megatron.schedule import vp_group_size
     for pp in (2, 3, 4):
         for m in range(pp, 20):
             g = vp_group_size(m, pp)
