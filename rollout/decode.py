@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..moe.model import (KVCache, MoEModel, _emulated_on_cpu, attention, grouped_linear, linear,
-                         rms_norm, rope_cos_sin)
+from ..moe.layers import (KVCache, _emulated_on_cpu, attention, grouped_linear, linear, rms_norm,
+                          rope_cos_sin)
+from ..moe.model import MoEModel
 
 
 def fused_decode_supported(model: MoEModel) -> bool:

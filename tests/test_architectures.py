@@ -170,7 +170,7 @@ def test_yarn_frequencies_at_deepseek_v3_scale():
     transformers computes them."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from lockstep.moe.model import yarn_inv_freq
+    from lockstep.moe.layers import yarn_inv_freq
 
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,

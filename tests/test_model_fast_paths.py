@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockstep.moe.model import (KVCache, MoEModel, RMSNorm, apply_rope, grouped_linear,
-                                grouped_linear_loop, linear, rope_cos_sin)
+from lockstep.moe.layers import (KVCache, RMSNorm, apply_rope, grouped_linear, grouped_linear_loop,
+                                 linear, rope_cos_sin)
+from lockstep.moe.model import MoEModel
 
 from model_fixtures import tiny_config
 
