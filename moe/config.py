@@ -20,7 +20,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -74,6 +74,7 @@ _IGNORED_PER_ARCH = {
                     "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux"},
 }
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
+MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 # Fields an HF config.json must give (the dataclass defaults are the toy model's).
@@ -86,7 +87,7 @@ class ModelConfig:
     """MoE architecture hyper-parameters (field names follow HF `config.json`); the defaults
     are Qwen3-MoE's, and `for_architecture(model_type, ...)` fills in another family's."""
 
-    model_type: str = "qwen3_moe"
+    model_type: Literal[MODEL_TYPES] = "qwen3_moe"
     """Architecture: one of ARCHITECTURES (qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3)."""
     vocab_size: int = 32
     """Number of token ids, including special tokens."""
@@ -132,7 +133,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     """Padding id used in batches."""
     # -- router family (docs/model.md "Router families") ---------------------------------
-    router: str | None = None
+    router: Literal[ROUTERS] | None = None
     """softmax_topk: softmax over all experts, then top-k (Qwen); topk_softmax: top-k of the
     logits, then softmax over the k (Mixtral); sigmoid: sigmoid scores, selection by scores +
     expert bias within the best groups (DeepSeek-V3, Kimi-K2, GLM-4.5)."""

@@ -51,6 +51,11 @@ BAD = {
     ("data.train_files=[prompts.csv]",): r"data\.train_files: 'prompts\.csv' is neither",
     ("reward.num_workers=0",): r"yaml: reward\.num_workers=0 is outside \[1, 256\]",
     ("model.num_experts=0",): r"model: num_experts must be >= 1",
+    ("model.router=top1",): r"model\.router='top1' is not one of \['softmax_topk', 'topk_softmax', "
+                            r"'sigmoid', None\]",
+    ("loss.loss_agg_mode=sum",): r"loss\.loss_agg_mode='sum' is not one of \['token-mean', ",
+    ("correction.rollout_is=tokens",): r"correction\.rollout_is='tokens' is not one of "
+                                       r"\['token', 'sequence', 'geometric', None\]",
     ("task.sort_length=64",): r"task\.sort_length must be an integer in \[1, 32\]",
     ("model.hidden_size=1000000000",): r"the 4,371\.00B-parameter policy \(model\.hidden_size="
                                        r"1000000000, .* would need [\d,]+\.\d GB but this "

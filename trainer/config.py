@@ -121,11 +121,14 @@ def _section_of(tp: Any) -> type[BaseModel] | None:
 
 
 def _choices(tp: Any) -> list[Any] | None:
-    for t in _inner(tp):
+    """The values a Literal / enum field takes (None last where it is optional)."""
+    inner = _inner(tp)
+    none = [None] if type(None) in inner else []
+    for t in inner:
         if typing.get_origin(t) is Literal:
-            return list(typing.get_args(t))
+            return list(typing.get_args(t)) + none
         if isinstance(t, type) and issubclass(t, enum.Enum):
-            return [m.value for m in t]
+            return [m.value for m in t] + none
     return None
 
 

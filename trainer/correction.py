@@ -29,6 +29,7 @@ response positions; every tensor is `[B, T]`; `response_mask` is 1 on valid toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -46,13 +47,13 @@ from lockstep.trainer.rollout_corr import (  # noqa: F401  (verl's names, re-exp
 class CorrectionConfig:
     """Rollout-correction settings (field names as verl's `RolloutCorrectionConfig`)."""
 
-    rollout_is: str | None = None  # None (off) | "token" | "sequence" | "geometric" (ours)
+    rollout_is: Literal[IS_LEVELS] | None = None  # None (off) | "token" | "sequence" | "geometric" (ours)
     rollout_is_threshold: float | str = 2.0  # C -> TIS clamp(max=C); "lower_upper" -> IcePop
     rollout_is_batch_normalize: bool = False  # rescale weights to batch mean 1
     rollout_rs: str | None = None  # comma-separated RS options, all must pass; None = off
     rollout_rs_threshold: float | str | None = None  # one for all options or one per option
     bypass_mode: bool = False  # True: pi_old := mu_old, IS/RS against the current policy in the loss
-    loss_type: str = "ppo_clip"  # bypass only: "ppo_clip" (ratio is the IS) | "reinforce" (apply weights)
+    loss_type: Literal[LOSS_TYPES] = "ppo_clip"  # bypass only: "ppo_clip" (ratio is the IS) | "reinforce" (apply weights)
     prob_diff_eps: float | None = None  # IPO/DPPO mask: drop tokens with |p_old - p_rollout| > eps (0.3 typical)
 
     def __post_init__(self):

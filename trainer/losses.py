@@ -11,6 +11,7 @@ valid tokens). Log-probs are named by origin: `logprobs` (pi_theta, with grad), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -37,10 +38,10 @@ class LossConfig:
     clip_ratio_low: float = 0.2  # ratio clipped below at 1 - low
     clip_ratio_high: float = 0.2  # ratio clipped above at 1 + high (0.28 = DAPO clip-higher)
     clip_ratio_c: float | None = 3.0  # dual clip for A < 0: loss <= -A * c; None disables; must be > 1
-    ratio_level: str = "token"  # "token" (PPO) | "sequence" (GSPO length-normalised sequence ratio)
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    ratio_level: Literal[RATIO_LEVELS] = "token"  # "token" (PPO) | "sequence" (GSPO length-normalised sequence ratio)
+    loss_agg_mode: Literal[AGG_MODES] = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = off, ref_logprobs not needed)
-    kl_loss_type: str = "low_var_kl"  # verl's names: kl/k1, abs, mse/k2, low_var_kl/k3; "+" = k2 grad
+    kl_loss_type: Literal[KL_ESTIMATORS] = "low_var_kl"  # verl's names: kl/k1, abs, mse/k2, low_var_kl/k3; "+" = k2 grad
     entropy_coef: float = 0.0  # subtract entropy_coef * aggregated entropy from the loss
 
     def __post_init__(self):
