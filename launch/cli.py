@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lockstep.launch import compare, diagnose, example, plan, serve, train
+from lockstep.kernels.threads import set_wait_policy
+
+set_wait_policy()  # first, before any import loads torch: OpenMP reads it once (kernels/threads.py)
+
+from lockstep.launch import compare, diagnose, example, plan, serve, train  # noqa: E402
 
 # Optional packages -> the extra that installs them.
 EXTRAS = {"ray": "ray", "megatron": "megatron", "transformer_engine": "gpu", "sglang": "gpu",
           "flash_attn": "gpu", "hypothesis": "test", "transformers": "data",
-          "pyarrow": "data", "math_verify": "data"}
+          "pyarrow": "data", "math_verify": "data", "wandb": "wandb"}
 
 
 class _Parser(argparse.ArgumentParser):

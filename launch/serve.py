@@ -168,6 +168,8 @@ def _serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from lockstep.kernels.threads import describe
+    print(f"lockstep serve: {describe()}", file=sys.stderr, flush=True)
     try:
         mcfg = ModelConfig.from_json(args.model)
         if args.max_len is not None and args.max_len > mcfg.max_position_embeddings:

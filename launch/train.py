@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="without a progress bar (stderr not a terminal, or --no-progress), log a "
                         "progress line every N steps (0 = never; default 10)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: keep torch's; OMP_NUM_THREADS applies)")
+                   help="torch CPU threads (default: keep torch's; OMP_NUM_THREADS applies); "
+                        "the OpenMP wait policy is PASSIVE unless OMP_WAIT_POLICY is set")
     p.set_defaults(run=run)
     return p
 
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from lockstep.kernels.threads import describe
+    print(describe(), file=sys.stderr, flush=True)
     out = Path(args.out or cfg.loop.out_dir)
     if args.resume and (done := _nothing_to_run(out, cfg.loop.steps)):
         print(f"lockstep train: {done}", file=sys.stderr)

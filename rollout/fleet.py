@@ -47,6 +47,7 @@ from typing import Any, Callable
 import aiohttp
 import torch
 
+from lockstep.kernels.threads import worker_env
 from lockstep.moe.buckets import bucketize
 from lockstep.moe.checkpoint import hf_state_dict, save_hf_state_dict
 from lockstep.moe.config import ModelConfig
@@ -57,7 +58,7 @@ from lockstep.rollout.colocate import SERVER_SHARE, colocates_fleet, engine_bund
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+WORKER_ENV = worker_env(1)  # + OMP_WAIT_POLICY (kernels/threads.py)
 _UNLOADED = "unloaded"  # version of a relaunched server before its first push (never served)
 
 

@@ -46,6 +46,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, Worker
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from lockstep.kernels.threads import worker_env
 from lockstep.moe.buckets import Bucket, bucketize, tensor_bytes
 from lockstep.moe.checkpoint import hf_state_dict, read_hf_state_dict
 from lockstep.moe.config import ModelConfig
@@ -55,8 +56,9 @@ from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 from lockstep.rollout.weight_sync import as_buckets
 
-# Engines run one torch thread each; OpenMP/MKL pools follow the same env var.
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Engines run one torch thread each; OpenMP/MKL pools follow the same env var, and OpenMP
+# waits without spinning.
+WORKER_ENV = worker_env(1)  # + OMP_WAIT_POLICY (kernels/threads.py)
 # What a dead worker process looks like from the driver (the actor itself, or the process
 # running its task, was killed or crashed).
 WORKER_DIED = (RayActorError, WorkerCrashedError, OutOfMemoryError)
@@ -90,7 +92,8 @@ class EngineWorker:
         model = self.engine.model
         named = {**model.state_dict(), **hf_state_dict(model)}
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "threads": torch.get_num_threads(), "weight_version": self.engine.weight_version,
+                "threads": torch.get_num_threads(), "wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "weight_version": self.engine.weight_version,
                 "model_cfg": model.cfg, "dtypes": {k: v.dtype for k, v in named.items()}}
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
@@ -128,6 +131,8 @@ class WorkerInfo:
     pid: int = -1
     node: str = "?"
     threads: int = 0
+    wait_policy: str | None = None
+    """The worker's OMP_WAIT_POLICY (kernels/threads.py)."""
     restarts: int = 0
     """Times this engine was restarted (dead or hung) in this backend."""
     samples: int = 0
@@ -201,8 +206,7 @@ class RayBackend(RolloutBackend):
         self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
         self.closed = False
         self._lock = threading.Lock()
-        self._env = {"OMP_NUM_THREADS": str(threads_per_engine),
-                     "MKL_NUM_THREADS": str(threads_per_engine)}
+        self._env = worker_env(threads_per_engine)  # + OMP_WAIT_POLICY (kernels/threads.py)
         # an engine on CUDA gets a GPU of its own (Ray shows it as device 0 to the worker)
         self.gpus = gpus = 1.0 if engine_cfg.device.startswith("cuda") else 0.0
         self._owns_ray = not ray.is_initialized()
@@ -420,6 +424,7 @@ class RayBackend(RolloutBackend):
 
     def _learn(self, info: WorkerInfo, got: dict) -> None:
         info.pid, info.node, info.threads = got["pid"], got["node"], got["threads"]
+        info.wait_policy = got["wait_policy"]
         self.dtypes, self.model_cfg = got["dtypes"], self.model_cfg or got["model_cfg"]
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -251,7 +251,7 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
 
 def test_trainer_engine_workers_run_threads_per_rank(cluster, tmp_path):
     """cluster.threads_per_rank reaches the Ray engine workers the loop starts (each sets its
-    own torch thread count; the driver keeps its own)."""
+    own torch thread count; the driver keeps its own), and OMP_WAIT_POLICY=PASSIVE with it."""
     cfg = load_config(CONFIGS / "toy_r3.yaml", [
         "warmstart.enabled=false", "rollout.prompts_per_step=4", "actor.mini_batch_size=32",
         "actor.micro_batch_size=32", "loop.tensorboard=false", "loop.plots=false",
@@ -259,5 +259,6 @@ def test_trainer_engine_workers_run_threads_per_rank(cluster, tmp_path):
     tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
     try:
         assert [i.threads for i in tr.rollout.infos] == [2, 2]
+        assert [i.wait_policy for i in tr.rollout.infos] == ["PASSIVE"] * 2  # no spinning
     finally:
         tr.rollout.close()

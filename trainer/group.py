@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from lockstep.kernels.threads import worker_env
 from lockstep.moe.buckets import Bucket
 from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.moe.hf_lazy import LazyHF
@@ -218,7 +219,7 @@ class ActorGroup:
         self.closed = False
         self._plans: dict[int, ShardPlan] = {}
         threads = cfg.cluster.threads_per_rank
-        env = {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+        env = {"env_vars": worker_env(threads)}  # + OMP_WAIT_POLICY (kernels/threads.py)
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             if cfg.cluster.ray_address:
