@@ -43,6 +43,7 @@ from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history,
 from lockstep.trainer.pipeline import RolloutPipeline
 from lockstep.trainer.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
 from lockstep.trainer.versions import VersionSplit
+from lockstep.trainer.wandb_log import WandbRun
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
 
@@ -150,6 +151,7 @@ class Trainer:
             set_rng_state(trainer_state["rng"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, self.state.step,
                                      cfg.loop.tensorboard, progress, log=log)
+        self.wandb = WandbRun.start(cfg, self.out, resume)  # loop.wandb; None when unset
 
     def _resume_from(self, lean: bool) -> tuple[Path, MoEModel | Path, dict, LoopState]:
         """(checkpoint, its weights, trainer state, loop state) of the newest valid checkpoint,
@@ -325,6 +327,7 @@ class Trainer:
     def run(self) -> dict:
         """Steps until loop.steps, checkpointing every loop.checkpoint_every; plots at the end."""
         cfg = self.cfg.loop
+        step = self.state.step
         try:
             for step in range(self.state.step + 1, cfg.steps + 1):
                 try:
@@ -334,12 +337,18 @@ class Trainer:
                 if cfg.val_every and step % cfg.val_every == 0:
                     m.update(self.validate(step))
                 self.metrics.log(m)
+                if self.wandb is not None:
+                    self.wandb.log(m)
                 # NaN/Inf stops the run here, before a checkpoint could keep the broken model
                 check_step(step, m, self.cfg, latest_checkpoint(self.out))
                 if self.saves_at(step):
                     self.save()
                     if cfg.plots and step != cfg.steps:
-                        write_plots(self.out)  # refreshed at each checkpoint, not only at the end
+                        self._plots(step)  # refreshed at each checkpoint, not only at the end
+        except BaseException:
+            if self.wandb is not None:
+                self.wandb.finish(failed=True)
+            raise
         finally:
             self.metrics.close()
             self.pipeline.close()
@@ -347,7 +356,7 @@ class Trainer:
             self.actor.close()
             self.source.close()
         if cfg.plots:
-            write_plots(self.out)
+            self._plots(step)
         summary = summarize(read_metrics(self.out / "metrics.jsonl"))
         if self.warmstart is None and (self.out / "warmstart.json").exists():
             self.warmstart = WarmstartResult(**json.loads((self.out / "warmstart.json").read_text()))
@@ -355,7 +364,14 @@ class Trainer:
             summary["warmstart/accuracy"] = self.warmstart.accuracy
             summary["warmstart/expected_reward"] = self.warmstart.expected_reward
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.wandb is not None:
+            self.wandb.finish(summary)
         return summary
+
+    def _plots(self, step: int) -> None:
+        paths = write_plots(self.out)
+        if self.wandb is not None:
+            self.wandb.plots(paths, step)
 
     def validate(self, step: int) -> dict:
         """val/... metrics of data.val_files under the current weights (greedy, or

@@ -12,9 +12,9 @@
   before its first checkpoint can be restarted from scratch, a run with checkpoints needs
   `--resume`, and files lockstep did not create are never written over;
 - `--resume` needs a checkpoint and says how to restart when there is none;
-- nothing in the directory is followed through a symbolic link: a run file, the marker or the
-  lock that is a link (planted, e.g. in a shared /tmp) is refused, never written through, and
-  the marker counts only as a regular file;
+- no file is written through a symbolic link: a run file, the marker or the lock that is a
+  link (planted, e.g. in a shared /tmp) is refused, and the marker counts only as a regular
+  file (the run's folders, such as checkpoints/ on another disk, may be links);
 - `--out` inside another run's directory tree (e.g. `runs/x/checkpoints/step_6`) is refused:
   its files would break that run's checkpoints.
 
@@ -38,7 +38,8 @@ LOCK_FILE = ".lockstep-lock"
 # What a run writes into its directory (see docs/training.md).
 OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "warmstart.json", "checkpoints",
            "tensorboard", "weights", "reward.png", "flip_rate.png", "k3_kl.png",
-           "flip_rate_layers.png")
+           "flip_rate_layers.png", "wandb", "wandb.json")
+OUTPUT_DIRS = ("checkpoints", "tensorboard", "weights", "wandb")
 # A checkpoint folder (trainer/checkpoint.py) is recognised by these files.
 CHECKPOINT_FILES = ("manifest.json", "state.json")
 
@@ -113,8 +114,10 @@ def is_lockstep_run(out: str | Path) -> bool:
 
 
 def _check_no_links(out: Path) -> None:
-    """Refuse a run directory whose lock, marker or run files are symbolic links."""
-    for name in (LOCK_FILE, MARKER, *OUTPUTS):
+    """Refuse a run directory whose lock, marker or run files are symbolic links (its
+    folders, e.g. checkpoints/ on another disk, may be links: nothing is opened through
+    them but files lockstep creates there itself)."""
+    for name in (LOCK_FILE, MARKER, *(n for n in OUTPUTS if n not in OUTPUT_DIRS)):
         if (out / name).is_symlink():
             raise RunDirError(_link_msg(out / name))
 

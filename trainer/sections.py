@@ -368,6 +368,17 @@ class WarmstartConfig(Section):
     """Where warm-started checkpoints are cached (HF folders)."""
 
 
+class WandbConfig(Section):
+    """Weights & Biases logging of the run (trainer/wandb_log.py; extra 'wandb')."""
+
+    project: str = Field(min_length=1)
+    """W&B project the run is logged to."""
+    name: str | None = None
+    """Display name of the W&B run (None = W&B picks one)."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online = upload as it runs; offline = files only (`wandb sync` later); disabled."""
+
+
 class LoopConfig(Section):
     """The RL step loop: length, seeding, outputs."""
 
@@ -390,6 +401,9 @@ class LoopConfig(Section):
     `lockstep diagnose --dump FILE` reads them (docs/diagnose.md)."""
     val_every: int = Field(0, ge=0, le=2**31 - 1)
     """Score data.val_files every N steps, logged as val/... (0 = never), in [0, 2^31)."""
+    wandb: WandbConfig | None = None
+    """Also log every metric row, the plots and the config to Weights & Biases, e.g.
+    `{project: moe-rl, name: r3, mode: offline}` (None = no W&B)."""
     max_staleness: int = Field(0, ge=0, le=64)
     """Async rollout (docs/training.md): 0 = synchronous, step n samples with the weights of
     step n-1's update; k >= 1 = the engines generate the next steps' samples while the actor
@@ -553,6 +567,8 @@ class ExperimentConfig(Section):
                 d["rollout"].pop(k)
         if d["reward"]["import_timeout_s"] == RewardConfig.import_timeout_s:  # likewise
             d["reward"].pop("import_timeout_s")
+        if self.loop.wandb is None:  # likewise
+            d["loop"].pop("wandb")
         return d
 
     def hash(self, *sections: str) -> str:
