@@ -351,3 +351,22 @@ def test_trainer_that_fails_at_start_up_leaves_no_group(served, tmp_path):
     with pytest.raises(RolloutError, match=r"update_weights_from_distributed \(bucket 0\)"):
         Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
     assert not receiver.groups and not receiver.session
+
+
+def test_group_backend_is_chosen_from_the_devices():
+    """gloo for CPU servers (SGLang's /server_info `device`, lockstep serve's
+    `engine.device`); NCCL only when every server and this process have CUDA."""
+    from lockstep.rollout.weight_sync import choose_backend
+    assert choose_backend([{"device": "cpu"}, {"engine": {"device": "cpu"}}]) == "gloo"
+    assert choose_backend([{"device": "cuda"}, {"engine": {"device": "cpu"}}]) == "gloo"
+    gpu = "nccl" if torch.cuda.is_available() else "gloo"
+    assert choose_backend([{"device": "cuda"}, {"engine": {"device": "cuda:1"}}]) == gpu
+    assert choose_backend([None]) == "gloo"  # a server that says nothing: CPU
+
+
+def test_weight_sync_does_not_import_the_client():
+    """No import cycle: the client imports weight_sync at module level; weight_sync takes its
+    errors from rollout/types.py, not from the client."""
+    code = ("import sys, lockstep.rollout.weight_sync; "
+            "assert 'lockstep.rollout.client' not in sys.modules, 'weight_sync imports client'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
