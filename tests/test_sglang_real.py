@@ -10,6 +10,8 @@ code) serves the whole module.
 - top_p 0.9 (sampling-mask replay) with n=4 samples per prompt: each request goes out as n
   single requests (SGLang answers n > 1 with the mask with HTTP 500).
 - weight_sync=tensor is refused before anything is sent (SGLang would unpickle the payload).
+- The differential wire suite (tests/sglang_wire.py) against `lockstep serve` over the
+  server's folder, which generates the table in docs/rollout.md.
 """
 
 import copy
@@ -28,6 +30,7 @@ from lockstep.rollout.weight_sync import choose_backend
 from lockstep.trainer.config import load_config
 from lockstep.trainer.loop import Trainer
 
+import sglang_wire
 from sglang_fixtures import alive, server_info, sglang_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -40,14 +43,28 @@ PROBE = [[1, 5, 7, 3, 9], [1, 12, 4], [1, 8, 8, 8, 2, 6, 11]]  # prompts the che
 
 
 @pytest.fixture(scope="module")
-def sgl(tmp_path_factory):
-    """(url, base config) of an fp32 SGLang server over a random toy model."""
+def toy_folder(tmp_path_factory) -> Path:
+    """An HF folder of a random toy model (not the trainer's initial weights: its first push
+    must land)."""
     cfg = load_config(TOY, SMALL[:-1])
-    torch.manual_seed(99)  # not the trainer's initial weights: its first push must land
-    root = tmp_path_factory.mktemp("sglang")
-    folder = save_hf(MoEModel(cfg.model), root / "hf")
-    with sglang_server(folder, "float32", root) as url:
+    torch.manual_seed(99)
+    return save_hf(MoEModel(cfg.model), tmp_path_factory.mktemp("toy") / "hf")
+
+
+@pytest.fixture(scope="module")
+def sgl(toy_folder, tmp_path_factory):
+    """The URL of an fp32 SGLang server over `toy_folder`."""
+    with sglang_server(toy_folder, "float32", tmp_path_factory.mktemp("sglang")) as url:
         yield url
+
+
+def test_wire_lockstep_serve_answers_like_sglang(sgl, toy_folder):
+    """First (the server still holds its folder's weights): the differential suite against
+    `lockstep serve` over the same folder."""
+    with sglang_wire.lockstep_serve(toy_folder) as ours:
+        theirs = sglang_wire.run(sgl, toy_folder)
+        mine = sglang_wire.run(ours, toy_folder)
+    sglang_wire.check_docs(theirs, mine)
 
 
 def _config(url: str, *extra: str):
