@@ -195,6 +195,8 @@ def _message(err: ValidationError) -> str:
     kind, v = e["type"], e.get("input")
     if kind in _KIND:
         return f"{where} {_KIND[kind]}, got {v!r}"
+    if kind == "missing":
+        return f"{where} is required (no default)"
     if kind == "float_overflow":
         return f"{where}={v!r} is too large for a float"
     if kind in ("literal_error", "enum"):
