@@ -118,8 +118,9 @@ def _check_args(args: argparse.Namespace) -> None:
         if not 0 < v < float("inf"):
             raise ServeError(f"--{name.replace('_', '-')} must be a positive number of seconds, "
                              f"got {v}")
-    if not args.weight_sync_timeout > 0:
-        raise ServeError(f"--weight-sync-timeout must be > 0, got {args.weight_sync_timeout}")
+    if not 0 < args.weight_sync_timeout < float("inf"):
+        raise ServeError(f"--weight-sync-timeout must be a positive number of seconds, got "
+                         f"{args.weight_sync_timeout}")
     if not 0 < args.max_request_mb <= 64 * 1024:
         raise ServeError(f"--max-request-mb must be in (0, 65536], got {args.max_request_mb}")
     if not 0 <= args.port <= 65535:

@@ -11,7 +11,8 @@ the server.
   oldest connection that is idle or still sending its body; when every connection is busy
   computing an answer, the new one is closed.
 - The event loop's "socket.accept() out of system resource" error (the fd limit reached by
-  something else) is logged once a minute with a count, not once per accept.
+  something else) and aiohttp's per-request error lines are logged once a minute with a
+  count, not once per accept or request.
 """
 
 from __future__ import annotations
@@ -109,9 +110,36 @@ class Runner(web.AppRunner):
         return server
 
 
+class _OncePerKind(logging.Filter):
+    """Pass a record of each kind (logger and message) once per `every_s`, with the count of
+    those held back since: aiohttp logs every malformed request with its traceback, so a
+    client sending bad requests in a loop would grow the log without bound."""
+
+    def __init__(self, every_s: float):
+        super().__init__()
+        self.every_s = every_s
+        self._seen: dict[tuple[str, str], list] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        last = self._seen.setdefault(key, [-self.every_s, 0])
+        if now - last[0] < self.every_s:
+            last[1] += 1
+            return False
+        if last[1]:
+            record.msg = f"{record.msg} ({last[1]} more like it in the last {self.every_s:g}s)"
+        last[0], last[1] = now, 0
+        return True
+
+
 def throttle_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 60.0) -> None:
     """Log the loop's accept-out-of-resources error once per `every_s` with a count (asyncio
-    logs it, with a traceback, on every accept it retries)."""
+    logs it, with a traceback, on every accept it retries); aiohttp's per-request error lines
+    ("Error handling request", a bad request line or header) likewise."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _OncePerKind) for f in server_log.filters):
+        server_log.addFilter(_OncePerKind(every_s))
     state = {"last": -every_s, "count": 0}
 
     def handler(loop, context) -> None:

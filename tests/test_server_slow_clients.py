@@ -87,3 +87,16 @@ def test_server_info_reports_connections(model):  # noqa: F811
     with ServerThread(Engine.from_model(model, ENGINE)) as srv:
         info = call(srv.url, "/server_info")[1]["connections"]
     assert info["cap"] <= 4096 and info["open"] >= 1, json.dumps(info)
+
+
+def test_bad_requests_in_a_loop_keep_the_log_small(model, caplog):  # noqa: F811
+    """Before: aiohttp logged every malformed request with its traceback (a client in a loop
+    grew the log without bound)."""
+    with ServerThread(Engine.from_model(model, ENGINE)) as srv:
+        for _ in range(10):
+            took, got = _closed_after(_open(srv.port, b"POST /generate HTTP/1.1\r\nHost: x\r\n"
+                                                      b"Content-Length: -5\r\n\r\n"), 10)
+            assert b" 400 " in got.split(b"\r\n")[0], got[:100]
+        assert call(srv.url, "/health", timeout=5)[0] == 200
+    lines = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert 1 <= len(lines) <= 2, [r.getMessage()[:80] for r in lines]
