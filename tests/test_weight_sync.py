@@ -338,8 +338,8 @@ def test_group_names_are_unique_and_a_failed_push_destroys_its_group(served):
 
 
 def test_trainer_that_fails_at_start_up_leaves_no_group(served, tmp_path):
-    """A run whose first push is refused (its model is not the server's) stops at start-up
-    and destroys its weight group there: a second run against the same server can join."""
+    """A run whose first push is refused (its model is not the server's), or that dies
+    right after joining, stops at start-up and destroys its weight group there."""
     from lockstep.rollout.weight_receiver import RECEIVER
     from lockstep.trainer.config import load_config
     from lockstep.trainer.loop import Trainer
@@ -350,6 +350,16 @@ def test_trainer_that_fails_at_start_up_leaves_no_group(served, tmp_path):
                        f"rollout.url={srv.url}", "rollout.weight_sync=distributed"])
     with pytest.raises(RolloutError, match=r"update_weights_from_distributed \(bucket 0\)"):
         Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+    assert not receiver.groups and not receiver.session
+
+    class Died(Exception):
+        pass
+
+    def die_once_joined(line: str) -> None:  # the run dies right after joining the group
+        if "joined" in line:
+            raise Died(line)
+    with pytest.raises(Died):
+        Trainer(cfg, tmp_path / "run2", progress=False, log=die_once_joined)
     assert not receiver.groups and not receiver.session
 
 

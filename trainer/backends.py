@@ -123,7 +123,11 @@ def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: 
                               weight_sync=ro.weight_sync, log=log,
                               bucket_bytes=cfg.cluster.weight_bucket_bytes)
         if folder is None:
-            backend.update_weights(model, weight_version)  # the server's weights are unknown
+            try:  # the server's weights are unknown
+                backend.update_weights(model, weight_version)
+            except BaseException:
+                backend.close()  # leave no weight group behind on the server
+                raise
         return backend
     engine_cfg = EngineConfig(
         dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,

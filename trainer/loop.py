@@ -116,6 +116,16 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool = False,
                  progress: bool = True, log: Callable[[str], None] = print):
+        self.rollout: RolloutBackend | None = None
+        try:
+            self._build(cfg, out_dir, resume, progress, log)
+        except BaseException:  # a failed start-up leaves no weight group on the servers
+            if self.rollout is not None:
+                self.rollout.close()
+            raise
+
+    def _build(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool,
+               progress: bool, log: Callable[[str], None]) -> None:
         check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
