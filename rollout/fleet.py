@@ -38,6 +38,8 @@ import importlib.util
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -59,6 +61,7 @@ from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 
 WORKER_ENV = worker_env(1)  # + OMP_WAIT_POLICY (kernels/threads.py)
+_START_GRACE_S = 30.0  # beyond the start-up timeout, for a Ray worker process to start
 _UNLOADED = "unloaded"  # version of a relaunched server before its first push (never served)
 
 
@@ -102,20 +105,24 @@ class ServerWorker:
 
 
 class SGLangWorker:
-    """A real SGLang server launched from a Ray actor (its GPUs are the actor's bundle). Needs
-    the `sglang` package in the workers' Python; refused with a clear message otherwise."""
+    """A real SGLang server launched from a Ray actor (its GPUs, or CPUs, are the actor's
+    bundle). Needs the `sglang` package in the configured interpreter (`options["python"]`);
+    refused with a clear message otherwise. `host`: "loopback" (127.0.0.1) or "node" (the Ray
+    node's IP)."""
 
     def __init__(self, options: dict[str, Any], model_path: str, weight_version: str,
-                 api_key: str | None, log_dir: str | None = None):
+                 api_key: str | None, log_dir: str | None = None, host: str = "node",
+                 startup_timeout_s: float = 900.0):
         import ray
 
         from lockstep.rollout.sglang import SGLangServer
-        require_sglang()
-        cfg = sglang_config(options, model_path, _node_ip(), _free_port(), weight_version, api_key)
+        require_sglang(options.get("python"), options.get("extra_env"))
+        cfg = sglang_config(options, model_path, "127.0.0.1" if host == "loopback" else
+                            _node_ip(), _free_port(), weight_version, api_key)
         self.node = ray.get_runtime_context().get_node_id()
         log = None if log_dir is None else os.path.join(log_dir, f"sglang-{cfg.port}.log")
-        self.server = SGLangServer(cfg, log_path=log).start(
-            float(options.get("startup_timeout_s", 900.0)))
+        self.server = SGLangServer(cfg, log_path=log, die_with_parent=True).start(
+            float(startup_timeout_s))
 
     def info(self) -> dict[str, Any]:
         return {"url": self.server.cfg.url, "pid": self.server.proc.pid, "node": self.node}
@@ -124,12 +131,25 @@ class SGLangWorker:
         self.server.stop()
 
 
-def require_sglang() -> None:
-    if importlib.util.find_spec("sglang") is None:
-        raise FleetError("rollout.backend=sglang needs SGLang installed in the Python the Ray "
-                         "workers run (a GPU machine: pip install 'lockstep[gpu]'); this one has "
-                         "no `sglang` package. On CPU use rollout.backend=serve (lockstep's own "
-                         "SGLang-wire servers) instead")
+def require_sglang(python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
+    """Refuse (one line, naming the interpreter) unless `python` (rollout.sglang.python; None =
+    this interpreter) runs and can import-find `sglang` with `extra_env` set."""
+    exe = python or sys.executable
+    which = (f"rollout.sglang.python={exe}" if python else
+             f"lockstep's own interpreter ({exe}; rollout.sglang.python is unset)")
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        rc = subprocess.run([exe, "-c", probe], env={**os.environ, **(extra_env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            timeout=120).returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise FleetError(f"rollout.backend=sglang: cannot run {which}: {e}") from None
+    if rc != 0:
+        raise FleetError(f"rollout.backend=sglang needs SGLang installed in the interpreter "
+                         f"that runs the servers: no `sglang` package in {which}; set "
+                         f"rollout.sglang.python to SGLang's venv (GPU: pip install "
+                         f"'lockstep[gpu]'; CPU tests: tests/sglang_cpu/install.sh), or use "
+                         f"rollout.backend=serve (lockstep's own SGLang-wire servers)")
 
 
 def sglang_config(options: dict[str, Any] | None, model_path: str, host: str, port: int,
@@ -138,7 +158,8 @@ def sglang_config(options: dict[str, Any] | None, model_path: str, host: str, po
     SGLangConfig fields: tp_size, ep_size, dtype, enable_fp32_lm_head, ...) plus what the fleet
     decides per server (model, host, port, weight version, key)."""
     from lockstep.rollout.sglang import SGLangConfig
-    opts = {k: v for k, v in (options or {}).items() if k != "startup_timeout_s"}
+    from lockstep.rollout.sglang_options import FLEET_KEYS
+    opts = {k: v for k, v in (options or {}).items() if k not in FLEET_KEYS}
     fixed = {"model_path": model_path, "host": host, "port": port, "api_key": api_key,
              "weight_version": weight_version}
     clash = sorted(k for k in ("model_path", "host", "port", "api_key") if k in opts)
@@ -248,6 +269,7 @@ class Fleet(RolloutBackend):
         self.log = log or (lambda s: None)
         self.colocate = colocate
         self._released: set[str] = set()  # memory tags released on the servers (colocate)
+        self._refusals: dict[str, str | None] = {}  # url -> why it takes no release/resume
         self.stats = FleetStats()
         self.placement: dict[tuple[str, int], int] = {}  # (rid, index) -> engine, last generate
         self._sync = None  # DistributedWeightSync over the engines in `_sync_urls`
@@ -309,17 +331,35 @@ class Fleet(RolloutBackend):
                cpus_per_engine: float = 1.0, startup_timeout_s: float = 900.0,
                log_dir: str | None = None, colocate_in: tuple[Any, list[int]] | None = None,
                **kw: Any) -> "Fleet":
-        """`num_engines` real SGLang servers, one Ray actor each with a `{GPU: tp_size}` bundle
-        (`options`: the `rollout.sglang` section, SGLangConfig fields). GPU machines only.
-        `colocate_in=(pg, bundles)`: in the actor group's bundles instead, with
-        `colocate.SERVER_SHARE` of a bundle's CPU and GPU each (tp_size 1)."""
+        """`num_engines` real SGLang servers, one Ray actor each with a `{GPU: tp_size}` bundle,
+        or `{CPU: tp_size}` with `options["device"] == "cpu"` (`options`: the `rollout.sglang`
+        section, SGLangConfig fields plus `bind` and `startup_timeout_s`, which bounds the
+        bundle wait and each server's start). `colocate_in=(pg, bundles)`: in the actor group's
+        bundles instead, with `colocate.SERVER_SHARE` of a bundle's CPU and GPU each (tp_size 1,
+        GPUs only)."""
         import ray
-        require_sglang()  # on the driver too: fail before reserving anything
         opts = dict(options or {})
+        startup_timeout_s = float(opts.pop("startup_timeout_s", startup_timeout_s))
+        bind = opts.pop("bind", "auto")
+        # on the driver too: fail before reserving anything
+        require_sglang(opts.get("python"), opts.get("extra_env"))
         sglang_config(opts, model_path, "127.0.0.1", 30000)  # options checked before launching
-        gpus = int(opts.get("tp_size", 1))
+        tp, cpu = int(opts.get("tp_size", 1)), opts.get("device", "cuda") == "cpu"
+        if cpu and (colocate_in is not None or kw.get("colocate")):
+            raise FleetError("colocated SGLang servers on CPU: SGLang's /release_memory_occupation "
+                             "calls torch.cuda.synchronize and kills a CPU server; use "
+                             "cluster.placement=disaggregated (or GPUs)")
         api_key = kw.pop("api_key", None) or secrets.token_hex(16)
         owns = _init_ray(address)
+        nodes = sum(1 for n in ray.nodes() if n["Alive"])
+        if bind == "loopback" and nodes > 1:
+            raise FleetError(f"rollout.sglang.bind=loopback: the servers listen on 127.0.0.1, "
+                             f"which the trainer reaches only on its own machine; this Ray "
+                             f"cluster has {nodes} nodes: use bind=node (or auto)")
+        host = "loopback" if bind == "loopback" or (bind == "auto" and nodes == 1) else "node"
+        gpus = 0 if cpu else tp
+        if cpu:
+            cpus_per_engine = max(cpus_per_engine, float(tp))
         if colocate_in is not None:
             if gpus != 1:
                 raise FleetError(f"colocated SGLang servers take one GPU each (the bundle of one "
@@ -327,15 +367,23 @@ class Fleet(RolloutBackend):
             pg, bundles = _shared_bundles(colocate_in, num_engines)
             cpus_per_engine, gpus = SERVER_SHARE, SERVER_SHARE
         else:
-            pg, bundles = _placement(num_engines, cpus_per_engine, gpus, startup_timeout_s,
-                                     "lockstep-sglang"), list(range(num_engines))
+            try:
+                pg = _placement(num_engines, cpus_per_engine, gpus, startup_timeout_s,
+                                "lockstep-sglang")
+            except FleetError as e:
+                if owns:
+                    ray.shutdown()
+                raise FleetError(f"SGLang servers: {e} (rollout.sglang.startup_timeout_s="
+                                 f"{startup_timeout_s:g})") from None
+            bundles = list(range(num_engines))
         remote = ray.remote(SGLangWorker)
 
         def launch(i: int, first: bool = False) -> tuple[Any, dict]:
             actor = remote.options(
                 num_cpus=cpus_per_engine, num_gpus=gpus, max_restarts=0,
                 scheduling_strategy=_in_bundle(pg, bundles[i])).remote(
-                opts, model_path, str(weight_version) if first else _UNLOADED, api_key, log_dir)
+                opts, model_path, str(weight_version) if first else _UNLOADED, api_key, log_dir,
+                host, startup_timeout_s)
             return actor, actor.info
 
         return _start(cls, num_engines, launch, pg, owns, model_cfg, weight_version, api_key,
@@ -689,8 +737,14 @@ class Fleet(RolloutBackend):
 
     def _broadcast(self, path: str, tags: list[str] | None) -> None:
         """POST to every live engine; one that does not answer is marked dead (it is
-        relaunched, with its memory in place, at the next push), other errors raise."""
+        relaunched, with its memory in place, at the next push), other errors raise. Refused,
+        before anything is sent, when an engine cannot take the call (SGLang on a CPU dies of
+        it: `memory_occupation.release_refusal`)."""
         live = [s for s in self.slots if s.state == "live"]
+        for s in live:
+            why = self._release_refusal(s)
+            if why is not None:
+                raise RolloutError(f"{s}: {path} refused: {why}")
 
         async def all_():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
@@ -702,6 +756,13 @@ class Fleet(RolloutBackend):
                 self._mark_dead(s, f"{path}: {got}")
             elif isinstance(got, BaseException):
                 raise RolloutError(f"{s}: {path}: {got}") from got
+
+    def _release_refusal(self, s: EngineSlot) -> str | None:
+        """`release_refusal` of engine `s`'s /server_info, asked once per server URL."""
+        from lockstep.rollout.memory_occupation import release_refusal
+        if s.url not in self._refusals:
+            self._refusals[s.url] = release_refusal(asyncio.run(s.client.get("/server_info")))
+        return self._refusals[s.url]
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -805,26 +866,39 @@ def _kill(actor) -> None:
 def _connect(slot: EngineSlot, launch, timeout_s: float, first: bool = False) -> None:
     """Start engine `slot.index`'s actor and wait for its URL and pid."""
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
     if slot.actor is not None:
         _kill(slot.actor)
     actor, info_fn = launch(slot.index, first) if first else launch(slot.index)
     slot.actor = actor
     try:
-        info = ray.get(info_fn.remote(), timeout=timeout_s)
+        info = ray.get(info_fn.remote(), timeout=timeout_s + _START_GRACE_S)
     except (RayActorError, RayTaskError) as e:
         raise FleetError(f"engine {slot.index} failed to start: {e}") from None
+    except GetTimeoutError:
+        raise FleetError(f"engine {slot.index} not up within the start-up timeout "
+                         f"({timeout_s:g}s)") from None
     slot.url, slot.pid, slot.node = info["url"], int(info["pid"]), str(info["node"])
 
 
 def _start(cls, n, launch, pg, owns, model_cfg, weight_version, api_key, timeout_s, kw, drop,
            owns_pg=True):
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
     slots = [EngineSlot(i) for i in range(n)]
     handles: list = []
     try:
         handles += [launch(i, True) for i in range(n)]
-        infos = ray.get([h[1].remote() for h in handles], timeout=timeout_s)
+        refs = [h[1].remote() for h in handles]
+        try:  # a worker's own wait (its server's /health) ends first and says more: a grace
+            infos = ray.get(refs, timeout=timeout_s + _START_GRACE_S)
+        except GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [i for i, r in enumerate(refs) if r not in ready]
+            raise FleetError(f"engines {late} of {n} not up within the start-up timeout "
+                             f"({timeout_s:g}s)") from None
+        except (RayActorError, RayTaskError) as e:
+            raise FleetError(f"an engine failed to start: {e}") from None
         for s, (actor, _), info in zip(slots, handles, infos):
             s.actor, s.url, s.pid, s.node = actor, info["url"], int(info["pid"]), str(info["node"])
             s.state = "live"

@@ -24,6 +24,18 @@ from .types import RequestError
 TAGS = ("weights", "kv_cache")
 
 
+def release_refusal(server_info: Any) -> str | None:
+    """Why a server must not be sent /release_memory_occupation or /resume_memory_occupation
+    (None: it may), from its `/server_info`. Real SGLang reports its `device` there (lockstep
+    serve does not: its CPU engine keeps the state only, above); SGLang 0.5.23 on a CPU
+    answers a release by calling torch.cuda.synchronize, which fails, and the server dies."""
+    if isinstance(server_info, dict) and server_info.get("device") == "cpu":
+        return ("SGLang on a CPU (device cpu) cannot release or resume memory: its "
+                "/release_memory_occupation calls torch.cuda.synchronize and the server dies; "
+                "the fleet does not send it (colocate SGLang servers only on GPUs)")
+    return None
+
+
 class MemoryOccupation:
     """Which memory tags the server has released (its routes and the check /generate runs)."""
 

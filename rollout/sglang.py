@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +24,12 @@ from ..kernels.dtypes import HF_PRECISIONS
 from ..moe.config import need as _need, strict_kwargs
 
 _DTYPES = ("auto", *HF_PRECISIONS)
+# What SGLang 0.5.23 needs to run on a CPU (its CPU platform, no CUDA graphs, an attention
+# backend without CUDA kernels); the KV cache is capped because SGLang otherwise sizes it from
+# the machine's free RAM (mem_fraction_static of it).
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+CPU_MAX_TOTAL_TOKENS = 8192
 
 
 class SGLangError(RuntimeError):
@@ -57,11 +65,19 @@ class SGLangConfig:
     random_seed: int | None = None
     """Server-wide seed."""
     api_key: str | None = None
-    """Require `Authorization: Bearer <key>`."""
+    """Require `Authorization: Bearer <key>`. Never on the command line: `SGLangServer` hands
+    it to SGLang in a private `--config` file (mode 0600) removed once the server is up."""
     weight_version: str | None = None
     """Initial weight version reported in every response (SGLang default "default")."""
+    device: str = "cuda"
+    """cuda, or cpu: SGLang's CPU engine (`CPU_FLAGS`, `CPU_ENV`; tests and small models)."""
+    max_total_tokens: int | None = None
+    """--max-total-tokens: KV-cache size in tokens; None = SGLang's choice on cuda,
+    CPU_MAX_TOTAL_TOKENS on cpu."""
     extra_args: list[str] = field(default_factory=list)
     """Appended verbatim to the command line."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for the server process (over the inherited ones)."""
     python: str = sys.executable
     """Interpreter that has sglang installed."""
 
@@ -87,6 +103,13 @@ class SGLangConfig:
                  f"{name} must be a positive integer or None, got {v!r}")
         need(isinstance(self.extra_args, list) and all(isinstance(a, str) for a in self.extra_args),
              f"extra_args must be a list of strings, got {self.extra_args!r}")
+        need(self.device in ("cuda", "cpu"), f"device must be cuda or cpu, got {self.device!r}")
+        need(self.max_total_tokens is None or (isinstance(self.max_total_tokens, int)
+                                               and self.max_total_tokens > 0),
+             f"max_total_tokens must be a positive integer or None, got {self.max_total_tokens!r}")
+        need(isinstance(self.extra_env, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.extra_env.items()),
+             f"extra_env must map names to strings, got {self.extra_env!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SGLangConfig":
@@ -101,12 +124,13 @@ class SGLangConfig:
         """Environment for the server: SGLang must report log-probs AFTER temperature (its
         default), the quantity lockstep's engine reports and the trainer recomputes; the
         variable below would switch it to pre-temperature log-probs, so we pin it off."""
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env, **(CPU_ENV if self.device == "cpu" else {})}
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         return env
 
-    def command(self) -> list[str]:
-        """The argv that launches the server."""
+    def command(self, config_file: str | None = None) -> list[str]:
+        """The argv that launches the server; `config_file`: the YAML file holding the API key
+        (`SGLangServer` writes it), passed as `--config`. The key itself is never in argv."""
         argv = [self.python, "-m", "sglang.launch_server",
                 "--model-path", self.model_path,
                 "--host", self.host, "--port", str(self.port),
@@ -118,8 +142,10 @@ class SGLangConfig:
                ("--context-length", self.context_length),
                ("--sampling-mask-max-tokens", self.sampling_mask_max_tokens),
                ("--random-seed", self.random_seed),
-               ("--api-key", self.api_key),
-               ("--weight-version", self.weight_version)]
+               ("--weight-version", self.weight_version),
+               ("--max-total-tokens", self.max_total_tokens or (
+                   CPU_MAX_TOTAL_TOKENS if self.device == "cpu" else None)),
+               ("--config", config_file)]
         for flag, v in opt:
             if v is not None:
                 argv += [flag, str(v)]
@@ -127,15 +153,28 @@ class SGLangConfig:
             argv.append("--enable-fp32-lm-head")
         if self.enable_deterministic_inference:
             argv.append("--enable-deterministic-inference")
+        if self.device == "cpu":
+            argv += CPU_FLAGS
         return argv + list(self.extra_args)
 
 
-class SGLangServer:
-    """A running SGLang process: `with SGLangServer(cfg) as srv: srv.update_weights(dir)`."""
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the thread that spawned it dies (Linux)."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-    def __init__(self, cfg: SGLangConfig, log_path: str | None = None):
+
+class SGLangServer:
+    """A running SGLang process: `with SGLangServer(cfg) as srv: srv.update_weights(dir)`.
+    `die_with_parent`: the server gets SIGKILL when the thread that started it dies (the
+    fleet's Ray actors: a killed actor must not leave its server running; SGLang's own
+    children already die with the server). Linux only."""
+
+    def __init__(self, cfg: SGLangConfig, log_path: str | None = None,
+                 die_with_parent: bool = False):
         self.cfg = cfg
         self.log_path = log_path
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
 
     def _headers(self) -> dict[str, str]:
@@ -157,11 +196,36 @@ class SGLangServer:
             return e.code, e.read().decode(errors="replace")
 
     def start(self, timeout_s: float = 900.0) -> "SGLangServer":
-        """Spawn the server (own process group) and block until `/health` answers 200."""
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cfg.command(), stdout=out, stderr=subprocess.STDOUT,
-                                     env=self.cfg.env(), start_new_session=True)
-        self.wait_healthy(timeout_s)
+        """Spawn the server (own process group) and block until `/health` answers 200. The
+        API key goes in a private YAML file (`--config`, SGLang reads it at start-up), removed
+        once the server is up or has failed: it is not in `ps` or in the environment. SGLang
+        still logs it among its `server_args` (the log file is created mode 0600)."""
+        key_dir = config = None
+        if self.cfg.api_key:
+            key_dir = tempfile.mkdtemp(prefix="lockstep-sglang-")  # mode 0700
+            config = os.path.join(key_dir, "api_key.yaml")
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"api-key: {json.dumps(self.cfg.api_key)}\n")  # JSON string = YAML
+        if self.log_path:
+            out = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                    0o600), "ab")
+        else:
+            out = subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                self.cfg.command(config), stdout=out, stderr=subprocess.STDOUT,
+                env=self.cfg.env(), start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent else None)
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop(grace_s=5.0)
+            raise
+        finally:
+            if key_dir is not None:
+                shutil.rmtree(key_dir, ignore_errors=True)
+            if out is not subprocess.DEVNULL:
+                out.close()
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -178,7 +242,9 @@ class SGLangServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1.0)
-        raise SGLangError(f"SGLang at {self.cfg.url} not healthy after {timeout_s:.0f}s")
+        raise SGLangError(f"SGLang at {self.cfg.url} not healthy within {timeout_s:g}s "
+                          f"(start-up timeout); log {self.log_path or '(not kept)'} ends:\n"
+                          f"{self._log_tail()}")
 
     def _log_tail(self, n_chars: int = 2000) -> str:
         if not self.log_path or not os.path.exists(self.log_path):

@@ -12,7 +12,8 @@ launched, mapped onto `lockstep.rollout.sglang.SGLangConfig` (whose `command()` 
         deterministic_inference: false
 
 `--skip-tokenizer-init` and `--enable-return-routed-experts` are always passed (lockstep sends
-token ids and needs the routes of every token); the server's seed is `loop.seed`. Nothing here
+token ids and needs the routes of every token); the server's seed is `loop.seed`; with
+`cluster.device: cpu` the servers run SGLang's CPU engine (`sglang.CPU_FLAGS`). Nothing here
 imports SGLang: `sglang_server_config(cfg, i, ...)` is what the fleet launches and what
 `lockstep plan` prints.
 """
@@ -20,7 +21,7 @@ imports SGLang: `sglang_server_config(cfg, i, ...)` is what the fleet launches a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from lockstep.kernels.dtypes import hf_name
 from lockstep.moe.config import need as _need
@@ -52,12 +53,24 @@ class SGLangOptions:
     sampling_mask_max_tokens: int | None = None
     """--sampling-mask-max-tokens: largest kept candidate set returned for sampling-mask replay
     (SGLang's default 4096); truncated sampling needs rollout.top_k at most this."""
+    max_total_tokens: int | None = None
+    """--max-total-tokens: KV-cache size in tokens per server; None = SGLang's own sizing on
+    GPUs, 8192 with cluster.device=cpu (SGLang would take a share of the machine's free RAM)."""
     startup_timeout_s: float = 900.0
-    """Seconds a server may take to load the model and answer /health."""
+    """Seconds the fleet waits for its servers: for their placement-group bundles, and for
+    each server to load the model and answer /health (also a relaunched one)."""
+    bind: Literal["auto", "loopback", "node"] = "auto"
+    """Address the servers listen on: loopback = 127.0.0.1 (only this machine reaches them;
+    needs a one-node Ray cluster), node = the Ray node's IP; auto = loopback when the Ray
+    cluster has one node, else node."""
     python: str | None = None
-    """Interpreter that has sglang installed; None = the one running lockstep."""
+    """Interpreter that has sglang installed (checked before launching); None = the one
+    running lockstep."""
     extra_args: list[str] = field(default_factory=list)
     """Appended verbatim to every server's command line (e.g. ["--cuda-graph-max-bs", "256"])."""
+    extra_env: list[str] = field(default_factory=list)
+    """`NAME=VALUE` entries: environment variables set for every server process over the
+    inherited ones (e.g. PYTHONPATH for packages SGLang's venv lacks, SGLANG_* switches)."""
 
     def __post_init__(self) -> None:
         p = "rollout.sglang."
@@ -70,13 +83,18 @@ class SGLangOptions:
                "expert parallelism inside the tensor-parallel GPUs)")
         _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                f"{p}mem_fraction_static={self.mem_fraction_static!r} must be in (0, 1)")
-        for name in ("context_length", "sampling_mask_max_tokens"):
+        for name in ("context_length", "sampling_mask_max_tokens", "max_total_tokens"):
             v = getattr(self, name)
             _check(v is None or v >= 1, f"{p}{name}={v!r} must be a positive integer or null")
         _check(self.startup_timeout_s > 0,
                f"{p}startup_timeout_s={self.startup_timeout_s} must be > 0")
         _check(self.python is None or bool(self.python.strip()),
                f"{p}python must be an interpreter path or null, got {self.python!r}")
+        _check(self.bind in ("auto", "loopback", "node"),
+               f"{p}bind={self.bind!r} must be auto, loopback or node")
+        bad = [e for e in self.extra_env if not (isinstance(e, str) and e.partition("=")[0]
+                                                   and "=" in e)]
+        _check(not bad, f"{p}extra_env entries must be NAME=VALUE, got {bad}")
         bad = [a for a in self.extra_args if a in _OWN_FLAGS]
         _check(not bad, f"{p}extra_args {bad}: set by lockstep from the config "
                         f"({', '.join(_OWN_FLAGS[a] for a in bad)}); drop them")
@@ -90,13 +108,28 @@ _OWN_FLAGS = {"--model-path": "model.path", "--tp-size": "rollout.sglang.tp_size
               "--mem-fraction-static": "rollout.sglang.mem_fraction_static",
               "--random-seed": "loop.seed",
               "--enable-fp32-lm-head": "rollout.lm_head_dtype: fp32",
-              "--enable-deterministic-inference": "rollout.sglang.deterministic_inference"}
+              "--enable-deterministic-inference": "rollout.sglang.deterministic_inference",
+              "--device": "cluster.device", "--max-total-tokens": "rollout.sglang.max_total_tokens",
+              "--api-key": "the fleet (a fresh key per run)",
+              "--config": "the fleet (the file that carries the API key)"}
+
+# rollout.sglang keys the fleet uses itself (not SGLangConfig fields)
+FLEET_KEYS = ("startup_timeout_s", "bind")
+
+
+def sglang_device(cluster_device: str) -> str:
+    """The SGLang device of `cluster.device`: cpu, or cuda (auto = cuda when this machine
+    sees a GPU)."""
+    if cluster_device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cluster_device
 
 
 def sglang_options_dict(cfg: Any) -> dict[str, Any]:
     """`rollout.sglang` of the experiment `cfg` as `SGLangConfig` keyword arguments, without
-    what is chosen per server (model_path, host, port, api_key, weight_version), plus
-    `startup_timeout_s`: the options every server of the fleet is launched with."""
+    what is chosen per server (model_path, host, port, api_key, weight_version), plus the
+    fleet's own `FLEET_KEYS`: the options every server of the fleet is launched with."""
     ro, sg = cfg.rollout, cfg.rollout.sglang
     _check(ro.lm_head_dtype in (None, "fp32", ro.dtype),
            f"rollout.lm_head_dtype={ro.lm_head_dtype!r}: SGLang computes the LM head in "
@@ -107,7 +140,9 @@ def sglang_options_dict(cfg: Any) -> dict[str, Any]:
         enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
         enable_deterministic_inference=sg.deterministic_inference,
         sampling_mask_max_tokens=sg.sampling_mask_max_tokens, random_seed=cfg.loop.seed,
-        extra_args=list(sg.extra_args), startup_timeout_s=sg.startup_timeout_s)
+        device=sglang_device(cfg.cluster.device), max_total_tokens=sg.max_total_tokens,
+        extra_args=list(sg.extra_args), extra_env=dict(e.split("=", 1) for e in sg.extra_env),
+        startup_timeout_s=sg.startup_timeout_s, bind=sg.bind)
     if sg.python is not None:
         d["python"] = sg.python
     return d
@@ -124,7 +159,8 @@ def sglang_server_config(cfg: Any, local_index: int = 0, *, host: str = "127.0.0
     _check(bool(path), "rollout.sglang: SGLang loads the policy from an HF folder; set "
                        "model.path (the fleet pushes lockstep's weights after the launch)")
     d = sglang_options_dict(cfg)
-    d.pop("startup_timeout_s")
+    for k in FLEET_KEYS:
+        d.pop(k)
     return SGLangConfig(model_path=str(path), host=host,
                         port=30000 + local_index if port is None else port,
                         api_key=api_key, weight_version=weight_version, **d)

@@ -5,6 +5,7 @@ exactly once; and the SGLang fleet's launch arguments (SGLang itself is GPU-only
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.config import ExperimentConfigError, load_config
 
 from model_fixtures import tiny_config
+from sglang_fixtures import PYTHON as SGLANG_PYTHON
 
 ENGINE = EngineConfig(dtype="fp32", max_running=16, max_len=48)
 
@@ -127,8 +129,9 @@ def test_config_fleet_backends():
 
 def test_sglang_fleet_arguments():
     from lockstep.rollout.sglang_options import sglang_options_dict
-    cfg = load_config(None, ["rollout.backend=sglang", "rollout.sglang.tp_size=4",
-                             "rollout.sglang.ep_size=2", "rollout.lm_head_dtype=fp32",
+    cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cuda",
+                             "rollout.sglang.tp_size=4", "rollout.sglang.ep_size=2",
+                             "rollout.lm_head_dtype=fp32",
                              "rollout.sglang.deterministic_inference=true"])
     sc = sglang_config(sglang_options_dict(cfg), "/ckpt/hf", "10.1.2.3", 31234, "7", "k")
     argv = sc.command()
@@ -141,14 +144,60 @@ def test_sglang_fleet_arguments():
         assert flag in argv
     with pytest.raises(ValueError, match="rollout.sglang.port"):
         sglang_config({"port": 1}, "/ckpt/hf", "h", 2)
+    assert "--api-key" not in argv and "k" not in argv  # the key goes in a --config file
+    assert "--device" not in argv and "SGLANG_USE_CPU_ENGINE" not in sc.env()
+
+
+def test_sglang_fleet_arguments_on_cpu():
+    from lockstep.rollout.sglang_options import sglang_options_dict
+    cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cpu",
+                             "rollout.sglang.extra_env=[PYTHONPATH=/shims, SGL_X=a=b]",
+                             "rollout.sglang.startup_timeout_s=30", "rollout.sglang.bind=node"])
+    opts = sglang_options_dict(cfg)
+    assert opts["device"] == "cpu" and opts["bind"] == "node"
+    assert opts["startup_timeout_s"] == 30.0
+    sc = sglang_config(opts, "/ckpt/hf", "127.0.0.1", 31234)
+    argv = sc.command()
+    for flag, value in (("--device", "cpu"), ("--attention-backend", "torch_native"),
+                        ("--max-total-tokens", "8192")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "--disable-cuda-graph" in argv
+    env = sc.env()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"] == "/shims"
+    assert env["SGL_X"] == "a=b"
+    for bad, msg in (("rollout.sglang.extra_env=[PYTHONPATH]", "entries must be NAME=VALUE"),
+                     ("rollout.sglang.bind=lo", "bind"),
+                     ("rollout.sglang.extra_args=[--device, cuda]", "cluster.device"),
+                     ("rollout.sglang.extra_args=[--api-key, x]", "a fresh key per run")):
+        with pytest.raises(ExperimentConfigError, match=msg):
+            load_config(None, ["rollout.backend=sglang", bad])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
-def test_sglang_backend_without_sglang_is_refused_clearly(model):
-    with pytest.raises(FleetError, match="needs SGLang installed"):
+def test_sglang_backend_without_sglang_is_refused_clearly(model, tmp_path):
+    with pytest.raises(FleetError, match="needs SGLang installed") as e:
         require_sglang()
+    assert f"lockstep's own interpreter ({sys.executable}" in str(e.value)
     with pytest.raises(FleetError, match="rollout.backend=serve"):
         Fleet.sglang({}, "/ckpt/hf", 2, model.cfg)  # before Ray or any bundle is touched
+    # the configured interpreter is the one checked, and named
+    with pytest.raises(FleetError, match=f"no `sglang` package in rollout.sglang.python="
+                                         f"{sys.executable}"):
+        Fleet.sglang({"python": sys.executable}, "/ckpt/hf", 2, model.cfg)
+    with pytest.raises(FleetError, match=f"cannot run rollout.sglang.python={tmp_path}/nopy"):
+        require_sglang(str(tmp_path / "nopy"))
+    # extra_env reaches the probe: a PYTHONPATH holding an `sglang` package satisfies it
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    require_sglang(sys.executable, {"PYTHONPATH": str(tmp_path)})
+
+
+def test_require_sglang_checks_the_configured_interpreter():
+    """lockstep's venv has no sglang; SGLang's own venv (tests/sglang_cpu/install.sh) has."""
+    if not SGLANG_PYTHON.exists():
+        pytest.skip(f"real SGLang venv not found at {SGLANG_PYTHON}; run "
+                    f"tests/sglang_cpu/install.sh")
+    require_sglang(str(SGLANG_PYTHON))  # accepted: the configured interpreter has it
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,

@@ -29,17 +29,35 @@ def test_command_optional_flags_and_extra_args():
         context_length=4096, sampling_mask_max_tokens=512, random_seed=3, api_key="k",
         weight_version="v7", enable_fp32_lm_head=True, enable_deterministic_inference=True,
         extra_args=["--attention-backend", "triton"], python="/opt/py"))
-    argv = cfg.command()
+    argv = cfg.command("/tmp/key.yaml")
     assert argv[:3] == ["/opt/py", "-m", "sglang.launch_server"]
     pairs = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")
              and not argv[i + 1].startswith("--")}
     assert pairs["--dtype"] == "float16" and pairs["--mem-fraction-static"] == "0.7"
     assert pairs["--context-length"] == "4096" and pairs["--sampling-mask-max-tokens"] == "512"
-    assert pairs["--random-seed"] == "3" and pairs["--api-key"] == "k"
+    assert pairs["--random-seed"] == "3"
+    assert "--api-key" not in argv and "k" not in argv  # never on the command line (`ps`)
+    assert pairs["--config"] == "/tmp/key.yaml" and "--device" not in argv
     assert pairs["--weight-version"] == "v7" and pairs["--host"] == "0.0.0.0"
     assert "--enable-fp32-lm-head" in argv and "--enable-deterministic-inference" in argv
     assert argv[-2:] == ["--attention-backend", "triton"]
     assert cfg.url == "http://127.0.0.1:30000"  # a wildcard bind is reached on loopback
+
+
+def test_cpu_device_flags_and_env():
+    cfg = SGLangConfig(model_path="m", device="cpu", extra_env={"PYTHONPATH": "/shims", "A": "1"})
+    argv = cfg.command()
+    i = argv.index("--device")
+    assert argv[i:i + 5] == ["--device", "cpu", "--attention-backend", "torch_native",
+                             "--disable-cuda-graph"]
+    assert argv[argv.index("--max-total-tokens") + 1] == "8192"  # not a share of free RAM
+    env = cfg.env()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"] == "/shims"
+    assert env["A"] == "1" and env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
+    gpu = SGLangConfig(model_path="m", max_total_tokens=100)
+    assert "--device" not in gpu.command() and "SGLANG_USE_CPU_ENGINE" not in gpu.env()
+    assert gpu.command()[gpu.command().index("--max-total-tokens") + 1] == "100"
+    assert "--max-total-tokens" not in SGLangConfig(model_path="m").command()
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -48,6 +66,8 @@ def test_command_optional_flags_and_extra_args():
     (dict(port=0), "port"),
     (dict(mem_fraction_static=1.5), "mem_fraction_static"),
     (dict(extra_args="--foo"), "extra_args"),
+    (dict(device="tpu"), "device must be cuda or cpu"),
+    (dict(extra_env={"A": 1}), "extra_env must map names to strings"),
 ])
 def test_config_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):

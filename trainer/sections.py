@@ -461,6 +461,10 @@ class ExperimentConfig(Section):
                     d["cluster"].pop(k)
         if self.rollout.sglang == SGLangOptions():
             d["rollout"].pop("sglang")
+        else:  # rollout.sglang keys added later, at their defaults: as before they existed
+            for k in ("max_total_tokens", "bind", "extra_env"):
+                if d["rollout"]["sglang"][k] == getattr(SGLangOptions(), k):
+                    d["rollout"]["sglang"].pop(k)
         for k in ("weight_sync", *_FLEET_KEYS):  # at defaults: saved as before they existed
             if d["rollout"][k] == RolloutConfig.model_fields[k].default:
                 d["rollout"].pop(k)
