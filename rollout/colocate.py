@@ -33,6 +33,11 @@ def engine_bundles(ranks: int, engines: int) -> list[int]:
 
 def colocation_refusal(cfg: Any) -> str | None:
     """Why `cfg`'s colocated layout cannot be trained (None: it can, or it is not colocated)."""
+    if cfg.cluster.placement == "colocated" and cfg.rollout.backend == "http":
+        return ("cluster.placement=colocated puts each rollout server into an actor rank's "
+                "placement-group bundle, but rollout.backend=http: servers given by rollout.url "
+                "/ rollout.urls were not launched by lockstep and have no placement-group bundle "
+                "to share; use cluster.placement=disaggregated (or rollout.backend=serve | sglang)")
     if not colocates_fleet(cfg):
         return None
     c, ro = cfg.cluster, cfg.rollout

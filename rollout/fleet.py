@@ -940,6 +940,8 @@ def make_fleet(cfg: Any, model: MoEModel | Path, weight_version: str, engine_cfg
     from lockstep.trainer.config import rollout_api_key
     ro = cfg.rollout
     shared = None
+    if cfg.cluster.placement == "colocated" and ro.backend == "http":
+        raise ValueError(colocation_refusal(cfg))  # servers given by URL: no bundles
     if colocates_fleet(cfg):
         why = colocation_refusal(cfg)
         if why is None and actor_pg is None:

@@ -275,6 +275,21 @@ def test_sglang_router_drops_the_route_fields(tmp_path):
         loop.call_soon_threadsafe(loop.stop)
 
 
+@pytest.mark.parametrize("urls", ["rollout.urls=[http://a:1, http://b:2]", "rollout.url=http://a:1"])
+def test_colocated_placement_refused_for_servers_given_by_url(urls, tmp_path):
+    """Servers given by URL were not launched by lockstep: no bundle to share with a rank."""
+    from lockstep.launch.plan import PlanError, check_devices
+    from lockstep.rollout.fleet import make_fleet
+    cfg = load_config(None, ["rollout.backend=http", urls, "cluster.placement=colocated",
+                             "cluster.actor_ranks=2", "rollout.num_engines=2"])
+    with pytest.raises(PlanError, match="rollout.backend=http: servers given by rollout.url"):
+        check_devices(cfg)  # `lockstep train`, before the run directory
+    if "urls" in urls:  # the fleet (Trainer) refuses too, before any request
+        with pytest.raises(ValueError, match="have no placement-group bundle to share"):
+            make_fleet(cfg, MoEModel(cfg.model), "0", ENGINE, tmp_path)
+    check_devices(load_config(None, ["rollout.backend=http", urls, "cluster.actor_ranks=2"]))
+
+
 def test_colocated_fleet_releases_memory_between_phases(model, servers, tmp_path):
     """With `colocate`, the servers hold no memory while the actor trains (SGLang's
     /release_memory_occupation after generating, /resume_memory_occupation before the push
