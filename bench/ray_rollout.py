@@ -1,9 +1,9 @@
-"""Ray rollout benchmark: RayBackend with N engine workers vs the in-process engine, measured in
+"""Ray rollout benchmark: `Fleet.ray` (rollout.backend: ray) with N engines vs the in-process engine, measured in
 the same run on the same seeded requests with ignore_eos (the same token count; at fp32 the same
 samples too: bf16 CPU numerics depend on the batch, and each engine sees a part of it).
 
-(a) generation wall time of one RL batch: in-process engine / RayBackend(N) (speed-up);
-(b) weight push: RayBackend.update_weights (cast, one ray.put per bucket, N loads) / in-process
+(a) generation wall time of one RL batch: in-process engine / Fleet.ray(N) (speed-up);
+(b) weight push: Fleet.ray's update_weights (cast, one ray.put per bucket, N loads) / in-process
     Engine.update_weights (a state-dict copy);
 (c) fault: generate with engine 1 killed -9 as the call starts (its share runs again on the
     live engines; the call returns once a replacement is up) / generate without a fault.
@@ -23,7 +23,8 @@ import time
 import ray
 import torch
 
-from lockstep.rollout.ray_backend import WORKER_ENV, RayBackend
+from lockstep.kernels.threads import worker_env
+from lockstep.rollout.fleet import Fleet
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import LocalBackend
@@ -63,10 +64,10 @@ def main() -> None:
 
     t = time.perf_counter()
     ray.init(address="local", num_cpus=args.engines, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": WORKER_ENV})
+             runtime_env={"env_vars": worker_env(1)})
     t_init = time.perf_counter() - t
     t = time.perf_counter()
-    remote = RayBackend.from_model(model, ecfg, args.engines)
+    remote = Fleet.ray(model, ecfg, args.engines)
     t_workers = time.perf_counter() - t
     local = LocalBackend(Engine.from_model(model, ecfg))
     try:
@@ -76,7 +77,7 @@ def main() -> None:
         gen_ray = median_seconds(lambda: remote.generate(reqs()), args.repeats)
         push_local = median_seconds(lambda: local.update_weights(model), args.repeats)
         push_ray = median_seconds(lambda: remote.update_weights(model), args.repeats)
-        victim = remote.infos[1].pid
+        victim = remote.slots[1].pid
         t = time.perf_counter()
         os.kill(victim, signal.SIGKILL)
         same_after_kill = [r.output_ids for r in remote.generate(reqs())] == \
@@ -100,7 +101,7 @@ def main() -> None:
     print(f"(b) weight push: in-process {push_local * 1e3:.1f} ms, ray {push_ray * 1e3:.1f} ms: "
           f"x{push_ray / push_local:.1f} the in-process copy")
     print(f"(c) fault: generate with engine 1 killed -9 {gen_fault:.2f} s (restarts "
-          f"{[i.restarts for i in remote.infos]}, same samples: {same_after_kill}) = "
+          f"{[i.restarts for i in remote.slots]}, same samples: {same_after_kill}) = "
           f"x{gen_fault / gen_ray:.1f} a generate without a fault; after it {gen_after:.3f} s")
 
 

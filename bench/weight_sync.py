@@ -4,7 +4,7 @@ same run, as ratios against the disk path (docs/rollout.md, "Weight sync"):
   disk          HF folder written bucket by bucket + /update_weights_from_disk on both servers
   collective    DistributedWeightSync: /update_weights_from_distributed + one gloo broadcast
                 per bucket to both servers (nothing written)
-  object_store  RayBackend.update_weights: each bucket cast and ray.put once, both Ray engine workers
+  object_store  Fleet.ray's update_weights: each bucket cast and ray.put once, both Ray engine workers
                 load from the object store (nothing written)
 
 Servers are `lockstep serve` processes (bf16 engines) over the same folder; the trainer pushes
@@ -167,14 +167,14 @@ def object_store(model: MoEModel, args, buckets) -> tuple[tuple[float, int, int]
     import ray
 
     from lockstep.rollout.engine import EngineConfig
-    from lockstep.rollout.ray_backend import WORKER_ENV, RayBackend
+    from lockstep.kernels.threads import worker_env
+    from lockstep.rollout.fleet import Fleet
 
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=args.engines, include_dashboard=False,
-             runtime_env={"env_vars": WORKER_ENV})
+             runtime_env={"env_vars": worker_env(1)})
     try:
-        backend = RayBackend.from_model(model, EngineConfig(dtype="bf16", max_len=64),
-                                        args.engines)
+        backend = Fleet.ray(model, EngineConfig(dtype="bf16", max_len=64), args.engines)
         start = time.perf_counter() - t0
         version = iter(range(1, 1 << 30))
         nbytes = sum(t.numel() * t.element_size() for t in hf_state_dict(model).values())

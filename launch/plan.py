@@ -27,8 +27,8 @@ from lockstep.launch.plan_estimate import (GiB, Estimates, _stage_chunks,  # noq
                                           count_params)
 from lockstep.launch.plan_placement import Placement, _colocated_note, gpus_needed
 from lockstep.launch.plan_render import render
-from lockstep.rollout.colocate import colocation_refusal
 from lockstep.trainer.config import ExperimentConfig, ExperimentConfigError, load_config
+from lockstep.trainer.backends import colocation_refusal
 
 # the TransformerConfig arguments (trainer/megatron/layout.megatron_args) the plan prints
 _PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",

@@ -8,9 +8,9 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from lockstep.rollout.colocate import (RANK_SHARE, SERVER_SHARE, colocates_fleet,
-                                       colocation_refusal, engine_bundles)
+from lockstep.rollout.colocate import RANK_SHARE, SERVER_SHARE, engine_bundles
 from lockstep.trainer.config import ExperimentConfig
+from lockstep.trainer.backends import colocates_fleet, colocation_refusal
 
 
 class Placement:

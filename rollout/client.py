@@ -472,6 +472,11 @@ class HTTPBackend(RolloutBackend):
     def counters(self) -> dict[str, float]:
         return {"rollout/aborted_resent": float(self.aborted_resent)}
 
+    def expect_version(self, version: str) -> None:
+        """Results must carry `version` from now on: the server was brought to it by someone
+        else (a fleet's push to a group of servers, or the weights it started with)."""
+        self.weight_version = self._pushed_version = str(version)
+
     def close(self) -> None:
         """Leave the weight-update group (the server destroys its side)."""
         if self._sync is not None:

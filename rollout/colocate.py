@@ -14,16 +14,14 @@ push and the next rollout (`Fleet(colocate=True)`).
 
 from __future__ import annotations
 
-from typing import Any
-
 SERVER_SHARE = 0.2  # of the bundle's CPU and GPU, for the server actor
 RANK_SHARE = 1.0 - SERVER_SHARE  # for the actor rank in the same bundle
 
 
-def colocates_fleet(cfg: Any) -> bool:
-    """Whether the run puts a fleet of servers (serve / sglang) into the actor's bundles."""
-    return (getattr(cfg.cluster, "placement", "disaggregated") == "colocated"
-            and cfg.rollout.backend in ("serve", "sglang"))
+def colocates(placement: str, backend: str) -> bool:
+    """Whether a run with `cluster.placement` and `rollout.backend` puts a fleet of servers
+    (serve / sglang) into the actor's bundles."""
+    return placement == "colocated" and backend in ("serve", "sglang")
 
 
 def engine_bundles(ranks: int, engines: int) -> list[int]:
@@ -31,17 +29,17 @@ def engine_bundles(ranks: int, engines: int) -> list[int]:
     return [i * ranks // engines for i in range(engines)]
 
 
-def colocation_refusal(cfg: Any) -> str | None:
-    """Why `cfg`'s colocated layout cannot be trained (None: it can, or it is not colocated)."""
-    if cfg.cluster.placement == "colocated" and cfg.rollout.backend == "http":
+def refusal(placement: str, backend: str, actor_ranks: int, num_engines: int,
+            sglang_tp_size: int, device: str) -> str | None:
+    """Why a colocated layout cannot be trained (None: it can, or it is not colocated)."""
+    if placement == "colocated" and backend == "http":
         return ("cluster.placement=colocated puts each rollout server into an actor rank's "
                 "placement-group bundle, but rollout.backend=http: servers given by rollout.url "
                 "/ rollout.urls were not launched by lockstep and have no placement-group bundle "
                 "to share; use cluster.placement=disaggregated (or rollout.backend=serve | sglang)")
-    if not colocates_fleet(cfg):
+    if not colocates(placement, backend):
         return None
-    c, ro = cfg.cluster, cfg.rollout
-    R, M = c.actor_ranks, ro.num_engines
+    R, M = actor_ranks, num_engines
     why = "cluster.placement=colocated puts each rollout server into an actor rank's " \
           "placement-group bundle"
     if R == 1:
@@ -51,14 +49,14 @@ def colocation_refusal(cfg: Any) -> str | None:
     if R < M:
         return (f"{why} (one server per bundle), so it needs cluster.actor_ranks ({R}) >= "
                 f"rollout.num_engines ({M})")
-    if ro.backend == "sglang":
-        tp = ro.sglang.tp_size
+    if backend == "sglang":
+        tp = sglang_tp_size
         if tp > 1:
             return (f"{why}; a Ray actor holds resources of one bundle only, so an SGLang server "
                     f"with rollout.sglang.tp_size={tp} cannot take the GPUs of {tp} ranks' "
                     f"bundles (not done: launching it outside Ray's CUDA_VISIBLE_DEVICES); "
                     f"colocated training takes tp_size=1, or use cluster.placement=disaggregated")
-        if c.device == "cpu":
+        if device == "cpu":
             return (f"{why}; rollout.backend=sglang needs a GPU in that bundle, and "
                     f"cluster.device=cpu gives the ranks CPU bundles only: set cluster.device=cuda")
     return None

@@ -34,6 +34,11 @@ class EngineDown(RolloutError):
     (a dead or hung engine; a fleet retries the request on another engine)."""
 
 
+class FleetError(RolloutError):
+    """The rollout fleet cannot go on: an engine past its restarts, no live engine left, a
+    launch or a weight push that could not be recovered (rollout/dispatch.py)."""
+
+
 class PushRefused(RolloutError):
     """A server answered a weight push with a refusal before any of its weights changed
     (`/begin_weight_update` or the first bucket refused): the same weights can still go

@@ -15,12 +15,13 @@ that dies or hangs gives an error, never a hang.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
+
+from lockstep.cluster.ports import free_port  # noqa: F401 (the rendezvous port, one helper)
 
 BACKENDS = ("gloo", "nccl")
 DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}
@@ -69,10 +70,3 @@ class WeightGroup:
             pass
         self.pg = None
         self._store = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS says is free now (bound and released)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

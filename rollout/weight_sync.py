@@ -49,12 +49,13 @@ import torch
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
+from ..cluster.ports import free_port
 from ..moe.buckets import Bucket, bucketize, flatten_bucket, tensor_bytes
-from ..moe.checkpoint import INDEX_FILE, hf_state_dict
+from ..moe.checkpoint import INDEX_FILE, hf_state_dict, read_hf_state_dict
 from ..moe.config import ModelConfig
 from ..moe.model import MoEModel
 from .types import GenerationResult, PushRefused, RolloutError
-from .weight_group import WeightGroup, free_port
+from .weight_group import WeightGroup
 
 
 def check_versions(results: list[GenerationResult], allowed: set[str]) -> None:
@@ -67,13 +68,18 @@ def check_versions(results: list[GenerationResult], allowed: set[str]) -> None:
                                f"{sorted(allowed)}")
 
 
-def as_buckets(source: Any, bucket_bytes: int) -> Iterable[Bucket]:
-    """A model, a dict of HF-named tensors or an iterable of buckets, as an iterable of
-    buckets (a model's and a dict's tensors are views: nothing is copied)."""
+def as_buckets(source: Any, bucket_bytes: int, native: bool = False) -> Iterable[Bucket]:
+    """Any weight source as an iterable of buckets: a model, a dict of HF-named tensors, an HF
+    folder (read here), or an iterable of buckets (passed through, consumed once). A model's
+    and a dict's tensors are views: nothing is copied. `native`: a dict of the model's own
+    names passes too (an embedded engine loads either)."""
+    if isinstance(source, (str, Path)):
+        source = read_hf_state_dict(source)
     if isinstance(source, MoEModel):
         source = hf_state_dict(source)
     if isinstance(source, dict):
-        if any(not k.startswith(("model.", "lm_head.")) for k in source):
+        hf = all(k.startswith(("model.", "lm_head.")) for k in source)
+        if not hf and not (native and not any(k.startswith("model.") for k in source)):
             raise ValueError("weight push: a dict source must hold HF-named tensors "
                              "(model.*, lm_head.weight)")
         return bucketize(((k, v.detach()) for k, v in source.items()), bucket_bytes)

@@ -36,8 +36,9 @@ VERSION_TOL, ENGINE_RTOL, ENGINE_LOG_MEAN = (1e-3, 1e-6), 5e-2, 0.25
 def cluster():
     """A private local Ray (2 CPUs), as conftest's, but started with the group's retries: Ray
     gives its raylet a fixed 30 s to register, which a busy machine can miss."""
-    from lockstep.trainer.group import _start_local_ray
-    _start_local_ray(2, {"env_vars": {"OMP_NUM_THREADS": "1"}})
+    from lockstep.cluster.ray_ops import init_ray
+    from lockstep.kernels.threads import worker_env
+    init_ray("local", worker_env(1), num_cpus=2)
     yield
     ray.shutdown()
 

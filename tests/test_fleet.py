@@ -279,7 +279,7 @@ def test_sglang_router_drops_the_route_fields(tmp_path):
 def test_colocated_placement_refused_for_servers_given_by_url(urls, tmp_path):
     """Servers given by URL were not launched by lockstep: no bundle to share with a rank."""
     from lockstep.launch.plan import PlanError, check_devices
-    from lockstep.rollout.fleet import make_fleet
+    from lockstep.trainer.backends import make_fleet
     cfg = load_config(None, ["rollout.backend=http", urls, "cluster.placement=colocated",
                              "cluster.actor_ranks=2", "rollout.num_engines=2"])
     with pytest.raises(PlanError, match="rollout.backend=http: servers given by rollout.url"):

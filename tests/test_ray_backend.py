@@ -1,7 +1,8 @@
-"""RayBackend on a real local Ray cluster (2 CPUs, 2 engine workers): results equal the
-in-process engine's, weight pushes reach every worker, the RL loop runs on it and survives a
-worker killed -9 mid-step, a hung worker is replaced, and a worker past its restarts is named
-in the error. One cluster for the module; ~1 minute on 2 cores."""
+"""`rollout.backend: ray` (`Fleet.ray`: embedded engines as Ray actors) on a real local Ray
+cluster (2 CPUs, 2 engines): results equal the in-process engine's, weight pushes through the
+object store reach every engine, a stale weight version is refused, and the RL loop runs on it
+and survives an engine killed -9 mid-step. The dispatcher's faults for every backend are in
+test_fleet_faults.py. One cluster for the module; ~1 minute on 2 cores."""
 
 import dataclasses
 import json
@@ -16,7 +17,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from lockstep.rollout.ray_backend import RayBackend, shard  # noqa: E402
+from lockstep.rollout.dispatch import shard  # noqa: E402
+from lockstep.rollout.fleet import Fleet  # noqa: E402
 from lockstep.moe.buckets import bucketize  # noqa: E402
 from lockstep.moe.checkpoint import hf_state_dict, save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
@@ -65,13 +67,17 @@ def _assert_same(got, want):
         assert g.weight_version == w.weight_version
 
 
+def _shard(reqs, k):
+    return shard(reqs, k, lambda r: r.sampling.n)
+
+
 def test_shard_keeps_groups_whole_balanced_and_in_order():
     reqs = [GenerateRequest([3], SamplingParams(n=n), rid=str(i)) for i, n in
             enumerate([4, 4, 1, 1, 1, 1, 8, 4])]
-    parts = shard(reqs, 3)
+    parts = _shard(reqs, 3)
     assert [r for p in parts for r in p] == reqs
     assert [sum(r.sampling.n for r in p) for p in parts] == [8, 12, 4]
-    assert shard(reqs[:1], 3) == [[reqs[0]], [], []]
+    assert _shard(reqs[:1], 3) == [[reqs[0]], [], []]
 
 
 class TestTwoEngines:
@@ -80,14 +86,14 @@ class TestTwoEngines:
     @pytest.fixture(scope="class")
     def backend(self, cluster, model, tmp_path_factory):
         # built from an HF folder (the Trainer test covers building from a model's state dict)
-        b = RayBackend(save_hf(model, tmp_path_factory.mktemp("hf")), ENGINE, num_engines=2)
+        b = Fleet.ray(save_hf(model, tmp_path_factory.mktemp("hf")), ENGINE, num_engines=2)
         yield b
         b.close()
 
     def test_workers_placed_one_thread_each(self, backend):
-        pids = {i.pid for i in backend.infos}
+        pids = {i.pid for i in backend.slots}
         assert len(pids) == 2 and os.getpid() not in pids
-        assert [i.threads for i in backend.infos] == [1, 1]
+        assert [i.threads for i in backend.slots] == [1, 1]
         pg_table = ray.util.placement_group_table(backend.pg)
         assert pg_table["state"] == "CREATED" and len(pg_table["bundles"]) == 2
         assert all(b == {"CPU": 1.0} for b in pg_table["bundles"].values())
@@ -97,7 +103,7 @@ class TestTwoEngines:
         reqs = _requests()
         want = local.generate(_requests())
         got = backend.generate(reqs)
-        assert len(got) == 15 and all(shard(reqs, 2))  # both workers had requests
+        assert len(got) == 15 and set(backend.placement.values()) == {0, 1}  # both engines
         _assert_same(got, want)
 
     def test_weight_sync_reaches_every_worker(self, backend, model, tmp_path):
@@ -110,7 +116,7 @@ class TestTwoEngines:
         local.update_weights(new, "v1")
         _assert_same(after, local.generate(_requests(seed=7)))
         # every worker's share changed (each worker loaded the new weights)
-        halves = [len(p) * 3 for p in shard(_requests(seed=7), 2)]
+        halves = [len(p) * 3 for p in _shard(_requests(seed=7), 2)]
         for lo, hi in ((0, halves[0]), (halves[0], sum(halves))):
             assert any(a.output_ids != b.output_ids or
                        not torch.allclose(a.output_logprobs, b.output_logprobs)
@@ -130,51 +136,12 @@ class TestTwoEngines:
 
     def test_stale_weight_version_is_refused(self, backend, model):
         # one worker loads weights behind the backend's back
-        ray.get(backend.workers[0].update_weights.remote(model.state_dict(), "rogue"))
-        with pytest.raises(RolloutError, match=r"engine worker 0 .* weight version 'rogue', "
+        ray.get(backend.slots[0].actor.update_weights.remote(model.state_dict(), "rogue"))
+        with pytest.raises(RolloutError, match=r"engine 0 .* weight version 'rogue', "
                                                r"expected 'v1\+2'"):
             backend.generate(_requests(n_prompts=2))
         assert backend.update_weights(model, "v2") == "v2"  # one push brings all back in line
         assert {r.weight_version for r in backend.generate(_requests(n_prompts=2))} == {"v2"}
-
-    def test_hung_worker_is_killed_and_rebuilt_at_the_new_version(self, backend, model):
-        # SIGSTOP: the process lives but never answers; a weight push must not wait forever,
-        # and the replacement must serve the version being pushed (built from its buckets).
-        backend.request_timeout_s = 4.0
-        new = MoEModel(model.cfg)
-        victim = backend.infos[0].pid
-        os.kill(victim, signal.SIGSTOP)
-        t0 = time.monotonic()
-        assert backend.update_weights(new, "v3") == "v3"
-        assert time.monotonic() - t0 >= 4.0
-        backend.request_timeout_s = 600.0  # a slow box must not time out the healthy worker
-        assert backend.infos[0].restarts == 1 and backend.infos[0].pid not in (victim, -1)
-        _wait_dead(victim)  # killed, not left stopped holding memory
-        local = LocalBackend(Engine.from_model(new, ENGINE, weight_version="v3"))
-        _assert_same(backend.generate(_requests(n_prompts=4)),  # both workers serve v3
-                     local.generate(_requests(n_prompts=4)))
-
-    def test_restarts_past_the_limit_name_the_engine(self, backend):
-        # NOTE: last in the class: it ends the shared backend (one start fewer, ~15 s).
-        victim = backend.infos[0]
-        n = backend.max_engine_restarts = victim.restarts  # 1 after the hung test, else 0
-        os.kill(victim.pid, signal.SIGKILL)
-        with pytest.raises(RolloutError, match=(
-                rf"engine worker 0 \(.*pid {victim.pid}, node {victim.node[:12]}\) died .*during "
-                rf"generate; restarted {n} time\(s\) already \(rollout.max_engine_restarts={n}\); "
-                r"unanswered requests: \['p0', 'p1'\]")):
-            backend.generate(_requests(n_prompts=4))
-        assert backend.closed and backend.pg is None
-        _wait_dead(backend.infos[1].pid)  # the survivor is killed by close(), not left holding its CPU
-        with pytest.raises(RolloutError, match="closed"):
-            backend.generate(_requests(n_prompts=1))
-
-
-def _wait_dead(pid: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _alive(pid), f"pid {pid} still alive"
 
 
 def _capture(tr, kill_at_step=None, engine=1):
@@ -187,20 +154,20 @@ def _capture(tr, kill_at_step=None, engine=1):
 
     def wrapped(requests):
         step = int(requests[0].rid[1:].split("p")[0])
-        rec = seen[step] = {"pids": [i.pid for i in getattr(tr.rollout, "infos", [])],
-                            "samples": [i.samples for i in getattr(tr.rollout, "infos", [])]}
+        rec = seen[step] = {"pids": [i.pid for i in getattr(tr.rollout, "slots", [])],
+                            "samples": [i.samples for i in getattr(tr.rollout, "slots", [])]}
         if step == kill_at_step:
-            victim = tr.rollout.infos[engine].pid
+            victim = tr.rollout.slots[engine].pid
             os.kill(victim, signal.SIGSTOP)
             rec["victim"] = victim
             threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
         rec["results"] = generate(requests)
         rec["served"] = [i.samples - s for i, s in
-                         zip(getattr(tr.rollout, "infos", []), rec["samples"])]
+                         zip(getattr(tr.rollout, "slots", []), rec["samples"])]
         if step == kill_at_step:  # the same requests again, on the restarted worker too
-            before = [i.samples for i in tr.rollout.infos]
+            before = [i.samples for i in tr.rollout.slots]
             rec["again"] = generate(requests)
-            rec["again_served"] = [i.samples - s for i, s in zip(tr.rollout.infos, before)]
+            rec["again_served"] = [i.samples - s for i, s in zip(tr.rollout.slots, before)]
         return rec["results"]
 
     tr.rollout.generate = wrapped
@@ -219,7 +186,8 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
     ray_sets = sets + ["rollout.backend=ray", "rollout.num_engines=2"]
     tr = Trainer(load_config(CONFIGS / "toy_r3.yaml", ray_sets), tmp_path / "ray", progress=False,
                  log=lambda s: None)
-    assert isinstance(tr.rollout, RayBackend) and len(tr.rollout.infos) == 2
+    assert isinstance(tr.rollout, Fleet) and tr.rollout.weight_sync == "object_store"
+    assert len(tr.rollout.slots) == 2
     seen = _capture(tr, kill_at_step=2)
     tr.run()
     ref = Trainer(load_config(CONFIGS / "toy_r3.yaml", sets), tmp_path / "ref", progress=False,
@@ -238,7 +206,7 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
     victim = seen[2]["victim"]
     assert victim == seen[1]["pids"][1] and victim not in seen[3]["pids"]
     assert seen[3]["pids"][0] == seen[1]["pids"][0]  # the survivor was left alone
-    assert [i.restarts for i in tr.rollout.infos] == [0, 1]
+    assert [i.restarts for i in tr.rollout.slots] == [0, 1]
     assert seen[3]["served"] == [8, 8]  # the restarted engine took its share of step 3
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
@@ -251,14 +219,14 @@ def test_trainer_survives_kill_9_mid_generate(cluster, tmp_path):
 
 def test_trainer_engine_workers_run_threads_per_rank(cluster, tmp_path):
     """cluster.threads_per_rank reaches the Ray engine workers the loop starts (each sets its
-    own torch thread count; the driver keeps its own), and OMP_WAIT_POLICY=PASSIVE with it."""
+    own torch thread count; the driver keeps its own)."""
     cfg = load_config(CONFIGS / "toy_r3.yaml", [
         "warmstart.enabled=false", "rollout.prompts_per_step=4", "actor.mini_batch_size=32",
         "actor.micro_batch_size=32", "loop.tensorboard=false", "loop.plots=false",
         "rollout.backend=ray", "rollout.num_engines=2", "cluster.threads_per_rank=2"])
     tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
     try:
-        assert [i.threads for i in tr.rollout.infos] == [2, 2]
-        assert [i.wait_policy for i in tr.rollout.infos] == ["PASSIVE"] * 2  # no spinning
+        assert [i.threads for i in tr.rollout.slots] == [2, 2]
+        assert [i.wait_policy for i in tr.rollout.slots] == ["PASSIVE"] * 2  # no spinning
     finally:
         tr.rollout.close()

@@ -17,7 +17,8 @@ from lockstep.moe.checkpoint import hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.server import ServerThread
-from lockstep.rollout.weight_group import WeightGroup, free_port
+from lockstep.cluster.ports import free_port
+from lockstep.rollout.weight_group import WeightGroup
 
 from model_fixtures import tiny_config
 from server_fixtures import call

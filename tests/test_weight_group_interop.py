@@ -9,7 +9,8 @@ import textwrap
 
 import torch
 
-from lockstep.rollout.weight_group import WeightGroup, free_port
+from lockstep.cluster.ports import free_port
+from lockstep.rollout.weight_group import WeightGroup
 
 # The receiving side as SGLang sets it up, with torch's private helpers (as SGLang does).
 PEER = textwrap.dedent("""

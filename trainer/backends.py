@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lockstep.moe.model import MoEModel
+from lockstep.rollout import colocate
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.trainer.config import ExperimentConfig, rollout_api_key
@@ -134,18 +135,104 @@ def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: 
         max_running=ro.batch_size, max_len=max_len, seed=cfg.loop.seed,
         device=str(resolve_device(cfg.cluster.device)))
     if ro.backend in ("serve", "sglang", "http"):  # a fleet of servers (needs 'ray' but http)
-        from lockstep.rollout.fleet import make_fleet
         return make_fleet(cfg, model, weight_version, engine_cfg, run_dir, log,
                           actor_pg=actor_pg)
     if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
-        from lockstep.rollout.ray_backend import RayBackend
-        kw = dict(address=ro.ray_address, request_timeout_s=ro.request_timeout_s,
-                  max_engine_restarts=ro.max_engine_restarts,
-                  threads_per_engine=cfg.cluster.threads_per_rank)
-        if folder is not None:  # each engine loads the folder
-            return RayBackend(str(folder), engine_cfg, ro.num_engines, weight_version,
-                              cfg.model, **kw)
-        return RayBackend.from_model(model, engine_cfg, ro.num_engines, weight_version, **kw)
+        return make_ray_engines(cfg, model, weight_version, engine_cfg)
     if folder is not None:
         return LocalBackend(Engine.from_hf(folder, engine_cfg, weight_version=weight_version))
     return LocalBackend(Engine.from_model(model, engine_cfg, weight_version=weight_version))
+
+
+# -- the rollout fleet and colocation: the rollout side takes numbers, read here ------------
+def colocates_fleet(cfg: ExperimentConfig) -> bool:
+    """Whether the run puts a fleet of servers (serve / sglang) into the actor's bundles."""
+    return colocate.colocates(cfg.cluster.placement, cfg.rollout.backend)
+
+
+def colocation_refusal(cfg: ExperimentConfig) -> str | None:
+    """Why `cfg`'s colocated layout cannot be trained (None: it can, or it is not colocated)."""
+    c, ro = cfg.cluster, cfg.rollout
+    return colocate.refusal(c.placement, ro.backend, c.actor_ranks, ro.num_engines,
+                            ro.sglang.tp_size, c.device)
+
+
+def weight_sync_mode(cfg: ExperimentConfig) -> str:
+    """How a fleet of servers takes weights: `rollout.weight_sync` (auto = distributed,
+    falling back to disk for good when the engines refuse a push before any weight changed)."""
+    mode = cfg.rollout.weight_sync
+    if mode not in ("auto", "distributed", "disk"):
+        raise ValueError(f"rollout.weight_sync={mode!r} with rollout.backend="
+                         f"{cfg.rollout.backend!r}: a fleet of HTTP servers takes 'distributed' "
+                         f"(/update_weights_from_distributed), 'disk' or 'auto'")
+    return mode
+
+
+def make_ray_engines(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: str,
+                     engine_cfg: EngineConfig) -> RolloutBackend:
+    """`rollout.backend: ray`: `rollout.num_engines` embedded engines as Ray actors. `model` an
+    HF folder (an actor group's run): each engine loads it."""
+    from lockstep.rollout.fleet import Fleet
+    ro = cfg.rollout
+    source = str(model) if isinstance(model, Path) else model
+    return Fleet.ray(source, engine_cfg, ro.num_engines, weight_version, cfg.model,
+                     address=ro.ray_address, request_timeout_s=ro.request_timeout_s,
+                     max_engine_restarts=ro.max_engine_restarts,
+                     threads_per_engine=cfg.cluster.threads_per_rank)
+
+
+def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: str,
+               engine_cfg: EngineConfig, out_dir: str | Path,
+               log: Callable[[str], None] | None = None, actor_pg: Any = None) -> RolloutBackend:
+    """The fleet `rollout.backend` (serve, sglang, or http with `rollout.urls`) asks for,
+    holding `model`'s weights at `weight_version`. Colocated (`cluster.placement`,
+    rollout/colocate.py): the servers go into `actor_pg`, the actor group's placement group.
+    `model` an HF folder (an actor group's run): the servers start from it and are not pushed
+    here (the caller pushes the group's streamed export)."""
+    from lockstep.rollout.fleet import Fleet
+    ro = cfg.rollout
+    shared = None
+    if cfg.cluster.placement == "colocated" and ro.backend == "http":
+        raise ValueError(colocation_refusal(cfg))  # servers given by URL: no bundles
+    if colocates_fleet(cfg):
+        why = colocation_refusal(cfg)
+        if why is None and actor_pg is None:
+            why = "cluster.placement=colocated: the actor group's placement group was not given"
+        if why is not None:
+            raise ValueError(why)
+        shared = (actor_pg, colocate.engine_bundles(cfg.cluster.actor_ranks, ro.num_engines))
+    kw: dict[str, Any] = dict(
+        weight_sync=weight_sync_mode(cfg), weights_dir=ro.weights_dir or Path(out_dir) / "weights",
+        request_timeout_s=ro.request_timeout_s, max_engine_restarts=ro.max_engine_restarts,
+        max_concurrency=max(ro.prompts_per_step, 1) * ro.samples_per_prompt,
+        bucket_bytes=cfg.cluster.weight_bucket_bytes, log=log,
+        # colocated with the actor: servers release their memory while it trains
+        colocate=cfg.cluster.placement == "colocated")
+    if ro.backend == "serve":
+        gpu = engine_cfg.device.startswith("cuda")  # cluster.device: a GPU per engine
+        return Fleet.serve(model, engine_cfg, ro.num_engines, weight_version,
+                           address=ro.ray_address, gpus_per_engine=1 if gpu else 0,
+                           threads_per_engine=cfg.cluster.threads_per_rank, colocate_in=shared,
+                           **kw)
+    if ro.backend == "sglang":
+        from lockstep.rollout.sglang_options import sglang_options_dict
+        opts = sglang_options_dict(cfg)
+        path = str(model) if isinstance(model, Path) else cfg.model.path
+        if path is None:  # SGLang loads a folder: the initial weights, written once
+            from lockstep.moe.checkpoint import save_hf
+            path = str(save_hf(model, Path(out_dir) / "weights" / "initial"))
+        fleet = Fleet.sglang(opts, str(path), ro.num_engines, cfg.model, weight_version,
+                             address=ro.ray_address, log_dir=str(out_dir),
+                             fan_out_samples=ro.sglang.deterministic_inference,
+                             sampling_mask_max_tokens=ro.sglang.sampling_mask_max_tokens or 4096,
+                             colocate_in=shared, **kw)
+    else:
+        fleet = Fleet.http(list(ro.urls), cfg.model, api_key=rollout_api_key(ro), **kw)
+    if isinstance(model, Path):
+        return fleet
+    try:
+        fleet.update_weights(model, weight_version)  # the servers' weights are not the policy's
+    except BaseException:
+        fleet.close()
+        raise
+    return fleet

@@ -41,9 +41,6 @@ The other ranks may be blocked in a collective with the dead one, so nothing wai
 from __future__ import annotations
 
 import os
-import re
-import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,7 +54,8 @@ from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
-from lockstep.rollout.colocate import RANK_SHARE, colocates_fleet
+from lockstep.rollout.colocate import RANK_SHARE
+from lockstep.trainer.backends import colocates_fleet
 from lockstep.trainer.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
 from lockstep.trainer.config import ExperimentConfig
 from lockstep.trainer.rank import (OldLogprobs, UpdateInputs, UpdateResult, add_stats,
@@ -81,14 +79,14 @@ class RankWorker:
         self.startup: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
-        import ray
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address(), "threads": torch.get_num_threads()}
+        from lockstep.cluster.ray_ops import node_id, node_ip
+        return {"pid": os.getpid(), "node": node_id(), "ip": node_ip(),
+                "threads": torch.get_num_threads()}
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        """A free port on this rank's node (for the rendezvous rank 0 hosts)."""
+        from lockstep.cluster.ports import free_port
+        return free_port()
 
     def init_world(self, address: str, port: int, backend: str) -> None:
         import torch.distributed as dist
@@ -208,8 +206,8 @@ class ActorGroup:
     def __init__(self, cfg: ExperimentConfig, source: str | os.PathLike | MoEModel,
                  total_updates: int, startup_timeout_s: float = 300.0):
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from lockstep.cluster.ray_ops import bundle, init_ray, reserve, spawn
 
         self.cfg, self.world = cfg, cfg.cluster.actor_ranks
         self.device = resolve_device(cfg.cluster.device)
@@ -219,31 +217,22 @@ class ActorGroup:
         self.closed = False
         self._plans: dict[int, ShardPlan] = {}
         threads = cfg.cluster.threads_per_rank
-        env = {"env_vars": worker_env(threads)}  # + OMP_WAIT_POLICY (kernels/threads.py)
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            if cfg.cluster.ray_address:
-                ray.init(address=cfg.cluster.ray_address, runtime_env=env)
-            else:  # a private cluster for this run, even where `ray start` left an address
-                _start_local_ray(max(self.world, os.cpu_count() or 1), env)
+        # a private cluster for this run unless cluster.ray_address names one
+        env = worker_env(threads)  # + OMP_WAIT_POLICY (kernels/threads.py)
+        self._owns_ray = init_ray(cfg.cluster.ray_address or "local", env,
+                                  num_cpus=max(self.world, os.cpu_count() or 1))
         try:
             gpu = self.device == "cuda"
-            bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
-            self.pg = placement_group([bundle] * self.world, strategy="PACK",
-                                      name=f"lockstep-actor-{os.getpid()}-{id(self):x}")
-            if not self.pg.wait(startup_timeout_s):
-                raise ActorGroupError(
-                    f"could not reserve {self.world} bundles {bundle} within "
-                    f"{startup_timeout_s:.0f}s; the cluster has {ray.available_resources()} "
-                    f"free of {ray.cluster_resources()}")
+            try:
+                self.pg = reserve([bundle(1, 1 if gpu else 0)] * self.world, "lockstep-actor",
+                                  startup_timeout_s)
+            except RuntimeError as e:
+                raise ActorGroupError(str(e)) from None
             remote = ray.remote(RankWorker)
             share = RANK_SHARE if colocates_fleet(cfg) else 1.0  # the rest: a rollout server
             for r in range(self.world):
-                self.workers.append(remote.options(
-                    num_cpus=share, num_gpus=share if gpu else 0, max_restarts=0, runtime_env=env,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=r),
-                ).remote(r, self.world, threads))
+                self.workers.append(spawn(remote, self.pg, r, share, share if gpu else 0,
+                                          env)(r, self.world, threads))
             infos = self._gather("start", [w.info.remote() for w in self.workers],
                                  timeout_s=startup_timeout_s)
             for info, got in zip(self.infos, infos):
@@ -353,10 +342,10 @@ class ActorGroup:
         gens = [w.export_weights.options(num_returns="streaming").remote(bucket_bytes, r == 0)
                 for r, w in enumerate(self.workers)]
         for ref in gens[0]:
-            yield self._get(ref, 0, "export_weights")
+            yield self._gather("export_weights", [ref], [0])[0]
         for r, gen in enumerate(gens[1:], start=1):
             for ref in gen:
-                self._get(ref, r, "export_weights")
+                self._gather("export_weights", [ref], [r])
 
     def rank_state(self) -> dict:
         return {"ranks": self._gather("rank_state", [w.rank_state.remote() for w in self.workers])}
@@ -401,7 +390,7 @@ class ActorGroup:
         if self.closed:
             return
         self.closed = True
-        from lockstep.rollout.ray_backend import release  # the extra 'ray' is imported lazily
+        from lockstep.cluster.ray_ops import release  # the extra 'ray' is imported lazily
         release(self.workers, self.pg, self._owns_ray)
         self.workers, self.pg = [], None
 
@@ -443,50 +432,17 @@ class ActorGroup:
         self.close()
         raise err
 
-    def _get(self, ref, rank: int, what: str):
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-        try:
-            return ray.get(ref)
-        except RayActorError as e:
-            self._fail(ActorGroupError(f"{self.infos[rank]} died during {what}: {_reason(e)}"))
-        except RayTaskError as e:
-            self._fail(ActorGroupError(f"{self.infos[rank]} failed in {what}: "
-                                       f"{type(e.cause).__name__}: {e.cause}"))
-
     def _gather(self, what: str, refs: list, ranks: list[int] | None = None,
                 timeout_s: float | None = None) -> list:
         """Each rank's answer, in order. The first failure closes the group and raises an
         error naming that rank (the others may be stuck in a collective with it)."""
-        import ray
+        from lockstep.cluster.ray_ops import CallFailed, gather
         self._check_open()
         ranks = list(range(len(refs))) if ranks is None else ranks
-        owner = {ref: r for ref, r in zip(refs, ranks)}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending, got = list(refs), {}
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not ready:
-                self._fail(ActorGroupError(f"{self.infos[owner[pending[0]]]}: no answer to "
-                                           f"{what} within {timeout_s:.0f}s"))
-            got[ready[0]] = self._get(ready[0], owner[ready[0]], what)
-        return [got[ref] for ref in refs]
-
-
-def _start_local_ray(num_cpus: int, runtime_env: dict, attempts: int = 3) -> None:
-    """`ray.init` of a private local cluster, retried: Ray gives its raylet a fixed 30 s to
-    register, which a busy machine can miss."""
-    import ray
-    for attempt in range(1, attempts + 1):
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                     runtime_env=runtime_env)
-            return
-        except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == attempts:
-                raise
-            ray.shutdown()
+            return gather(what, refs, [str(self.infos[r]) for r in ranks], timeout_s)
+        except CallFailed as e:
+            self._fail(ActorGroupError(str(e)))
 
 
 def _rss_now() -> int:
@@ -499,12 +455,3 @@ def _peak_rss() -> int:
     """This process's peak resident set size in bytes (Linux: ru_maxrss is in KiB)."""
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reason(e: Exception) -> str:
-    """Ray's death message, cut to its first line plus the last line of any traceback."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"

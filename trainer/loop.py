@@ -23,14 +23,13 @@ import torch
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import RolloutBackend
-from lockstep.rollout.colocate import colocates_fleet
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor import Batch, collate
 from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
                                          save_actor_checkpoint, set_rng_state)
-from lockstep.trainer.backends import (make_actor, make_rollout, needs_initial_push,
-                                       run_reference)
+from lockstep.trainer.backends import (colocates_fleet, make_actor, make_rollout,
+                                       needs_initial_push, run_reference)
 from lockstep.trainer.config import ExperimentConfig, save_config
 from lockstep.trainer.nonfinite import check_step, check_weight_names, from_step_error
 from lockstep.trainer.correction import (CorrectionResult, correct, is_split_metrics,

@@ -80,7 +80,7 @@ class RolloutConfig(Section):
     backend: RolloutBackend = "embedded"
     """embedded: our engine in this process; http: SGLang-compatible server(s) at `url` or
     `urls`; ray: `num_engines` embedded engines as Ray actors (extra 'ray';
-    lockstep.rollout.ray_backend); serve / sglang: a fleet of `num_engines` lockstep / real
+    lockstep.rollout.fleet, Fleet.ray); serve / sglang: a fleet of `num_engines` lockstep / real
     SGLang servers launched as Ray actors behind one balancing client (lockstep.rollout.fleet)."""
     num_engines: int = Field(1, ge=1, le=1 << 12)
     """ray, serve, sglang backends: engines, one bundle each in a placement group."""

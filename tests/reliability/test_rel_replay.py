@@ -154,7 +154,7 @@ def test_replay_run_dir_cli_and_checkpoint_classes(tmp_path, capsys, monkeypatch
     for name, argv, want, needle in cases:
         if name == "ray missing":
             monkeypatch.setitem(sys.modules, "ray", None)
-            monkeypatch.delitem(sys.modules, "lockstep.rollout.ray_backend", raising=False)
+            monkeypatch.delitem(sys.modules, "lockstep.cluster.ray_ops", raising=False)
         try:
             code, err = _run(argv, capsys)
         except Hang:

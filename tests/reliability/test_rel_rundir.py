@@ -152,7 +152,7 @@ def test_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
     check([str(TOY), "--out", str(tmp_path / "file" / "sub"), *sets(*COLD)], "cannot create --out")
     monkeypatch.setitem(sys.modules, "ray", None)  # the extra 'ray' not installed
-    monkeypatch.delitem(sys.modules, "lockstep.rollout.ray_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "lockstep.cluster.ray_ops", raising=False)
     check([str(TOY), "--out", str(tmp_path / "r"), *sets(*FAST, *COLD, "loop.steps=1",
                                                        "rollout.backend=ray")],
           "pip install 'lockstep[ray]'")

@@ -1,0 +1,379 @@
+"""How the dispatcher (rollout/dispatch.py) talks to its engines: all that differs between its backends.
+
+- `RayCalls`: embedded engines as Ray actors (`EngineActor`); a run of requests is one Ray
+  call, weights travel through the object store (each bucket cast to the engines' dtypes and
+  `ray.put` once; the refs of the last push are what a relaunched engine is built from).
+- `HTTPCalls`: SGLang-wire servers (`lockstep serve`, real SGLang, or given URLs); every
+  request is a POST (fanned out into single-sample requests for sampling masks or
+  `fan_out_samples`), weights go by `/update_weights_from_distributed` (one torch.distributed
+  group with the trainer as rank 0) or `/update_weights_from_disk` (an HF folder written once).
+
+Each raises `EngineDown` for an engine that died or did not answer in time, `EnginesDown` for
+the engines a push did not reach, and `RolloutError` for an answer that breaks the contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from lockstep.moe.buckets import tensor_bytes
+from lockstep.moe.checkpoint import hf_state_dict, save_hf_state_dict
+from lockstep.moe.config import ModelConfig
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.client import HTTPBackend
+from lockstep.rollout.dispatch import Aborted, EnginesDown, EngineSlot, Group, reiterable
+from lockstep.rollout.types import (EngineDown, FleetError, GenerateRequest, PushRefused,
+                                    RolloutError)
+from lockstep.rollout.weight_sync import as_buckets
+
+
+async def _all_or_none(coros: list) -> None:
+    """Run `coros` together; the first to raise cancels the others, then raises."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class RayCalls:
+    """Embedded engines called through Ray (`rollout.backend: ray`). `replay` is what a
+    (re)started engine is built from: an HF folder, or the object refs of the buckets of the
+    last push (at first those of the initial weights) at `replay_version`."""
+
+    weight_sync = "object_store"
+
+    def __init__(self, replay: str | list, replay_version: str, bucket_bytes: int):
+        self.replay, self.replay_version = replay, str(replay_version)
+        self.bucket_bytes = bucket_bytes
+        self.dtypes: dict = {}  # the engines' dtype of every weight (native and HF names)
+        self.model_cfg: ModelConfig | None = None
+        self.last_push: dict = {}
+
+    def attach(self, fleet: Any, slot: EngineSlot, info: dict | None = None) -> None:
+        if info is not None:
+            self.dtypes, self.model_cfg = info["dtypes"], self.model_cfg or info["model_cfg"]
+
+    def wire(self, req: GenerateRequest) -> list[tuple[int, GenerateRequest]]:
+        return [(0, req)]
+
+    async def run(self, fleet: Any, slot: EngineSlot, run: list[Group], store: dict) -> None:
+        from ray.exceptions import RayTaskError
+
+        from lockstep.cluster.ray_ops import DIED, death_reason, task_error
+        ref = slot.actor.generate.remote([g.req for g in run])
+        timeout = fleet.request_timeout_s
+        try:
+            got = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+        except asyncio.TimeoutError:
+            raise EngineDown(f"did not answer within {timeout:g}s and was killed") from None
+        except DIED as e:
+            raise EngineDown(f"died ({death_reason(e)})") from None
+        except RayTaskError as e:
+            raise RolloutError(f"{slot} failed in generate: {task_error(e)}") from None
+        want = [(g.req.rid, j) for g in run for j in range(g.samples)]
+        if [(r.rid, r.index) for r in got] != want:
+            raise RolloutError(f"{slot}: answered {len(got)} results out of request order "
+                               f"(asked {len(want)})")
+        for r in got:
+            if r.weight_version != fleet.weight_version:  # a push realigns every engine
+                raise RolloutError(f"{slot}: request {r.rid} sample {r.index} was generated "
+                                   f"with weight version {r.weight_version!r}, expected "
+                                   f"{fleet.weight_version!r}")
+            fleet.keep(slot, (r.rid, r.index), r, store)
+
+    def catch_up(self, fleet: Any, slot: EngineSlot, version: str) -> bool:
+        if slot.version != self.replay_version:
+            raise FleetError(f"{slot}: restarted at weight version {slot.version!r}, "
+                             f"expected {self.replay_version!r}")
+        return slot.version == version
+
+    def can_repeat(self, source: Any) -> bool:
+        return True  # a relaunched engine is built from the push's refs: nothing to re-read
+
+    def forget(self, slot: EngineSlot) -> None:
+        """A dead engine needs nothing undone here (the fleet kills its actor)."""
+
+    def push(self, fleet: Any, source: Any, version: str, targets: list[EngineSlot]) -> None:
+        """Each bucket cast to the engines' dtypes and `ray.put` once, every engine fetching it
+        as soon as it is put (the driver holds one bucket at a time); then every engine
+        validates the whole push and swaps. The refs are kept until the next push: an engine
+        relaunched before then is built from them, at this version (one copy of the weights
+        in the engines' dtypes in the object store; during a push, the old and the new)."""
+        import ray
+        from ray.exceptions import RayTaskError
+
+        from lockstep.cluster.ray_ops import DIED, death_reason, task_error
+        t0, nbytes, refs = time.perf_counter(), 0, []
+        for bucket in as_buckets(source, self.bucket_bytes, native=True):
+            # a name the engines do not hold ships as it is (the engine casts or refuses it)
+            cast = [(k, t.detach().to(self.dtypes.get(k, t.dtype))) for k, t in bucket]
+            nbytes += sum(tensor_bytes(t) for _, t in cast)
+            ref = ray.put(cast)
+            del cast, bucket
+            for s in targets:  # answered with commit_weights (an actor's calls run in order)
+                s.actor.load_bucket.remote(len(refs), ref)
+            refs.append(ref)
+        self.replay, self.replay_version = refs, version
+        calls = {s.actor.commit_weights.remote(version, len(refs)): s for s in targets}
+        deadline = time.monotonic() + fleet.request_timeout_s
+        dead: list[EngineSlot] = []
+        why: list[str] = []
+        pending = list(calls)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:  # the rest are hung
+                dead += [calls[r] for r in pending]
+                why.append(f"no answer within {fleet.request_timeout_s:g}s")
+                break
+            s = calls[ready[0]]
+            try:
+                got = ray.get(ready[0])
+            except DIED as e:
+                dead.append(s)
+                why.append(f"engine {s.index} died ({death_reason(e)})")
+                continue
+            except RayTaskError as e:
+                raise RolloutError(f"{s} failed in update_weights: {task_error(e)}") from None
+            if got != version:
+                raise RolloutError(f"{s}: reports weight version {got!r} after loading "
+                                   f"{version!r}")
+            s.version = version
+        self.last_push = {"mode": "object_store", "bytes": nbytes, "buckets": len(refs),
+                          "seconds": time.perf_counter() - t0}
+        fleet.stats.push_bytes = nbytes
+        if dead:
+            raise EnginesDown("; ".join(why), dead)
+
+    def close(self) -> None:
+        self.replay = []
+
+
+class HTTPCalls:
+    """SGLang-wire servers over HTTP. `weight_sync`: "distributed" (one weight-update group
+    over the servers, re-created whenever its members change), "disk" (an HF folder under
+    `weights_dir` that every server loads), or "auto": distributed, and disk for good (said
+    once, this push included) once an engine refuses to join or refuses a push before any
+    weight changed (`PushRefused`)."""
+
+    def __init__(self, model_cfg: ModelConfig, api_key: str | None = None,
+                 weight_sync: str = "distributed", weights_dir: str | Path | None = None,
+                 max_concurrency: int = 64,
+                 fan_out_samples: bool = False, sampling_mask_max_tokens: int = 4096,
+                 bucket_bytes: int = 64 << 20):
+        if weight_sync not in ("auto", "distributed", "disk"):
+            raise ValueError(f"Fleet: weight_sync must be 'auto', 'distributed' or 'disk', got "
+                             f"{weight_sync!r}")
+        if weight_sync in ("auto", "disk") and weights_dir is None:
+            raise ValueError(f"Fleet: weight_sync={weight_sync!r} needs weights_dir (a folder "
+                             f"every server can read)")
+        self.cfg, self.api_key = model_cfg, api_key
+        self.weight_sync = "distributed" if weight_sync == "auto" else weight_sync
+        self.auto_sync = weight_sync == "auto"
+        self.weights_dir = None if weights_dir is None else Path(weights_dir)
+        self.max_concurrency, self.fan_out_samples = max_concurrency, fan_out_samples
+        self.sampling_mask_max_tokens, self.bucket_bytes = sampling_mask_max_tokens, bucket_bytes
+        self.last_push: dict = {}
+        self._sync = None  # DistributedWeightSync over the servers in `_sync_urls`
+        self._sync_urls: list[str] = []
+        self._last_folder: Path | None = None  # the folder of the last disk push
+        self._last_version: str | None = None
+
+    def attach(self, fleet: Any, slot: EngineSlot, info: dict | None = None) -> None:
+        """A client for the slot's server (a new one after a relaunch: a new URL)."""
+        if slot.url:
+            slot.client = HTTPBackend(
+                slot.url, self.cfg, api_key=self.api_key, max_concurrency=self.max_concurrency,
+                timeout_s=fleet.request_timeout_s, retries=1, backoff_s=0.2,
+                sampling_mask_max_tokens=self.sampling_mask_max_tokens,
+                fan_out_samples=self.fan_out_samples)
+            if slot.version is not None and slot.version != UNKNOWN:
+                slot.client.expect_version(slot.version)  # it started with these weights
+
+    def wire(self, req: GenerateRequest) -> list[tuple[int, GenerateRequest]]:
+        """The HTTP requests one request is sent as, each with the index of its first sample:
+        fanned out into single-sample requests with seeds seed + j like HTTPBackend does (for
+        sampling-mask requests, which SGLang fails with n > 1, or with `fan_out_samples`)."""
+        if req.sampling.n > 1 and (req.return_sampling_mask or self.fan_out_samples):
+            base, sp = req.rid, req.sampling
+            return [(j, dataclasses.replace(req, rid=f"{base}-{j}", sampling=dataclasses.replace(
+                sp, n=1, seed=None if sp.seed is None else sp.seed + j))) for j in range(sp.n)]
+        return [(0, req)]
+
+    async def run(self, fleet: Any, slot: EngineSlot, run: list[Group], store: dict) -> None:
+        """Send the run's wire requests to one server at once; store each answer under (rid,
+        index) as it comes (a resent group's samples already held are dropped)."""
+        client = slot.client
+
+        async def one(session: aiohttp.ClientSession, g: Group, j0: int,
+                      wreq: GenerateRequest) -> None:
+            resp = await client._post(session, "/generate", client.request_body(wreq))
+            items = resp if isinstance(resp, list) else [resp]
+            if len(items) != wreq.sampling.n:
+                raise RolloutError(f"{slot}: request {wreq.rid} asked n={wreq.sampling.n}, "
+                                   f"answered {len(items)} results")
+            for j, item in enumerate(items):
+                res = client.parse(item, wreq, g.pos, j0 + j)
+                if res.finish_reason.get("type") == "abort":  # not a finished sample
+                    raise Aborted(f"{slot}: request {wreq.rid} sample {j} was aborted")
+                res = dataclasses.replace(res, rid=g.req.rid, index=j0 + j)
+                fleet.keep(slot, (g.req.rid, j0 + j), res, store)
+
+        async with aiohttp.ClientSession(
+                timeout=client.timeout,
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency)) as session:
+            await _all_or_none([one(session, g, j0, w) for g in run for j0, w in g.wire])
+
+    def catch_up(self, fleet: Any, slot: EngineSlot, version: str) -> bool:
+        """Disk sync: the relaunched server loads the last folder now; distributed: it joins
+        the group at the next push."""
+        if self._last_folder is None or version != self._last_version:
+            return False
+        self._push_disk(fleet, self._last_folder, version, [slot])
+        return True
+
+    def can_repeat(self, source: Any) -> bool:
+        return reiterable(source)
+
+    def forget(self, slot: EngineSlot) -> None:
+        """A dead server leaves the weight group: the next push forms a new one (also when a
+        server comes back at the same URL)."""
+        if slot.url in self._sync_urls:
+            self._sync_urls = []
+
+    def push(self, fleet: Any, source: Any, version: str, targets: list[EngineSlot]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.weight_sync == "disk" or isinstance(source, (str, Path)):
+                self._push_disk(fleet, source, version, targets)
+            else:
+                self._push_distributed(fleet, source, version, targets)
+        except EngineDown as e:
+            dead = self._find_dead(fleet, targets)
+            if not dead:
+                raise FleetError(f"weight push {version!r} failed ({e}); no engine was found "
+                                 f"dead") from e
+            raise EnginesDown(str(e), dead, [s for s in targets if s.version != version]) from e
+        self.last_push = {"mode": self.weight_sync, "bytes": fleet.stats.push_bytes,
+                          "seconds": time.perf_counter() - t0}
+
+    def _find_dead(self, fleet: Any, targets: list[EngineSlot]) -> list[EngineSlot]:
+        async def health(s: EngineSlot) -> None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                    total=min(10.0, fleet.request_timeout_s))) as sess:
+                async with sess.get(s.url + "/health") as r:
+                    if r.status != 200:
+                        raise RolloutError(f"/health -> {r.status}")
+        dead = []
+        for s in targets:
+            try:
+                asyncio.run(health(s))
+            except Exception:  # noqa: BLE001 - any failure to answer /health means dead here
+                dead.append(s)
+        return dead
+
+    def _push_distributed(self, fleet: Any, source: Any, version: str,
+                          targets: list[EngineSlot]) -> None:
+        from lockstep.rollout.weight_sync import DistributedWeightSync
+        urls = [s.url for s in targets]
+        if self._sync is None or self._sync_urls != urls:  # a new member: a new group
+            self.close()
+            try:
+                self._sync = DistributedWeightSync(urls, master_addr=_master_addr(urls),
+                                                   api_key=self.api_key,
+                                                   timeout_s=fleet.request_timeout_s)
+            except PushRefused as e:  # an engine refused to join
+                if not self.auto_sync:
+                    raise
+                return self._fall_back(fleet, e, source, version, targets)
+            self._sync_urls = urls
+        try:
+            got = self._sync.push(as_buckets(source, self.bucket_bytes), version)
+        except PushRefused as e:  # refused before any weight changed
+            self.close()
+            if not self.auto_sync:
+                raise EngineDown(f"distributed weight push to {urls}: {e}") from e
+            return self._fall_back(fleet, e, e.buckets, version, targets)
+        except Exception as e:
+            self.close()
+            raise EngineDown(f"distributed weight push to {urls}: {e}") from e
+        fleet.stats.push_bytes = int(got.get("bytes", 0))
+        for s in targets:
+            s.version = version
+            s.client.expect_version(version)
+
+    def _fall_back(self, fleet: Any, why: Exception, source: Any, version: str,
+                   targets: list[EngineSlot]) -> None:
+        """weight_sync=auto: disk from now on (said once), this push included."""
+        fleet.log(f"fleet: rollout.weight_sync=auto: {why}; pushing weights through disk from "
+                  f"now on")
+        self.weight_sync, self.auto_sync = "disk", False
+        self._push_disk(fleet, source, version, targets)
+
+    def _push_disk(self, fleet: Any, source: Any, version: str,
+                   targets: list[EngineSlot]) -> None:
+        folder = source
+        if not isinstance(source, (str, Path)):
+            weights = (hf_state_dict(source) if isinstance(source, MoEModel) else
+                       dict(source) if isinstance(source, dict) else
+                       {k: t for b in source for k, t in b})
+            folder = save_hf_state_dict(weights, self.cfg, self.weights_dir / f"weights_{version}")
+            fleet.stats.disk_bytes_written += sum(
+                f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+            old, self._last_folder = self._last_folder, Path(folder)
+            if old is not None and old != Path(folder) and old.parent == self.weights_dir:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            self._last_folder = Path(folder)
+        self._last_version = version
+
+        async def all_() -> list:
+            return await asyncio.gather(*(s.client.aupdate_weights(str(folder), version)
+                                          for s in targets), return_exceptions=True)
+        got = asyncio.run(all_())
+        errors = [(s, e) for s, e in zip(targets, got) if isinstance(e, Exception)]
+        for s, e in zip(targets, got):
+            if not isinstance(e, Exception):
+                s.version = version
+        down = [(s, e) for s, e in errors if isinstance(e, EngineDown)]
+        if len(down) != len(errors):
+            s, e = next((s, e) for s, e in errors if not isinstance(e, EngineDown))
+            raise RolloutError(f"{s}: /update_weights_from_disk {folder}: {e}")
+        if down:
+            raise EngineDown(f"{len(down)} engine(s) did not load {folder}: {down[0][1]}")
+
+    def close(self) -> None:
+        """Leave the weight-update group (a dead member: the group is gone either way)."""
+        if self._sync is not None:
+            try:
+                self._sync.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._sync, self._sync_urls = None, []
+
+
+UNKNOWN = "unknown"  # the version of servers given by URL until the first push
+
+
+def _master_addr(urls: list[str]) -> str:
+    """The trainer's address for the weight group's rendezvous: loopback when every engine
+    is on this machine's loopback, else the local interface that routes to the first engine."""
+    from urllib.parse import urlsplit
+    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
+    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((hosts[0], 9))  # UDP: no packet is sent, only a route is chosen
+        return s.getsockname()[0]
