@@ -9,7 +9,9 @@ and after it (`kernels/threads.py`: PASSIVE), in the same run.
 "Busy" = `--busy` processes running a Python busy loop for the whole case (other jobs on the
 box). Every case is a fresh process with torch's default thread count (OMP_NUM_THREADS
 removed from its environment, as a user's shell has it): `old` imports torch as lockstep did,
-`new` calls `set_wait_policy()` first, as `lockstep ...` does now. Prints seconds per case and
+`new` calls `set_wait_policy()` first, as `lockstep ...` does now; `new-1t` also runs one
+thread (as `--threads 1` / `OMP_NUM_THREADS=1` would; a different thread count gives other
+last bits, so lockstep does not choose it for you). Prints seconds per case and
 the ratios busy/quiet per policy and old/new when busy (target: new busy within 3x of quiet).
 The main job runs with an empty warm-start cache of its own (`warmstart.cache_dir` in a temp
 folder) and compares summary.json of old and new (every key but time/*).
@@ -29,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WARM = """
 import sys, time
-if sys.argv[1] == "new":
+if sys.argv[1].startswith("new"):
     from lockstep.kernels.threads import set_wait_policy
     set_wait_policy()
 import torch
@@ -37,8 +39,9 @@ from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Task
 from lockstep.trainer.config import load_config
 from lockstep.trainer.warmstart import warm_start
-cfg = load_config(sys.argv[3], [f"warmstart.max_steps={sys.argv[2]}", "warmstart.target_accuracy=1.0",
-                                f"warmstart.eval_every={sys.argv[2]}", f"warmstart.cache_dir={sys.argv[4]}"])
+steps, cache = sys.argv[2], sys.argv[4]
+cfg = load_config(sys.argv[3], [f"warmstart.max_steps={steps}", "warmstart.target_accuracy=1.0",
+                                f"warmstart.eval_every={steps}", f"warmstart.cache_dir={cache}"])
 torch.manual_seed(cfg.loop.seed)
 model = MoEModel(cfg.model)
 t0 = time.perf_counter()
@@ -52,6 +55,8 @@ def child_env(policy: str, cli: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     if policy == "old" and cli:  # the CLI sets PASSIVE when unset; "" is the runtime's default
         env["OMP_WAIT_POLICY"] = ""
+    if policy == "new-1t":  # and one thread (--threads 1): other numbers than the default count
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
@@ -78,7 +83,8 @@ def main_job(policy: str, tmp: Path) -> tuple[float, dict]:
     subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "train",
                     str(ROOT / "configs" / "toy_r3.yaml"), "--out", str(out), "--no-progress",
                     "--set", f"warmstart.cache_dir={tmp / ('cache_' + out.name)}"],
-                   env=child_env(policy, cli=True), capture_output=True, text=True, check=True, cwd=tmp)
+                   env=child_env(policy, cli=True), capture_output=True, text=True, check=True,
+                   cwd=tmp)
     summary = json.loads((out / "summary.json").read_text())
     return time.perf_counter() - t0, {k: v for k, v in summary.items() if not k.startswith("time/")}
 
@@ -99,30 +105,34 @@ def main() -> None:
         tmp = Path(d)
         t = {}
         for load in () if args.no_warm else ("quiet", "busy"):
-            for policy in ("old", "new"):
+            for policy in ("old", "new", "new-1t"):
                 run = lambda: warm_case(policy, args.steps, str(tmp / "cache"))  # noqa: E731
                 t[load, policy] = run() if load == "quiet" else with_busy(args.busy, run)
-                print(f"warm start {args.steps} steps, {load:5} ({args.busy if load == 'busy' else 0}"
-                      f" busy loops), {policy} policy: {t[load, policy]:7.1f} s", flush=True)
+                loops = args.busy if load == "busy" else 0
+                print(f"warm start {args.steps} steps, {load:5} ({loops} busy loops), "
+                      f"{policy:6} policy: {t[load, policy]:7.1f} s", flush=True)
         if t:
             print(f"busy/quiet: old {t['busy', 'old'] / t['quiet', 'old']:.1f}x, new "
                   f"{t['busy', 'new'] / t['quiet', 'new']:.1f}x (target <= 3x); busy old/new "
                   f"{t['busy', 'old'] / t['busy', 'new']:.1f}x; quiet old/new "
-                  f"{t['quiet', 'old'] / t['quiet', 'new']:.2f}x")
+                  f"{t['quiet', 'old'] / t['quiet', 'new']:.2f}x; new-1t (PASSIVE, 1 thread) "
+                  f"busy/quiet {t['busy', 'new-1t'] / t['quiet', 'new-1t']:.1f}x, busy "
+                  f"{t['busy', 'new-1t']:.1f} s")
         if not args.main_job:
             return
         m, s = {}, {}
         policies = args.main_policies.split(",")
         for load, policy in [(load, p) for load in ("quiet", "busy") for p in policies]:
             run = lambda: main_job(policy, tmp)  # noqa: E731
-            m[load, policy], s[load, policy] = run() if load == "quiet" else with_busy(args.busy, run)
+            got = run() if load == "quiet" else with_busy(args.busy, run)
+            m[load, policy], s[load, policy] = got
             print(f"main job, {load:5}, {policy} policy: {m[load, policy]:7.1f} s", flush=True)
         for p in policies:
             print(f"main job busy/quiet, {p} policy: {m['busy', p] / m['quiet', p]:.1f}x")
         if len(policies) == 2:
+            same = s["quiet", "old"] == s["quiet", "new"] == s["busy", "old"] == s["busy", "new"]
             print(f"main job busy old/new: {m['busy', 'old'] / m['busy', 'new']:.1f}x; "
-                  f"summary.json old == new (all but time/*): "
-                  f"{s['quiet', 'old'] == s['quiet', 'new'] == s['busy', 'old'] == s['busy', 'new']}")
+                  f"summary.json old == new (all but time/*): {same}")
         if args.baseline:
             want = {k: v for k, v in json.loads(Path(args.baseline).read_text()).items()
                     if not k.startswith("time/")}

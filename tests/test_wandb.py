@@ -60,7 +60,8 @@ def test_offline_run_holds_every_metric_row_the_plots_and_the_config(tmp_path, m
     history = {}
     for r in records:
         if r.WhichOneof("record_type") == "history":
-            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                   for i in r.history.item}
             history.setdefault(row["_step"], {}).update(row)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sorted(history) == [1, 2, 3] == [r["step"] for r in rows]
