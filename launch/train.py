@@ -46,13 +46,22 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _nothing_to_run(out: Path, steps: int) -> str | None:
-    """Why `--resume` with loop.steps=`steps` would run no step (nothing is written then), or
-    None. A newest checkpoint that fails verification is not counted: the resume redoes it."""
-    from lockstep.trainer.checkpoint import CheckpointError, list_checkpoints, verify_manifest
+def _nothing_to_run(out: Path, cfg) -> str | None:
+    """Why `--resume` with this config would run no step (nothing is written then), or None.
+    A newest checkpoint that fails verification is not counted: the resume redoes it; one
+    written under another config is not either: the Trainer refuses that with the reason."""
+    from lockstep.trainer.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints,
+                                             verify_manifest)
+    from lockstep.trainer.loop import run_hash
 
-    ckpts = list_checkpoints(out)
+    ckpts, steps = list_checkpoints(out), cfg.loop.steps
     if not ckpts:
+        return None
+    try:
+        written_by = json.loads((ckpts[-1] / STATE_FILE).read_text())["config_hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # an unreadable state: the resume names the problem
+    if written_by not in (run_hash(cfg), run_hash(cfg, layout=True)):
         return None
     done = int(ckpts[-1].name[5:])
     if steps > done:
@@ -100,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from lockstep.kernels.threads import describe
     print(describe(), file=sys.stderr, flush=True)
     out = Path(args.out or cfg.loop.out_dir)
-    if args.resume and (done := _nothing_to_run(out, cfg.loop.steps)):
+    if args.resume and (done := _nothing_to_run(out, cfg)):
         print(f"lockstep train: {done}", file=sys.stderr)
         return 0 if "nothing to do" in done else 2
     with claim_run_dir(out, args.resume):  # held (and the PID shown) until the run ends

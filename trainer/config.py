@@ -182,7 +182,8 @@ def _closest(unknown: list[str], names: list[str], prefix: str) -> str:
 def _message(err: ValidationError) -> str:
     """The one line that names the first problem of a failed validation."""
     errors = err.errors()
-    extra = [e for e in errors if e["type"] == "extra_forbidden"]
+    # a key that is not a string (YAML `1: 2`) is as unknown as a misspelled one
+    extra = [e for e in errors if e["type"] in ("extra_forbidden", "invalid_key")]
     if extra:
         where, _, section = _walk(extra[0]["loc"][:-1])
         names = list(section.model_fields)
