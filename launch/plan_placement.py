@@ -87,7 +87,7 @@ class Placement:
                 "engines": engines, "gpus_needed": need, "gpus_total": G}
 
     def _sglang_command(self, engine: dict) -> dict[str, Any]:
-        from lockstep.rollout.sglang_options import sglang_server_config
+        from lockstep.trainer.sglang_servers import sglang_server_config
 
         cfg = self.cfg
         host = "0.0.0.0" if cfg.cluster.nodes > 1 else "127.0.0.1"

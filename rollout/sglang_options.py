@@ -14,21 +14,20 @@ launched, mapped onto `lockstep.rollout.sglang.SGLangConfig` (whose `command()` 
 `--skip-tokenizer-init` and `--enable-return-routed-experts` are always passed (lockstep sends
 token ids and needs the routes of every token); the server's seed is `loop.seed`; with
 `cluster.device: cpu` the servers run SGLang's CPU engine (`sglang.CPU_FLAGS`). Nothing here
-imports SGLang: `sglang_server_config(cfg, i, ...)` is what the fleet launches and what
-`lockstep plan` prints.
+imports SGLang or reads the experiment config: `lockstep.trainer.sglang_servers` maps an
+experiment onto these options (what the fleet launches and what `lockstep plan` prints).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from lockstep.kernels.dtypes import hf_name
 from lockstep.moe.config import need as _need
-from lockstep.rollout.sglang import SGLangConfig
 
 
-def _check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
+    """A bad rollout.sglang value: ValueError with the message (the config names the key)."""
     _need(cond, msg, ValueError)
 
 
@@ -76,27 +75,27 @@ class SGLangOptions:
         p = "rollout.sglang."
         for name in ("tp_size", "ep_size"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and 1 <= v <= 1024,
+            check(isinstance(v, int) and 1 <= v <= 1024,
                    f"{p}{name}={v!r} must be an integer in [1, 1024]")
-        _check(self.tp_size % self.ep_size == 0,
+        check(self.tp_size % self.ep_size == 0,
                f"{p}ep_size={self.ep_size} must divide {p}tp_size={self.tp_size} (SGLang lays "
                "expert parallelism inside the tensor-parallel GPUs)")
-        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+        check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                f"{p}mem_fraction_static={self.mem_fraction_static!r} must be in (0, 1)")
         for name in ("context_length", "sampling_mask_max_tokens", "max_total_tokens"):
             v = getattr(self, name)
-            _check(v is None or v >= 1, f"{p}{name}={v!r} must be a positive integer or null")
-        _check(self.startup_timeout_s > 0,
+            check(v is None or v >= 1, f"{p}{name}={v!r} must be a positive integer or null")
+        check(self.startup_timeout_s > 0,
                f"{p}startup_timeout_s={self.startup_timeout_s} must be > 0")
-        _check(self.python is None or bool(self.python.strip()),
+        check(self.python is None or bool(self.python.strip()),
                f"{p}python must be an interpreter path or null, got {self.python!r}")
-        _check(self.bind in ("auto", "loopback", "node"),
+        check(self.bind in ("auto", "loopback", "node"),
                f"{p}bind={self.bind!r} must be auto, loopback or node")
         bad = [e for e in self.extra_env if not (isinstance(e, str) and e.partition("=")[0]
                                                    and "=" in e)]
-        _check(not bad, f"{p}extra_env entries must be NAME=VALUE, got {bad}")
+        check(not bad, f"{p}extra_env entries must be NAME=VALUE, got {bad}")
         bad = [a for a in self.extra_args if a in _OWN_FLAGS]
-        _check(not bad, f"{p}extra_args {bad}: set by lockstep from the config "
+        check(not bad, f"{p}extra_args {bad}: set by lockstep from the config "
                         f"({', '.join(_OWN_FLAGS[a] for a in bad)}); drop them")
 
 
@@ -115,52 +114,3 @@ _OWN_FLAGS = {"--model-path": "model.path", "--tp-size": "rollout.sglang.tp_size
 
 # rollout.sglang keys the fleet uses itself (not SGLangConfig fields)
 FLEET_KEYS = ("startup_timeout_s", "bind")
-
-
-def sglang_device(cluster_device: str) -> str:
-    """The SGLang device of `cluster.device`: cpu, or cuda (auto = cuda when this machine
-    sees a GPU)."""
-    if cluster_device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cluster_device
-
-
-def sglang_options_dict(cfg: Any) -> dict[str, Any]:
-    """`rollout.sglang` of the experiment `cfg` as `SGLangConfig` keyword arguments, without
-    what is chosen per server (model_path, host, port, api_key, weight_version), plus the
-    fleet's own `FLEET_KEYS`: the options every server of the fleet is launched with."""
-    ro, sg = cfg.rollout, cfg.rollout.sglang
-    _check(ro.lm_head_dtype in (None, "fp32", ro.dtype),
-           f"rollout.lm_head_dtype={ro.lm_head_dtype!r}: SGLang computes the LM head in "
-           f"rollout.dtype={ro.dtype!r} or in fp32 (--enable-fp32-lm-head), nothing else")
-    d: dict[str, Any] = dict(
-        tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=hf_name(ro.dtype),
-        mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length,
-        enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
-        enable_deterministic_inference=sg.deterministic_inference,
-        sampling_mask_max_tokens=sg.sampling_mask_max_tokens, random_seed=cfg.loop.seed,
-        device=sglang_device(cfg.cluster.device), max_total_tokens=sg.max_total_tokens,
-        extra_args=list(sg.extra_args), extra_env=dict(e.split("=", 1) for e in sg.extra_env),
-        startup_timeout_s=sg.startup_timeout_s, bind=sg.bind)
-    if sg.python is not None:
-        d["python"] = sg.python
-    return d
-
-
-def sglang_server_config(cfg: Any, local_index: int = 0, *, host: str = "127.0.0.1",
-                         port: int | None = None, model_path: str | None = None,
-                         api_key: str | None = None,
-                         weight_version: str | None = None) -> SGLangConfig:
-    """The `SGLangConfig` of the `local_index`-th server on its node for the experiment `cfg`
-    (an `ExperimentConfig`): its `command()` is the exact argv to run. The fleet passes each
-    server's host and a free port; None = 30000 + local_index (what `lockstep plan` shows)."""
-    path = model_path or cfg.model.path
-    _check(bool(path), "rollout.sglang: SGLang loads the policy from an HF folder; set "
-                       "model.path (the fleet pushes lockstep's weights after the launch)")
-    d = sglang_options_dict(cfg)
-    for k in FLEET_KEYS:
-        d.pop(k)
-    return SGLangConfig(model_path=str(path), host=host,
-                        port=30000 + local_index if port is None else port,
-                        api_key=api_key, weight_version=weight_version, **d)

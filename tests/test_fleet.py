@@ -128,7 +128,7 @@ def test_config_fleet_backends():
 
 
 def test_sglang_fleet_arguments():
-    from lockstep.rollout.sglang_options import sglang_options_dict
+    from lockstep.trainer.sglang_servers import sglang_options_dict
     cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cuda",
                              "rollout.sglang.tp_size=4", "rollout.sglang.ep_size=2",
                              "rollout.lm_head_dtype=fp32",
@@ -149,7 +149,7 @@ def test_sglang_fleet_arguments():
 
 
 def test_sglang_fleet_arguments_on_cpu():
-    from lockstep.rollout.sglang_options import sglang_options_dict
+    from lockstep.trainer.sglang_servers import sglang_options_dict
     cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cpu",
                              "rollout.sglang.extra_env=[PYTHONPATH=/shims, SGL_X=a=b]",
                              "rollout.sglang.startup_timeout_s=30", "rollout.sglang.bind=node"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.rollout.sglang_options import sglang_server_config
+from lockstep.trainer.sglang_servers import sglang_server_config
 from lockstep.trainer.config import ExperimentConfigError, load_config, save_config
 
 ROOT = Path(__file__).resolve().parents[1]

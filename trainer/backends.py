@@ -215,7 +215,7 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
                            threads_per_engine=cfg.cluster.threads_per_rank, colocate_in=shared,
                            **kw)
     if ro.backend == "sglang":
-        from lockstep.rollout.sglang_options import sglang_options_dict
+        from lockstep.trainer.sglang_servers import sglang_options_dict
         opts = sglang_options_dict(cfg)
         path = str(model) if isinstance(model, Path) else cfg.model.path
         if path is None:  # SGLang loads a folder: the initial weights, written once
