@@ -136,8 +136,8 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
 
     task = Task(cfg.task)
     ro = cfg.rollout
-    if ro.backend != "local" and url is None:
-        cfg = cfg.model_copy(update={"rollout": ro.model_copy(update={"backend": "local"})})
+    if ro.backend != "embedded" and url is None:
+        cfg = cfg.model_copy(update={"rollout": ro.model_copy(update={"backend": "embedded"})})
     # the loop's own request and engine builders, so the samples are the run's
     source = TaskSource(task, cfg.loop.seed)
     loop = SimpleNamespace(cfg=cfg, task=task, source=source, out=None,
