@@ -77,19 +77,6 @@ for _tag, _rx, _first in (
     _Loader.add_implicit_resolver(_tag, re.compile(_rx), list(_first))
 
 
-
-def _yaml_load(text: str) -> Any:
-    """Parse YAML text; any failure is an ExperimentConfigError (e.g. a bad date, deep nesting)."""
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except ExperimentConfigError:
-        raise
-    except yaml.YAMLError as e:
-        raise ExperimentConfigError(f"not valid YAML: {e}") from None
-    except (ValueError, TypeError, OverflowError, RecursionError) as e:
-        raise ExperimentConfigError(f"not valid YAML: {type(e).__name__}: {e}") from None
-
-
 def _yaml_load(text: str) -> Any:
     """Parse YAML text; any failure is an ExperimentConfigError (e.g. a bad date, deep nesting)."""
     try:
