@@ -29,3 +29,23 @@ def kill_when_written(victim: subprocess.Popen, done: Path, what: str, poll_s: f
                 os.killpg(victim.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
+    """True once `pid` is gone (within `timeout_s`), else False."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False

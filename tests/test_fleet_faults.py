@@ -34,6 +34,7 @@ from lockstep.rollout.types import FleetError, RolloutError  # noqa: E402
 from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
 from lockstep.rollout.fleet import Fleet  # noqa: E402
 
+from kill_fixtures import wait_gone  # noqa: E402
 from model_fixtures import tiny_config  # noqa: E402
 from test_fleet import requests, same  # noqa: E402
 
@@ -136,24 +137,6 @@ def _perturbed(model, seed):
     return m
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
-def _wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _pid(fleet, slot):
     """The engine's process: the fleet's actor, or a server given by URL (started here)."""
     return slot.pid if fleet.servers is None else fleet.servers.procs[slot.index].pid
@@ -203,7 +186,7 @@ def test_kill9_mid_generate_every_sample_once_and_engine_back(fleet, model):
     assert fleet.stats.engines_marked_dead == dead_before + 1 and fleet.stats.retried_groups >= 1
     if fleet.kind in HTTP:  # a resent group's answered samples came back and were dropped
         assert fleet.stats.duplicates_dropped >= 1
-    assert _wait_gone(old_pid)
+    assert wait_gone(old_pid)
     if fleet.kind in RELAUNCHED:  # relaunched in its bundle before generate returned
         assert victim.restarts == 1 and victim.pid not in (old_pid, -1)
         # an embedded Ray engine is built from the last push's buckets; a server waits for one
@@ -237,7 +220,7 @@ def test_hung_engine_times_out_is_killed_and_replaced(fleet, model):
     assert took >= 6.0  # it waited for the timeout, not for the engine
     assert re.search(r"within 6(\.0)?s", victim.last_error), victim.last_error
     if fleet.kind in RELAUNCHED:
-        assert _wait_gone(old_pid)  # the hung process was killed, its bundle freed
+        assert wait_gone(old_pid)  # the hung process was killed, its bundle freed
         assert victim.restarts == restarts + 1 and victim.pid != old_pid
     fleet.update_weights(weights, "3")
     assert victim.state == "live"
@@ -259,6 +242,6 @@ def test_restarts_past_the_limit_name_the_engine(fleet):
             r"unanswered requests: \['p2', 'p3'\]")):
         fleet.generate(requests(k=4, n=2))
     assert fleet.closed and fleet.pg is None
-    assert _wait_gone(fleet.slots[0].pid)  # the survivor is killed by close(), not left running
+    assert wait_gone(fleet.slots[0].pid)  # the survivor is killed by close(), not left running
     with pytest.raises(RolloutError, match="closed"):
         fleet.generate(requests(k=1))

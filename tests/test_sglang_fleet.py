@@ -36,6 +36,7 @@ from lockstep.trainer.backends import make_fleet  # noqa: E402
 from lockstep.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 from lockstep.trainer.config import load_config  # noqa: E402
 
+from kill_fixtures import alive, wait_gone  # noqa: E402
 from sglang_fixtures import PYTHON, SHIMS, VENV  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.skipif(
@@ -74,24 +75,6 @@ def once_each(got, reqs, version):
         assert len(r.output_ids) == q.sampling.max_new_tokens and r.weight_version == version
         assert r.routes_NLK is not None and r.routes_NLK.shape[0] == len(q.input_ids) + len(
             r.output_ids) - 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
-def _wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _generate_killing(fleet, reqs, slot):
@@ -163,7 +146,7 @@ def fleet(cluster, model, tmp_path_factory):
     yield f
     pids = [p for s in f.slots for p in _group_pids(s.pid)]
     f.close()
-    assert all(_wait_gone(p, 30) for p in pids), "SGLang processes outlived fleet.close()"
+    assert all(wait_gone(p, 30) for p in pids), "SGLang processes outlived fleet.close()"
 
 
 def test_cpu_bundles_and_loopback_bind(fleet):
@@ -208,7 +191,7 @@ def test_kill9_mid_generate_every_sample_once_and_server_relaunched(fleet, model
     # relaunched in its bundle at once; it joins the weight group at the next push
     assert victim.state == "joining" and fleet.slots[0].state == "live"
     assert fleet.stats.retried_groups >= 1
-    assert all(_wait_gone(p) for p in children)  # SGLang's children died with it
+    assert all(wait_gone(p) for p in children)  # SGLang's children died with it
     # the next push relaunches it in its bundle and re-creates the weight group with it: it
     # serves only once it holds the pushed weights
     torch.manual_seed(1)
@@ -242,6 +225,6 @@ def test_release_memory_refused_on_cpu_sglang(fleet):
     with pytest.raises(RolloutError, match="SGLang on a CPU"):
         fleet.resume_memory()
     for s in fleet.slots:  # nothing was sent: the servers still serve
-        assert s.state == "live" and _alive(s.pid)
+        assert s.state == "live" and alive(s.pid)
     reqs = requests(k=2, n=1, seed=10)
     once_each(fleet.generate(reqs), reqs, "1")
