@@ -14,9 +14,11 @@
 - `--resume` needs a checkpoint and says how to restart when there is none;
 - no file is written through a symbolic link: a run file, the marker or the lock that is a
   link (planted, e.g. in a shared /tmp) is refused, and the marker counts only as a regular
-  file (the run's folders, such as checkpoints/ on another disk, may be links);
+  file (the run's folders, such as checkpoints/ on another disk, may be links, but not links
+  into another run's tree; a marker or lock that is not a regular file is refused);
 - `--out` inside another run's directory tree (e.g. `runs/x/checkpoints/step_6`) is refused:
-  its files would break that run's checkpoints.
+  its files would break that run's checkpoints; so is a fresh `--out` directly holding a run
+  (`--out runs` next to `runs/x`), which would put that run inside this one.
 
 Every refusal is a `RunDirError` with a one-line message.
 """
@@ -113,13 +115,42 @@ def is_lockstep_run(out: str | Path) -> bool:
     return _is_regular(Path(out) / MARKER)
 
 
+def _owning_run(path: Path) -> Path | None:
+    """The lockstep run directory (marker) that `path`, links resolved, is or lies inside."""
+    path = path.resolve()
+    return next((p for p in (path, *path.parents) if is_lockstep_run(p)), None)
+
+
 def _check_no_links(out: Path) -> None:
-    """Refuse a run directory whose lock, marker or run files are symbolic links (its
-    folders, e.g. checkpoints/ on another disk, may be links: nothing is opened through
-    them but files lockstep creates there itself)."""
+    """Refuse a run directory whose lock, marker or run files are symbolic links or not
+    regular files, or whose folders (which may be links, e.g. checkpoints/ on another disk)
+    or checkpoint folders are links into another run's tree (this run would write there)."""
     for name in (LOCK_FILE, MARKER, *(n for n in OUTPUTS if n not in OUTPUT_DIRS)):
-        if (out / name).is_symlink():
-            raise RunDirError(_link_msg(out / name))
+        path = out / name
+        if path.is_symlink():
+            raise RunDirError(_link_msg(path))
+        if name in (LOCK_FILE, MARKER) and path.exists() and not _is_regular(path):
+            raise RunDirError(f"{path} is not a regular file; remove it or choose another --out")
+    links = [out / n for n in OUTPUT_DIRS if (out / n).is_symlink()]
+    if (out / "checkpoints").is_dir():
+        links += [p for p in (out / "checkpoints").iterdir() if p.is_symlink()]
+    own = out.resolve()
+    for link in links:
+        owner = _owning_run(link)
+        if owner is not None and owner != own:
+            raise RunDirError(f"{link} is a link into the lockstep run {owner}; this run would "
+                              f"write its files there and break that run: remove the link or "
+                              f"choose another --out")
+
+
+def _holds_run(out: Path) -> Path | None:
+    """A lockstep run directly inside `out` (a fresh run there would make that run lie inside
+    another one, so it could not resume)."""
+    try:
+        return next((p for p in sorted(out.iterdir()) if p.is_dir() and is_lockstep_run(p)),
+                    None)
+    except OSError:
+        return None
 
 
 def enclosing_run(out: Path) -> Path | None:
@@ -162,6 +193,11 @@ def claim_run_dir(out: str | Path, resume: bool) -> RunLock:
         if not out.is_dir():
             raise RunDirError(f"--resume: {out} does not exist")
     else:
+        held = _holds_run(out) if out.is_dir() and not is_lockstep_run(out) else None
+        if held is not None:
+            raise RunDirError(f"--out {out} holds the lockstep run {held}; a run here would put "
+                              f"that run inside this one (it could no longer resume): choose "
+                              f"an --out next to it, not above it")
         clash = [n for n in OUTPUTS if (out / n).exists()]
         if clash and not is_lockstep_run(out):
             raise RunDirError(

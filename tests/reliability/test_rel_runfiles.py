@@ -12,7 +12,7 @@ from lockstep.launch.cli import main
 from lockstep.trainer.checkpoint import verify_manifest
 from lockstep.trainer.metrics import (HISTORY_FILE, MetricsFileError, history_problem,
                                       resumed_history, save_history)
-from lockstep.trainer.rundir import LOCK_FILE, MARKER
+from lockstep.trainer.rundir import LOCK_FILE, MARKER, RunDirError, claim_run_dir
 
 from rundir_fixtures import COLD, FAST, TOY, metrics, sets
 
@@ -147,3 +147,52 @@ def test_history_checks_without_a_checkpoint_copy(tmp_path):
     seen = []
     assert resumed_history(path, 2, seen.append) == rows[:2] and "restored" in seen[0]
     assert (ckpt / HISTORY_FILE).stat().st_size < 200
+
+
+def fake_run(d):
+    """A run directory as claim_run_dir sees it: marker, config.yaml, one checkpoint."""
+    ckpt = d / "checkpoints" / "step_1"
+    ckpt.mkdir(parents=True)
+    for f in ("manifest.json", "state.json"):
+        (ckpt / f).write_text("{}\n")
+    (d / MARKER).write_text("{}\n")
+    (d / "config.yaml").write_text("loop: {steps: 1}\n")
+    return d
+
+
+@pytest.mark.parametrize("link", ["checkpoints", "checkpoints/step_1"])
+def test_run_folders_linked_into_another_run_are_refused(tmp_path, link):
+    """Probe round 2: checkpoints/ (or a step folder) linked into another run's tree made a
+    resume write its checkpoints into that run."""
+    other, out = fake_run(tmp_path / "other"), fake_run(tmp_path / "run")
+    shutil.rmtree(out / link)
+    (out / link).symlink_to(other / link)
+    before = snapshot(other)
+    with pytest.raises(RunDirError, match="is a link into the lockstep run .*other"):
+        claim_run_dir(out, resume=True).release()
+    assert snapshot(other) == before
+    plain = tmp_path / "disk2"  # a link to a folder that is no run's stays allowed
+    shutil.copytree(other / "checkpoints", plain)
+    (out / link).unlink()
+    (out / link).symlink_to(plain / link.removeprefix("checkpoints").strip("/")
+                            if "/" in link else plain)
+    claim_run_dir(out, resume=True).release()
+
+
+@pytest.mark.parametrize("name", [MARKER, LOCK_FILE])
+def test_a_marker_or_lock_that_is_a_directory_is_named(tmp_path, name):
+    out = fake_run(tmp_path / "run")
+    (out / name).unlink(missing_ok=True)
+    (out / name).mkdir()
+    with pytest.raises(RunDirError, match=f"{name} is not a regular file"):
+        claim_run_dir(out, resume=True).release()
+
+
+def test_a_fresh_run_above_another_run_is_refused(tmp_path):
+    """Probe round 2: `--out runs` next to runs/x started a run there, after which runs/x lay
+    inside another run and could no longer resume."""
+    inner = fake_run(tmp_path / "runs" / "x")
+    with pytest.raises(RunDirError, match="holds the lockstep run .*x"):
+        claim_run_dir(tmp_path / "runs", resume=False).release()
+    assert not (tmp_path / "runs" / MARKER).exists()
+    claim_run_dir(inner, resume=True).release()
