@@ -13,9 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockstep.trainer.rundir import MARKER
+from lockstep.trainer.rundir import report_dir_problem
 from lockstep.trainer.metrics import history_problem, read_metrics, summarize, write_plots
 
+COMPARE_MARKER = ".lockstep-compare"  # --out's plots were written by lockstep compare
 COLUMNS = ("reward/first_mean", "reward/last_mean", "rollout_corr/k3_kl_mean",
            "rollout_corr/kl_mean", "routing/flip_rate_mean", "routing/token_any_flip_mean")
 
@@ -44,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"lockstep compare: no metrics.jsonl in {d}", file=sys.stderr)
             return 2
         rows = read_metrics(path)  # a malformed file: one line via lockstep.launch.cli
+        lines = path.read_text().splitlines()  # read_metrics read it as text already
+        if rows and len(rows) < len(lines) and lines[-1].strip():
+            print(f"lockstep compare: note: the last line of {path} is torn (a run still "
+                  f"writing it, or killed); summarising steps 1..{rows[-1]['step']}",
+                  file=sys.stderr)
         if not rows:
             print(f"lockstep compare: {path} has no steps yet", file=sys.stderr)
             return 2
@@ -60,11 +66,19 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         print(f"lockstep compare: --out {out} is a file, not a directory", file=sys.stderr)
         return 2
-    if out.is_dir() and any((out / n).exists() for n in ("metrics.jsonl", MARKER)):
-        print(f"lockstep compare: --out {out} is a run directory; its plots would be "
-              f"overwritten: choose another --out", file=sys.stderr)
+    problem = report_dir_problem(out)
+    if problem is not None:
+        print(f"lockstep compare: {problem}", file=sys.stderr)
+        return 2
+    theirs = sorted(p.name for p in out.glob("*.png")) if not (out / COMPARE_MARKER).is_file() \
+        else []
+    if theirs:
+        print(f"lockstep compare: --out {out} already holds {', '.join(theirs[:3])}, not written "
+              f"by lockstep compare (no {COMPARE_MARKER}); it never writes over them: choose a "
+              f"new or empty --out", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    (out / COMPARE_MARKER).touch()
     written = write_plots(out, runs)
     width = max(len(n) for n in runs)
     print(f"{'run':<{width}}  " + "  ".join(f"{c:>28}" for c in COLUMNS))

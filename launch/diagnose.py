@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from lockstep.trainer.rundir import report_dir_problem
+
 URL_TIMEOUT_S = 120.0  # --url: seconds one request may take unless rollout.request_timeout_s is set
 SWEEP = (  # (label, overrides): each one changes one knob from the run's config
     ("as configured", []),
@@ -277,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
     if args.samples is not None and args.samples < 1:
         return _fail(f"--samples must be >= 1, got {args.samples}")
     out = Path(args.out)
+    problem = report_dir_problem(out)
+    if problem is not None:
+        return _fail(problem)
     sets = list(args.overrides) + ([f"task.name={args.task}"] if args.task else [])
     try:
         if args.sweep:

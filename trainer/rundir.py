@@ -165,6 +165,23 @@ def enclosing_run(out: Path) -> Path | None:
     return next((p for p in out.parents if is_lockstep_run(p) or is_checkpoint(p)), None)
 
 
+def report_dir_problem(out: str | Path) -> str | None:
+    """Why `out` may not take a report's files (`lockstep compare` / `diagnose --out`): it is a
+    lockstep run directory (its own plots would be overwritten) or lies inside a checkpoint
+    folder (which would then fail verification); None when it may."""
+    out = Path(out)
+    if is_lockstep_run(out) or (out / "metrics.jsonl").exists():
+        return (f"--out {out} is a run directory; its files would be overwritten: choose "
+                f"another --out")
+    real = out.resolve()
+    ckpt = next((p for p in (real, *real.parents)
+                 if all(_is_regular(p / f) for f in CHECKPOINT_FILES)), None)
+    if ckpt is not None:
+        return (f"--out {out} lies inside the checkpoint {ckpt}; files there would make it "
+                f"fail verification: choose another --out")
+    return None
+
+
 def _write_marker(out: Path) -> None:
     fd = os.open(out / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as f:
