@@ -131,7 +131,7 @@ def load_function(spec: str) -> Callable[..., Any]:
     except SystemExit as e:  # a scheduler would read exit 0 as success
         raise RewardFunctionError(f"reward.function={spec!r}: importing {file} called "
                                   f"sys.exit({e.code!r})") from None
-    except Exception as e:
+    except BaseException as e:  # noqa: BLE001 - the file's import code may raise anything
         raise RewardFunctionError(f"reward.function={spec!r}: importing {file} failed: "
                                   f"{type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
@@ -150,6 +150,9 @@ def check_score(out: Any) -> float:
         return float(out)
     if not isinstance(out, (int, float)) or isinstance(out, complex):
         raise ValueError(f"returned {type(out).__name__} {str(out)[:80]!r}, not a number")
+    if isinstance(out, int) and not -SCORE_LIMIT <= out <= SCORE_LIMIT:  # float(10**400) overflows
+        raise ValueError(f"returned an integer of {out.bit_length()} bits, outside the score "
+                         f"range [-{SCORE_LIMIT:g}, {SCORE_LIMIT:g}]")
     if not math.isfinite(out):
         raise ValueError(f"returned the non-finite score {out!r}")
     if not abs(out) <= SCORE_LIMIT:

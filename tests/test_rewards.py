@@ -66,6 +66,9 @@ def test_bad_reward_specs_fail_at_construction(tmp_path):
     f.write_text("x = 1\n")
     with pytest.raises(RewardFunctionError, match="has no callable 'compute_score'"):
         RewardPool(RewardConfig(function=f"{f}:compute_score"))
+    f.write_text("raise KeyboardInterrupt\n")  # probe round 2: the worker died, a traceback
+    with pytest.raises(RewardFunctionError, match="failed: KeyboardInterrupt"):
+        RewardPool(RewardConfig(function=f"{f}:compute_score"))
     with pytest.raises(ValueError, match="must be 'path/to/file.py:name' or one of"):
         RewardConfig(function="mystery")
     with pytest.raises(ValueError, match=r"reward.timeout_s=0 is outside \(0, 3600\]"):
@@ -77,6 +80,10 @@ def test_builtins():
     assert check_score({"score": 1}) == 1.0 and check_score(False) == 0.0
     with pytest.raises(ValueError, match="not a number"):
         check_score([1.0])
+    # probe round 2: an int too large for a float killed the worker (OverflowError)
+    with pytest.raises(ValueError, match="integer of 1329 bits, outside the score range"):
+        check_score({"score": 10**400})
+    assert check_score(10**6) == 1e6
     pytest.importorskip("math_verify")
     with RewardPool(RewardConfig(function="math_verify", num_workers=1)) as pool:
         out = pool.score([RewardCall("m", r"so it is $\boxed{\frac{1}{2}}$", "0.5"),
