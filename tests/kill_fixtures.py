@@ -49,3 +49,29 @@ def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def generate_then(fleet, reqs, ready, act, wait_s: float, join_s: float):
+    """fleet.generate(reqs) on a thread; once `ready()` holds (polled), `act()` (the fault:
+    a signal to an engine's process); then the results, or the generate's exception."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["r"] = fleet.generate(reqs)
+        except Exception as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            out["e"] = e
+    th = threading.Thread(target=run)
+    th.start()
+    deadline = time.monotonic() + wait_s
+    while not ready():
+        assert time.monotonic() < deadline and th.is_alive(), "the engine never got work"
+        time.sleep(0.002)
+    act()
+    th.join(join_s)
+    assert not th.is_alive()
+    if "e" in out:
+        raise out["e"]
+    return out["r"]

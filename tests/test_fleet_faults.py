@@ -34,7 +34,7 @@ from lockstep.rollout.types import FleetError, RolloutError  # noqa: E402
 from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
 from lockstep.rollout.fleet import Fleet  # noqa: E402
 
-from kill_fixtures import wait_gone  # noqa: E402
+from kill_fixtures import generate_then, wait_gone  # noqa: E402
 from model_fixtures import tiny_config  # noqa: E402
 from test_fleet import requests, same  # noqa: E402
 
@@ -146,28 +146,17 @@ def _generate_signalling(fleet, reqs, slot, kill):
     """Run generate on a thread; once `slot` has work in flight (over HTTP: and has answered
     one sample of it), SIGSTOP its process (it answers nothing more) and, with `kill`, SIGKILL
     it 0.5 s later."""
-    out, pid = {}, _pid(fleet, slot)
+    pid = _pid(fleet, slot)
 
-    def run():
-        try:
-            out["r"] = fleet.generate(reqs)
-        except Exception as e:  # noqa: BLE001 - re-raised below, in the test's thread
-            out["e"] = e
-    th = threading.Thread(target=run)
-    th.start()
-    deadline = time.monotonic() + 60
-    while not (slot.load > 0 and (fleet.kind not in HTTP or slot.index in
-                                  fleet.placement.values())):
-        assert time.monotonic() < deadline and th.is_alive(), "the slot never got work"
-        time.sleep(0.002)
-    os.kill(pid, signal.SIGSTOP)
-    if kill:
-        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-    th.join(180)
-    assert not th.is_alive()
-    if "e" in out:
-        raise out["e"]
-    return out["r"]
+    def ready():
+        return slot.load > 0 and (fleet.kind not in HTTP or slot.index in
+                                  fleet.placement.values())
+
+    def act():
+        os.kill(pid, signal.SIGSTOP)
+        if kill:
+            threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    return generate_then(fleet, reqs, ready, act, wait_s=60, join_s=180)
 
 
 def test_results_equal_the_engine_on_both_engines(fleet, model):

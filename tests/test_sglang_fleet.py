@@ -17,7 +17,6 @@ core each while up, so the module keeps to one fleet of 2 servers and a few smal
 import os
 import signal
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +35,7 @@ from lockstep.trainer.backends import make_fleet  # noqa: E402
 from lockstep.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 from lockstep.trainer.config import load_config  # noqa: E402
 
-from kill_fixtures import alive, wait_gone  # noqa: E402
+from kill_fixtures import alive, generate_then, wait_gone  # noqa: E402
 from sglang_fixtures import PYTHON, SHIMS, VENV  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.skipif(
@@ -80,25 +79,9 @@ def once_each(got, reqs, version):
 def _generate_killing(fleet, reqs, slot):
     """fleet.generate(reqs) on a thread; once `slot` has answered a request and has more in
     flight, kill -9 its server process."""
-    out = {}
-
-    def run():
-        try:
-            out["r"] = fleet.generate(reqs)
-        except Exception as e:  # noqa: BLE001 - re-raised below, in the test's thread
-            out["e"] = e
-    th = threading.Thread(target=run)
-    th.start()
-    deadline = time.monotonic() + 300
-    while not (slot.index in fleet.placement.values() and slot.load > 0):
-        assert time.monotonic() < deadline and th.is_alive(), "the server never got work"
-        time.sleep(0.002)
-    os.kill(slot.pid, signal.SIGKILL)
-    th.join(600)
-    assert not th.is_alive()
-    if "e" in out:
-        raise out["e"]
-    return out["r"]
+    return generate_then(fleet, reqs,
+                         lambda: slot.index in fleet.placement.values() and slot.load > 0,
+                         lambda: os.kill(slot.pid, signal.SIGKILL), wait_s=300, join_s=600)
 
 
 def _group_pids(pid: int) -> list[int]:
