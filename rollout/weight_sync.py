@@ -325,26 +325,14 @@ class DistributedWeightSync:
         deadline = time.monotonic() + self.timeout_s
         pending = dict(enumerate(posts))
         while pending or not done.is_set():
-            for i, f in list(pending.items()):
-                if f.done():
-                    del pending[i]
-                    try:
-                        f.result()
-                    except RolloutError as e:
-                        self._fail(f"{what}: {e}", refused=isinstance(e, PushRefused))
+            self._reap(pending, what)
             if "error" in box:
                 e = box["error"]
                 # An engine that refused the bucket before receiving (a name or shape the
                 # model lacks) leaves the group at once: its answer names the tensor.
                 grace = min(time.monotonic() + 5.0, deadline)
                 while pending and time.monotonic() < grace:
-                    for i, f in list(pending.items()):
-                        if f.done():
-                            del pending[i]
-                            try:
-                                f.result()
-                            except RolloutError as refused:
-                                self._fail(f"{what}: {refused}")
+                    self._reap(pending, what)
                     time.sleep(0.002)
                 dead = self._dead_engines()
                 who = ", ".join(dead) if dead else "every engine still answers /health"
@@ -356,6 +344,17 @@ class DistributedWeightSync:
                            f"{', '.join(slow)}")
             time.sleep(0.002)
         return box.get("value")
+
+    def _reap(self, pending: dict[int, Future], what: str) -> None:
+        """Drop the engines' answers that came; the first that failed raises, naming it (a
+        refusal of the bucket stays a PushRefused)."""
+        for i, f in list(pending.items()):
+            if f.done():
+                del pending[i]
+                try:
+                    f.result()
+                except RolloutError as e:
+                    self._fail(f"{what}: {e}", refused=isinstance(e, PushRefused))
 
     def _fail(self, message: str, refused: bool = False) -> None:
         self.broken = message
