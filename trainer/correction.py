@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 
 from lockstep.moe.config import strict_kwargs
+from lockstep.trainer.correction_presets import PRESETS, VERL_FIELDS, expand_preset
 from lockstep.trainer.rollout_corr import (  # noqa: F401  (verl's names, re-exported)
     IS_LEVELS, LOSS_TYPES, RS_OPTIONS, SAFETY_BOUND, _Mask, _checked_zero_pad, _masked_mean,
     _prefixed, check_logprobs, compute_is_metrics, compute_offpolicy_metrics,
@@ -55,8 +56,15 @@ class CorrectionConfig:
     bypass_mode: bool = False  # True: pi_old := mu_old, IS/RS against the current policy in the loss
     loss_type: Literal[LOSS_TYPES] = "ppo_clip"  # bypass only: "ppo_clip" (ratio is the IS) | "reinforce" (apply weights)
     prob_diff_eps: float | None = None  # IPO/DPPO mask: drop tokens with |p_old - p_rollout| > eps (0.3 typical)
+    preset: Literal[tuple(PRESETS)] | None = None  # verl preset name: sets verl's 7 fields (correction_presets), then None
 
     def __post_init__(self):
+        if self.preset is not None:  # a field away from its default must agree with the preset
+            given = {f: getattr(self, f) for f in VERL_FIELDS
+                     if getattr(self, f) != self.__dataclass_fields__[f].default}
+            for k, v in expand_preset({**given, "preset": self.preset}).items():
+                setattr(self, k, v)
+            self.preset = None
         if self.rollout_is is not None:
             if self.rollout_is not in IS_LEVELS:
                 raise ValueError(f"unknown rollout_is {self.rollout_is!r}; valid: None, {', '.join(IS_LEVELS)}")
@@ -70,7 +78,8 @@ class CorrectionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CorrectionConfig":
-        return cls(**strict_kwargs(cls, d, "correction", ValueError))
+        """From a mapping of fields; a `preset` key expands to verl's preset (correction_presets)."""
+        return cls(**strict_kwargs(cls, expand_preset(d) if isinstance(d, dict) else d, "correction", ValueError))
 
 
 @dataclass

@@ -19,6 +19,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from lockstep.kernels.dtypes import PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
@@ -28,6 +29,7 @@ from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.rollout.types import GREEDY_TEMPERATURE
 from lockstep.trainer.correction import CorrectionConfig
+from lockstep.trainer.correction_presets import expand_preset
 from lockstep.trainer.data import DataConfig
 from lockstep.trainer.losses import LossConfig
 from lockstep.trainer.megatron.model import MegatronOptions  # no megatron-core import
@@ -358,6 +360,17 @@ def _model_on_toy(value: Any) -> Any:
     return value
 
 
+def _correction_preset(value: Any) -> Any:
+    """A `correction` mapping with `preset: NAME` as the preset's fields (the saved config
+    records those); a given field that differs from the preset's is refused naming both."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        return expand_preset(value)
+    except ValueError as e:
+        raise PydanticCustomError("section", "{error}", {"error": str(e)}) from None
+
+
 # rollout keys of the fleet and its fault handling; left out at their defaults
 _FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
@@ -383,8 +396,10 @@ class ExperimentConfig(Section):
     """Trainer-side policy and optimiser."""
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     """Routing replay mode."""
-    correction: dataclass_section(CorrectionConfig) = Field(default_factory=CorrectionConfig)
-    """Rollout correction (IS/RS with verl rollout_corr semantics)."""
+    correction: Annotated[dataclass_section(CorrectionConfig), BeforeValidator(_correction_preset)] = Field(
+        default_factory=CorrectionConfig)
+    """Rollout correction (IS/RS with verl rollout_corr semantics); `preset: NAME` expands to
+    verl's `RolloutCorrectionConfig.NAME()` fields (trainer/correction_presets.py)."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """GRPO advantage estimation."""
     loss: dataclass_section(LossConfig) = Field(default_factory=LossConfig)
@@ -472,6 +487,7 @@ class ExperimentConfig(Section):
             d["reward"].pop("import_timeout_s")
         if self.loop.wandb is None:  # likewise
             d["loop"].pop("wandb")
+        d["correction"].pop("preset")  # always None here: a preset is saved as its fields
         return d
 
     def hash(self, *sections: str) -> str:
