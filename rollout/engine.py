@@ -191,6 +191,9 @@ class Engine:
         if len(ids) >= self.max_len:
             raise RequestError(f"prompt of {len(ids)} tokens is too long: the engine's max_len="
                                f"{self.max_len} (prompt + generated tokens) leaves no room")
+        if not (isinstance(req.routes_start, int) and 0 <= req.routes_start < len(ids)):
+            raise RequestError(f"routes_start={req.routes_start!r} must be in [0, {len(ids)}) "
+                               f"for a prompt of {len(ids)} tokens")
         if sp.n > self.cfg.max_running:
             raise RequestError(f"n={sp.n} exceeds the engine's max_running={self.cfg.max_running}")
         if not (isinstance(req.top_logprobs_num, int) and 0 <= req.top_logprobs_num <= V):
@@ -499,7 +502,7 @@ class Engine:
         R = int(self.gen_S[slot])
         routes = None  # results go to the host here, once per finished sample (copies)
         if self.cfg.capture_routes and seq.req.return_routes:
-            routes = self.routes_SMLK[slot, :P + R - 1].to("cpu", copy=True)
+            routes = self.routes_SMLK[slot, seq.req.routes_start:P + R - 1].to("cpu", copy=True)
             if routes.dtype == torch.int16:
                 routes = routes.view(torch.uint16)
         res = GenerationResult(
@@ -508,6 +511,7 @@ class Engine:
             output_logprobs=self.logprobs_SM[slot, :R].to("cpu", copy=True),
             sampling_logprobs=self.sel_logprobs_SM[slot, :R].to("cpu", copy=True),
             finish_reason=reason, weight_version=self.weight_version, routes_NLK=routes,
+            routes_start=seq.req.routes_start,
             input_logprobs=seq.input_logprobs, top_logprobs=seq.top_logprobs,
             input_top_logprobs=seq.input_top_logprobs, sampling_mask=seq.sampling_mask,
             support_logprobs=seq.support_logprobs)

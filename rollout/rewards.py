@@ -124,20 +124,27 @@ def load_function(spec: str) -> Callable[..., Any]:
     if file is None:
         return globals()[spec]
     name = spec.rpartition(":")[2]
-    mod_spec = importlib.util.spec_from_file_location(f"lockstep_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-    except SystemExit as e:  # a scheduler would read exit 0 as success
-        raise RewardFunctionError(f"reward.function={spec!r}: importing {file} called "
-                                  f"sys.exit({e.code!r})") from None
-    except BaseException as e:  # noqa: BLE001 - the file's import code may raise anything
-        raise RewardFunctionError(f"reward.function={spec!r}: importing {file} failed: "
-                                  f"{type(e).__name__}: {e}") from None
+    module = import_file(file, f"reward.function={spec!r}")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardFunctionError(f"reward.function={spec!r}: {file} has no callable {name!r}")
     return fn
+
+
+def import_file(file: Path, what: str):
+    """Import a user's Python file as a module; whatever its import does (raise, sys.exit)
+    is one RewardFunctionError starting with `what` (the config key and value)."""
+    mod_spec = importlib.util.spec_from_file_location(f"lockstep_user_{file.stem}", file)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except SystemExit as e:  # a scheduler would read exit 0 as success
+        raise RewardFunctionError(f"{what}: importing {file} called "
+                                  f"sys.exit({e.code!r})") from None
+    except BaseException as e:  # noqa: BLE001 - the file's import code may raise anything
+        raise RewardFunctionError(f"{what}: importing {file} failed: "
+                                  f"{type(e).__name__}: {e}") from None
+    return module
 
 
 def check_score(out: Any) -> float:
@@ -162,12 +169,23 @@ def check_score(out: Any) -> float:
 
 
 # -- worker processes ----------------------------------------------------------------------
-def _worker(spec: str, conn: Connection) -> None:
+def _worker(spec: str, conn: Connection, role: str = "reward") -> None:
     """Load the function, say "ready" (or ("error", message)), then answer (i, kwargs) with
-    (i, kind, score-or-message)."""
+    (i, kind, score-or-message). `role` "env": `spec` is an environment file
+    (rollout/env.py), each call names the function it runs and the reply is checked by
+    `env.check_reply` instead of `check_score`."""
+    check, errors = check_score, (RewardFunctionError,)
     try:
-        fn = load_function(spec)
-    except RewardFunctionError as e:
+        if role == "env":
+            # stdlib only, like this file; a worker runs this file as __main__, so the package's
+            # copy of RewardFunctionError (what env.py raises) is another class
+            from lockstep.rollout import rewards
+            from lockstep.rollout.env import check_reply, load_env
+            errors += (rewards.RewardFunctionError,)
+            fn, check = load_env(spec), check_reply
+        else:
+            fn = load_function(spec)
+    except errors as e:
         conn.send(("error", str(e)))
         return
     conn.send("ready")
@@ -185,7 +203,7 @@ def _worker(spec: str, conn: Connection) -> None:
             reply = (i, "raised", f"{type(e).__name__}: {e}")
         else:
             try:
-                reply = (i, "ok", check_score(out))
+                reply = (i, "ok", check(out))
             except ValueError as e:
                 reply = (i, "bad_value", str(e))
         conn.send(reply)
@@ -216,22 +234,30 @@ class Scores:
 
 
 class RewardPool:
-    """`num_workers` processes running one reward function, each call under a deadline."""
+    """`num_workers` processes running one reward function, each call under a deadline.
+    `role="env"`: the same processes run an environment file's functions
+    (rollout/env.py `EnvPool`; `cfg` is then the env section, whose `function` is the file)."""
 
     def __init__(self, cfg: RewardConfig, log: Callable[[str], None] = print,
-                 max_logged_errors: int = 5):
-        function_file(cfg.function)  # a missing file fails here; its import only in a worker
-        self.cfg, self.log = cfg, log
+                 max_logged_errors: int = 5, role: str = "reward"):
+        if role == "reward":
+            function_file(cfg.function)  # a missing file fails here; its import only in a worker
+        self.cfg, self.log, self.role = cfg, log, role
         self.max_logged, self.logged = max_logged_errors, 0
-        self.workers: list[tuple[subprocess.Popen, Connection]] = [
-            self._start() for _ in range(cfg.num_workers)]
+        self.workers: list[tuple[subprocess.Popen, Connection]] = []
+        try:
+            for _ in range(cfg.num_workers):
+                self.workers.append(self._start())
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self) -> tuple[subprocess.Popen, Connection]:
         ours, theirs = socket.socketpair()
         with theirs:
             proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), self.cfg.function],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", __name__, str(theirs.fileno()), self.cfg.function,
+                 self.role], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         conn = Connection(ours.detach())
         # the deadline of a call starts once the worker has loaded the function
         limit = self.cfg.import_timeout_s
@@ -244,14 +270,15 @@ class RewardPool:
         proc.kill()
         code = proc.wait()
         conn.close()
-        spec = self.cfg.function
+        spec, sec = self.cfg.function, "reward" if self.role == "reward" else "rollout.env"
+        key = "function" if self.role == "reward" else "file"
         if isinstance(msg, tuple) and msg[0] == "error":
             raise RewardFunctionError(msg[1])
         if msg == "timeout":
-            raise RewardFunctionError(f"reward.function={spec!r}: its worker did not start "
-                                      f"(import the file) within reward.import_timeout_s="
+            raise RewardFunctionError(f"{sec}.{key}={spec!r}: its worker did not start "
+                                      f"(import the file) within {sec}.import_timeout_s="
                                       f"{limit:g}")
-        raise RewardFunctionError(f"reward.function={spec!r}: its worker exited (code {code}) "
+        raise RewardFunctionError(f"{sec}.{key}={spec!r}: its worker exited (code {code}) "
                                   f"while importing the file")
 
     def _replace(self, w: int) -> None:
@@ -263,19 +290,26 @@ class RewardPool:
 
     def score(self, calls: Sequence[RewardCall]) -> Scores:
         """Score every call (order kept); errors become `error_score` and are counted."""
-        scores = [self.cfg.error_score] * len(calls)
+        return self.run([vars(c) for c in calls],
+                        [f"reward call for sample {i} ({c.data_source!r})"
+                         for i, c in enumerate(calls)])
+
+    def run(self, payloads: Sequence[dict], labels: Sequence[str]) -> Scores:
+        """Call the worker function with each payload's keywords (order kept): checked
+        results, or `error_score` and a counted error (its message starts with the label)."""
+        scores: list[Any] = [self.cfg.error_score] * len(payloads)
         errors: Counter = Counter()
         messages: list[str] = []
-        todo = list(range(len(calls)))[::-1]
+        todo = list(range(len(payloads)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker -> (call index, deadline)
 
         def fail(i: int, kind: str, msg: str) -> None:
             errors[kind] += 1
-            text = f"reward call for sample {i} ({calls[i].data_source!r}): {kind}: {msg}"
+            text = f"{labels[i]}: {kind}: {msg}"
             messages.append(text)
             if self.logged < self.max_logged:
                 self.logged += 1
-                more = ("; further reward errors are only counted in reward/errors"
+                more = (f"; further {self.role} errors are only counted in the metrics"
                         if self.logged == self.max_logged else "")
                 self.log(text + more)
 
@@ -284,7 +318,7 @@ class RewardPool:
                 if w not in busy and todo:
                     i = todo.pop()
                     try:
-                        self.workers[w][1].send((i, vars(calls[i])))
+                        self.workers[w][1].send((i, payloads[i]))
                     except Exception as e:  # unpicklable inputs, or a dead worker
                         fail(i, "crashed", f"could not send the call: {type(e).__name__}: {e}")
                         self._replace(w)
@@ -313,7 +347,9 @@ class RewardPool:
             for w, (i, deadline) in list(busy.items()):
                 if now >= deadline:
                     del busy[w]
-                    fail(i, "timeout", f"no result within reward.timeout_s={self.cfg.timeout_s}")
+                    fail(i, "timeout", f"no result within "
+                                          f"{'reward' if self.role == 'reward' else 'rollout.env'}"
+                                          f".timeout_s={self.cfg.timeout_s}")
                     self._replace(w)
         return Scores(scores, errors, messages)
 
@@ -340,5 +376,5 @@ class RewardPool:
 
 
 
-if __name__ == "__main__":  # a worker: python -m lockstep.rollout.rewards FD SPEC
-    _worker(sys.argv[2], Connection(int(sys.argv[1])))
+if __name__ == "__main__":  # a worker: python -m lockstep.rollout.rewards FD SPEC [ROLE]
+    _worker(sys.argv[2], Connection(int(sys.argv[1])), *sys.argv[3:4])

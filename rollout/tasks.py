@@ -4,6 +4,10 @@ Two tasks share one 16-token character vocabulary so a model trained on one load
 - `addition`: `<bos>07+45=` -> `52<eos>` (operands zero-padded to `digits` digits, answer without
   leading zeros), reward 1 for the exact answer followed by `<eos>`, else 0.
 - `sort`: `<bos>8351>` -> `1358<eos>` (digits sorted ascending), same reward rule.
+- `multiply` (the multi-turn agent toy, `rollout.env.file: calculator`): `<bos>47*8=` ->
+  the policy calls the calculator `47*8>`, reads `376=` (an observation, not trained) and
+  answers `376<eos>`; reward 1 for the exact final answer. Its vocabulary adds `*` (id 16), so
+  its models have 17 tokens.
 
 Problems are a pure function of (seed, index): problem i of a run never depends on how many
 problems were drawn before it, so a resumed run draws exactly the problems the killed one would
@@ -23,30 +27,35 @@ from lockstep.moe.tokenizer import BOS, EOS, PAD, build_char_tokenizer
 SPECIALS = (PAD, BOS, EOS)
 CHARS = "0123456789+=>"
 """Every character a prompt or answer of our tasks can contain (ids follow the specials)."""
+AGENT_CHARS = CHARS + "*"
+"""The multiply task's characters: the same ids, plus `*` after them."""
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(chars: str = CHARS) -> Tokenizer:
     """Character-level `tokenizers.Tokenizer` (specials `<pad>`=0, `<bos>`=1, `<eos>`=2).
 
     Saved as `tokenizer.json` next to checkpoints so other engines (SGLang, transformers) load it.
     """
-    return build_char_tokenizer(CHARS, SPECIALS)
+    return build_char_tokenizer(chars, SPECIALS)
 
 
 @dataclass
 class TaskConfig:
     """Which synthetic task to train on and its size."""
 
-    name: Literal["addition", "sort"] = "addition"
-    """Task: `addition` (a+b=) or `sort` (sort a digit string)."""
+    name: Literal["addition", "sort", "multiply"] = "addition"
+    """Task: `addition` (a+b=), `sort` (sort a digit string) or `multiply` (a*b= with a
+    calculator tool: needs rollout.env)."""
     digits: int = 2
-    """addition: digits per operand (answers have up to digits+1 digits)."""
+    """addition: digits per operand (answers have up to digits+1 digits); multiply: digits of
+    the first operand (the second has one)."""
     sort_length: int = 4
     """sort: number of digits to sort."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("addition", "sort"):
-            raise ValueError(f"task.name must be 'addition' or 'sort', got {self.name!r}")
+        if self.name not in ("addition", "sort", "multiply"):
+            raise ValueError(f"task.name must be 'addition', 'sort' or 'multiply', "
+                             f"got {self.name!r}")
         if not (isinstance(self.digits, int) and 1 <= self.digits <= 8):
             raise ValueError(f"task.digits must be an integer in [1, 8], got {self.digits!r}")
         if not (isinstance(self.sort_length, int) and 1 <= self.sort_length <= 32):
@@ -67,13 +76,14 @@ class Task:
 
     def __init__(self, cfg: TaskConfig, tokenizer: Tokenizer | None = None):
         self.cfg = cfg
-        self.tokenizer = tokenizer or build_tokenizer()
+        self.chars = AGENT_CHARS if cfg.name == "multiply" else CHARS
+        self.tokenizer = tokenizer or build_tokenizer(self.chars)
         ids = {s: self.tokenizer.token_to_id(s) for s in SPECIALS}
         missing = [s for s, i in ids.items() if i is None]
         if missing:
             raise ValueError(f"tokenizer lacks the special tokens {missing}")
         self.pad_id, self.bos_id, self.eos_id = ids[PAD], ids[BOS], ids[EOS]
-        absent = [c for c in CHARS if self.tokenizer.token_to_id(c) is None]
+        absent = [c for c in self.chars if self.tokenizer.token_to_id(c) is None]
         if absent:
             raise ValueError(f"tokenizer lacks the characters {absent}")
 
@@ -84,8 +94,15 @@ class Task:
     @property
     def max_new_tokens(self) -> int:
         """Longest correct response plus `<eos>`, plus one token of slack."""
+        if self.cfg.name == "multiply":  # per turn: the call `47*8>` or the answer `376<eos>`
+            return self.cfg.digits + 4
         longest = self.cfg.digits + 1 if self.cfg.name == "addition" else self.cfg.sort_length
         return longest + 2
+
+    @property
+    def uses_tool(self) -> bool:
+        """Whether a trajectory calls the calculator (rollout/calculator_env.py) between turns."""
+        return self.cfg.name == "multiply"
 
     @property
     def prompt_len(self) -> int:
@@ -102,6 +119,10 @@ class Task:
             n = self.cfg.digits
             a, b = rng.randrange(10**n), rng.randrange(10**n)
             return Problem(f"{a:0{n}d}+{b:0{n}d}=", str(a + b))
+        if self.cfg.name == "multiply":
+            n = self.cfg.digits
+            a, b = rng.randrange(10 ** (n - 1), 10**n), rng.randrange(2, 10)
+            return Problem(f"{a}*{b}=", str(a * b))
         digits = [rng.randrange(10) for _ in range(self.cfg.sort_length)]
         return Problem("".join(map(str, digits)) + ">", "".join(map(str, sorted(digits))))
 
@@ -116,11 +137,35 @@ class Task:
         """The correct response: answer characters then `<eos>`."""
         return self._encode(p.answer) + [self.eos_id]
 
+    def demonstration(self, p: Problem) -> tuple[list[int], list[bool]]:
+        """The correct continuation of the prompt and, per token, whether the policy writes it
+        (False: an observation). Single-turn tasks: the answer, all True; multiply: the call,
+        the calculator's answer (observation), then the final answer."""
+        if not self.uses_tool:
+            ids = self.answer_ids(p)
+            return ids, [True] * len(ids)
+        from lockstep.rollout.calculator_env import evaluate
+        call = self._encode(p.prompt[:-1] + ">")
+        obs = self._encode(evaluate(p.prompt[:-1] + ">"))
+        answer = self.answer_ids(p)
+        return call + obs + answer, [True] * len(call) + [False] * len(obs) + [True] * len(answer)
+
+    def observe(self, turn_ids: list[int]) -> list[int] | None:
+        """The calculator's answer to a policy turn that ends with `>` (None: no call, or a
+        malformed one), as the env workers would give it: for the warm start's evaluation."""
+        if not self.uses_tool or not turn_ids or turn_ids[-1] != self.tokenizer.token_to_id(">"):
+            return None
+        from lockstep.rollout.calculator_env import evaluate
+        try:
+            return self._encode(evaluate(self.tokenizer.decode(turn_ids)))
+        except ValueError:
+            return None
+
     def _encode(self, text: str) -> list[int]:
-        bad = sorted(set(text) - set(CHARS))
+        bad = sorted(set(text) - set(self.chars))
         if bad:
             raise ValueError(f"text {text!r} has characters {bad} that are not among the task "
-                             f"characters {CHARS!r}")
+                             f"characters {self.chars!r}")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

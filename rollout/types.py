@@ -199,6 +199,9 @@ class GenerateRequest:
     """Request id; results carry it (with the sample index when n > 1)."""
     return_routes: bool = True
     """Record routed experts for prompt and generated tokens."""
+    routes_start: int = 0
+    """First position whose route is returned (SGLang's `routed_experts_start_len`): a later
+    turn of a trajectory asks only for the rows the earlier turns do not have."""
     return_input_logprobs: bool = False
     """Also return log-probs of the prompt tokens (first one has none)."""
     top_logprobs_num: int = 0
@@ -229,7 +232,10 @@ class GenerationResult:
     finish_reason: dict[str, Any]        # {"type": "length", "length": R} | {"type": "stop", "matched": id}
     weight_version: str
     routes_NLK: torch.Tensor | None = None
-    """[P+R-1, L, K] uint8/uint16 routed experts (MoE layers only); None when not requested."""
+    """[P+R-1-routes_start, L, K] uint8/uint16 routed experts (MoE layers only); row i is the
+    token at position routes_start + i; None when not requested."""
+    routes_start: int = 0
+    """Absolute position of routes row 0 (the request's `routes_start`)."""
     input_logprobs: torch.Tensor | None = None
     """[P] fp32, entry 0 is NaN (the first prompt token has no prediction)."""
     top_logprobs: list[list[tuple[float, int]]] | None = None
@@ -241,12 +247,18 @@ class GenerationResult:
     support_logprobs: list[torch.Tensor] | None = None
     """Per generated token, log-probs renormalised over its support (aligned with
     `sampling_mask`; over the whole vocabulary where the mask entry is None)."""
+    sampled_mask: torch.Tensor | None = None
+    """Multi-turn trajectories (rollout/agent.py): [R] bool, True at the output tokens the
+    policy sampled, False at observation tokens (their log-probs are 0 and they are not
+    trained); None = every output token was sampled (a single-turn sample)."""
+    trajectory: Any = None
+    """Multi-turn trajectories: the `rollout.agent.TrajectoryInfo` (turns, env reward, error)."""
 
     def trace(self, num_experts: int, sample: int | None = None) -> RoutingTrace | None:
         """Routes as a validated `RoutingTrace` (checked against P+R-1 rows)."""
         if self.routes_NLK is None:
             return None
-        t = RoutingTrace(self.routes_NLK, num_experts, sample=sample)
+        t = RoutingTrace(self.routes_NLK, num_experts, start=self.routes_start, sample=sample)
         t.check(self.prompt_tokens, self.completion_tokens, t.num_layers, t.top_k, num_experts,
                 sample=sample)
         return t

@@ -69,7 +69,7 @@ def test_demonstrations_are_correct():
 
 def test_bad_config_and_text_raise():
     with pytest.raises(ValueError, match="task.name"):
-        TaskConfig(name="multiply")
+        TaskConfig(name="divide")  # multiply became a task (the agent toy)
     with pytest.raises(ValueError, match="task.digits"):
         TaskConfig(digits=0)
     task = Task(TaskConfig())

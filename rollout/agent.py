@@ -1,0 +1,336 @@
+"""Multi-turn trajectories: the policy writes a turn, the environment (rollout/env.py) answers
+with an observation, the policy writes again; token in, token out, routes stitched across turns.
+
+    runner = TrajectoryRunner(backend.generate, EnvPool(cfg.rollout.env),
+                              ObservationCodec(tokenizer), max_len=engine_max_len,
+                              num_experts=E, eos_id=eos, vocab_size=V)
+    results = runner.run(requests, problems)   # one GenerationResult per trajectory
+
+`run` takes the requests of a step (one per prompt, `sampling.n` samples each; problem i is
+the env's view of prompt i) and returns, like `generate`, one result per sample in request
+order, each a whole trajectory:
+- `prompt_ids` is the first prompt; `output_ids` every later token: the sampled ids of each
+  turn exactly as sampled, then the observation's ids (never a re-tokenised transcript);
+- `sampled_mask` [R] is True at sampled tokens only (the loss mask); `output_logprobs` and
+  `sampling_logprobs` hold the engine's log-probs at sampled tokens and 0 at observations;
+- `routes_NLK` covers all P+R-1 positions (observation tokens included), stitched: turn t>1 is
+  requested with `routes_start` = the previous turn's last sampled token (whose route only this
+  prefill gives), so each turn's rows start where the previous ones end
+  (`RoutingTrace.extend` checks that at every stitch);
+- `trajectory` is the `TrajectoryInfo`: turns (where each starts, its sampled and observation
+  token counts, its weight version, how it ended), the env's summed reward, and the error that
+  ended it, if any.
+Turns of all live trajectories are generated together, one `generate` call per turn index.
+Later turns' seeds are a pure function of the first turn's seed, the sample index and the turn
+(`turn_seed`), so a resumed run samples the same trajectories.
+
+`generate` is any `RolloutBackend.generate` (embedded engine, server client, fleet): each turn
+after the first is a fresh request carrying the whole trajectory as `input_ids` (a server's
+prefix cache keeps the earlier turns' KV).
+
+Shapes: N routes rows, L MoE layers, K top-k; P first-prompt tokens, R tokens after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lockstep.replay.trace import RoutingTrace
+from lockstep.rollout.env import MAX_TURNS, EnvConfig, EnvPool
+from lockstep.rollout.types import GenerateRequest, GenerationResult
+
+ERROR_KINDS = ("raised", "timeout", "bad_value", "crashed", "context", "aborted")
+"""Why an environment ended a trajectory with `error_score`: the worker kinds of
+rollout/rewards.py, `context` (an observation that does not fit the engine's max_len) and
+`aborted` (the engine aborted a turn)."""
+
+
+@dataclass
+class Turn:
+    """One policy turn of a trajectory, and the observation appended after it."""
+
+    start: int
+    """Absolute position of the turn's first sampled token."""
+    sampled: int
+    """Tokens the policy sampled in this turn."""
+    observation: int = 0
+    """Observation tokens appended after it (0 for the last turn)."""
+    weight_version: str = ""
+    """Weights that sampled the turn."""
+    finish: str = ""
+    """How the turn ended: eos, stop (an env stop marker), length, abort."""
+
+
+@dataclass
+class TrajectoryInfo:
+    """What a trajectory did, beside its tokens."""
+
+    turns: list[Turn] = field(default_factory=list)
+    env_reward: float = 0.0
+    """Sum of the env's step rewards."""
+    error: str | None = None
+    """One of ERROR_KINDS when the environment ended the trajectory with error_score."""
+    message: str = ""
+    """The error's one-line message."""
+    end: str = ""
+    """done (the env said so), max_turns, context (no room for another turn) or error."""
+
+    @property
+    def tool_calls(self) -> int:
+        """Turns that got an observation (a tool or environment answer)."""
+        return sum(1 for t in self.turns if t.observation)
+
+
+def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
+    """Sampling seed of turn `turn` (>= 1) of sample `sample` of a request seeded `seed`."""
+    if seed is None:
+        return None
+    return ((seed + sample) * MAX_TURNS + turn) % (1 << 62)
+
+
+class ObservationCodec:
+    """Observations -> token ids and turns -> text, with the model folder's tokenizer
+    (transformers, with its chat template) or a `tokenizers.Tokenizer` (the toy's)."""
+
+    # a fixed conversation the observation's messages are appended to, so that the chat
+    # template renders them as they would follow an assistant turn
+    _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+    def __init__(self, tokenizer, role: str | None = None):
+        self.tok, self.role = tokenizer, role
+        self.hf = hasattr(tokenizer, "apply_chat_template")
+        if role is not None and not (self.hf and tokenizer.chat_template):
+            raise ValueError(f"rollout.env.observation_role={role!r} needs a tokenizer with a "
+                             f"chat template (model.path's tokenizer_config.json)")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, marker: str) -> int:
+        """The one id of a stop marker (ValueError when it is several tokens or none)."""
+        ids = self.encode_text(marker)
+        if len(ids) != 1:
+            raise ValueError(f"rollout.env.stop marker {marker!r} is {len(ids)} tokens "
+                             f"({ids}); each must be exactly one token")
+        return ids[0]
+
+    def encode_text(self, text: str) -> list[int]:
+        if self.hf:
+            return list(self.tok(text, add_special_tokens=False)["input_ids"])
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def encode(self, obs: Any) -> list[int]:
+        """Token ids of a checked observation (rollout/env.py `check_reply`)."""
+        if isinstance(obs, str):
+            if self.role is None:
+                return self.encode_text(obs) if obs else []
+            obs = [{"role": self.role, "content": obs}]
+        if all(isinstance(t, int) for t in obs):
+            return list(obs)
+        return self.encode_text(self.render(obs))
+
+    def render(self, messages: list[dict]) -> str:
+        """The chat template's text for `messages` after an assistant turn, generation prompt
+        included: applied once, to the observation side only."""
+        if not (self.hf and self.tok.chat_template):
+            raise ValueError("message observations need a tokenizer with a chat template")
+        base = self.tok.apply_chat_template(self._BASE, tokenize=False)
+        full = self.tok.apply_chat_template(self._BASE + list(messages), tokenize=False,
+                                            add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError("the chat template renders a conversation differently once "
+                             "messages are appended; cannot render observations alone")
+        return full[len(base):]
+
+
+@dataclass
+class _Live:
+    """A trajectory being generated."""
+
+    req: GenerateRequest
+    index: int
+    problem: dict
+    label: str
+    ids: list[int]
+    prompt_len: int
+    state: dict = field(default_factory=dict)
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    sampling_logprobs: list[torch.Tensor] = field(default_factory=list)
+    sampling_mask: list | None = None
+    trace: RoutingTrace | None = None
+    first: GenerationResult | None = None
+    info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
+    done: bool = False
+
+
+class TrajectoryRunner:
+    """Runs multi-turn trajectories over any `generate` (module docstring)."""
+
+    def __init__(self, generate: Callable[[list[GenerateRequest]], list[GenerationResult]],
+                 env: EnvPool, codec: ObservationCodec, max_len: int, num_experts: int,
+                 eos_id: int | None, vocab_size: int):
+        """`max_len`: the engine's context (prompt + every turn); observation ids are checked
+        against `vocab_size`; a turn that samples `eos_id` finishes as "eos"."""
+        self.generate, self.env, self.codec = generate, env, codec
+        self.cfg: EnvConfig = env.cfg
+        self.max_len, self.num_experts, self.eos_id = max_len, num_experts, eos_id
+        self.vocab_size = vocab_size
+        self.stop_ids = tuple(codec.token_id(m) for m in self.cfg.stop)
+
+    def run(self, requests: Sequence[GenerateRequest], problems: Sequence[dict]
+            ) -> list[GenerationResult]:
+        if len(requests) != len(problems):
+            raise ValueError(f"{len(requests)} requests for {len(problems)} problems")
+        first = [dataclasses.replace(r, sampling=self._with_stops(r.sampling)) for r in requests]
+        trajs = [_Live(r, j, p, f"trajectory {r.rid or i}/{j}", list(r.input_ids),
+                       len(r.input_ids))
+                 for i, (r, p) in enumerate(zip(first, problems)) for j in range(r.sampling.n)]
+        reset = self.env.reset([t.problem for t in trajs], [t.label for t in trajs])
+        results = self.generate(first)
+        if len(results) != len(trajs):
+            raise ValueError(f"generate returned {len(results)} results for {len(trajs)} samples")
+        for t, reply, res in zip(trajs, reset.scores, results):
+            self._take_turn(t, res)
+            if reply is None:
+                self._fail(t, reset, t.label + ": env reset")
+            else:
+                t.state = reply["state"]
+        for turn in range(1, self.cfg.max_turns + 1):
+            last = turn == self.cfg.max_turns  # the env still scores it; nothing is appended
+            live = [t for t in trajs if not t.done]
+            if live:
+                self._observe(live, turn, append=not last)
+            live = [t for t in trajs if not t.done]
+            if not live or last:
+                for t in live:
+                    t.done, t.info.end = True, "max_turns"
+                break
+            for t, res in zip(live, self.generate([self._next_request(t, turn) for t in live])):
+                self._take_turn(t, res)
+        return [self._result(t) for t in trajs]
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _with_stops(self, sp):
+        stops = tuple(sp.stop_token_ids) + tuple(i for i in self.stop_ids
+                                                 if i not in sp.stop_token_ids)
+        return dataclasses.replace(sp, stop_token_ids=stops)
+
+    def _finish(self, res: GenerationResult) -> str:
+        kind = res.finish_reason.get("type")
+        if kind == "stop":
+            return "eos" if res.finish_reason.get("matched") == self.eos_id else "stop"
+        return "abort" if kind == "abort" else "length"
+
+    def _take_turn(self, t: _Live, res: GenerationResult) -> None:
+        """Append a generated turn's sampled tokens, log-probs and route rows."""
+        if list(res.prompt_ids) != t.ids:
+            raise ValueError(f"{t.label}: the engine answered a turn for another prompt")
+        t.first = t.first or res
+        finish = self._finish(res)
+        t.info.turns.append(Turn(len(t.ids), len(res.output_ids), 0, str(res.weight_version),
+                                 finish))
+        t.ids += list(res.output_ids)
+        R = len(res.output_ids)
+        t.sampled += [True] * R
+        t.logprobs.append(res.output_logprobs.float())
+        t.sampling_logprobs.append(res.output_logprobs.float() if res.sampling_logprobs is None
+                                   else res.sampling_logprobs.float())
+        if res.sampling_mask is not None:
+            t.sampling_mask = (t.sampling_mask or []) + list(res.sampling_mask)
+        if res.routes_NLK is not None:
+            part = RoutingTrace(res.routes_NLK, self.num_experts, start=res.routes_start,
+                                sample=None)
+            t.trace = part if t.trace is None else t.trace.extend(part)
+        if finish == "abort":
+            self._error(t, "aborted", f"{t.label}: the engine aborted turn "
+                                      f"{len(t.info.turns) - 1}")
+
+    def _observe(self, live: list[_Live], turn: int, append: bool = True) -> None:
+        """Ask the env about each live trajectory's last turn; append its observations
+        (`append=False`: the turn was the last one allowed, only its reward counts)."""
+        turns = []
+        for t in live:
+            last = t.info.turns[-1]
+            ids = t.ids[last.start:]
+            turns.append({"text": self.codec.decode(ids), "ids": ids, "finish": last.finish,
+                          "index": turn - 1})
+        replies = self.env.step([t.state for t in live], turns, [t.label for t in live])
+        for t, reply in zip(live, replies.scores):
+            if reply is None:
+                self._fail(t, replies, f"{t.label}: env step")
+                continue
+            t.info.env_reward += reply["reward"]
+            t.state = reply.get("state", t.state)
+            if reply["done"]:
+                t.done, t.info.end = True, "done"
+                continue
+            if not append:
+                continue
+            try:
+                obs = self.codec.encode(reply["observation"])
+            except Exception as e:  # noqa: BLE001 - a tokenizer may raise anything on odd text
+                self._error(t, "bad_value", f"{t.label}: observation could not be tokenised: "
+                                            f"{type(e).__name__}: {e}")
+                continue
+            if not obs:  # nothing to append; the policy would only repeat itself
+                self._error(t, "bad_value", f"{t.label}: empty observation without done")
+                continue
+            V = self.vocab_size
+            if any(not 0 <= i < V for i in obs):
+                self._error(t, "bad_value", f"{t.label}: observation token ids outside the "
+                                            f"vocabulary [0, {V})")
+                continue
+            if len(t.ids) + len(obs) + 1 > self.max_len:
+                self._error(t, "context", f"{t.label}: observation of {len(obs)} tokens after "
+                                          f"{len(t.ids)} leaves no room in max_len={self.max_len}")
+                continue
+            t.info.turns[-1].observation = len(obs)
+            t.ids += obs
+            t.sampled += [False] * len(obs)
+            zeros = torch.zeros(len(obs), dtype=torch.float32)
+            t.logprobs.append(zeros)
+            t.sampling_logprobs.append(zeros)
+            if t.sampling_mask is not None:
+                t.sampling_mask += [None] * len(obs)
+
+    def _next_request(self, t: _Live, turn: int) -> GenerateRequest:
+        r, sp = t.req, t.req.sampling
+        room = self.max_len - len(t.ids)
+        sampling = dataclasses.replace(sp, n=1, seed=turn_seed(sp.seed, t.index, turn),
+                                       max_new_tokens=min(sp.max_new_tokens, room))
+        return dataclasses.replace(
+            r, input_ids=list(t.ids), sampling=sampling, rid=f"{r.rid}-{t.index}-t{turn}",
+            routes_start=t.trace.end if t.trace is not None else 0)
+
+    def _fail(self, t: _Live, scores, label: str) -> None:
+        kind = next((k for k in ERROR_KINDS if scores.errors.get(k)), "raised")
+        msg = next((m for m in scores.messages if m.startswith(label)), label)
+        kind = next((k for k in ERROR_KINDS if msg.startswith(f"{label}: {k}:")), kind)
+        self._error(t, kind, msg)
+
+    def _error(self, t: _Live, kind: str, message: str) -> None:
+        if t.info.error is None:
+            t.info.error, t.info.message = kind, message
+        t.done, t.info.end = True, "error"
+
+    def _result(self, t: _Live) -> GenerationResult:
+        P = t.prompt_len
+        R = len(t.ids) - P
+        first = t.first
+        if t.trace is not None:
+            t.trace.check(P, R, t.trace.num_layers, t.trace.top_k, self.num_experts)
+        return GenerationResult(
+            rid=first.rid, index=first.index, prompt_ids=t.ids[:P], output_ids=t.ids[P:],
+            output_logprobs=torch.cat(t.logprobs), sampling_logprobs=torch.cat(t.sampling_logprobs),
+            finish_reason=t.first.finish_reason if len(t.info.turns) == 1 else
+            {"type": "trajectory", "end": t.info.end},
+            weight_version=first.weight_version,
+            routes_NLK=None if t.trace is None else t.trace.ids_NLK, routes_start=0,
+            sampling_mask=t.sampling_mask, sampled_mask=torch.tensor(t.sampled, dtype=torch.bool),
+            trajectory=t.info)
