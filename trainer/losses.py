@@ -25,6 +25,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_ESTIMATORS = KL_LOSS_TYPES + tuple(k + "+" for k in KL_LOSS_TYPES if k not in ("mse", "k2"))
 RATIO_LEVELS = ("token", "sequence")  # sequence = GSPO
+# verl 0.9.1 `policy_loss.loss_mode` names: vanilla = PPO clip (or GSPO with ratio_level=sequence);
+# dppo_tv / dppo_kl = DPPO's binary-TV / binary-KL trust masks (arXiv 2602.04879)
+LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl")
 
 
 def _masked_mean(v, mask):
@@ -43,6 +46,7 @@ class LossConfig:
     kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = off, ref_logprobs not needed)
     kl_loss_type: Literal[KL_ESTIMATORS] = "low_var_kl"  # verl's names: kl/k1, abs, mse/k2, low_var_kl/k3; "+" = k2 grad
     entropy_coef: float = 0.0  # subtract entropy_coef * aggregated entropy from the loss
+    loss_mode: Literal[LOSS_MODES] = "vanilla"  # verl's name: vanilla (PPO/GSPO) | dppo_tv | dppo_kl (clip_ratio_* = divergence bounds)
 
     def __post_init__(self):
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
@@ -52,9 +56,13 @@ class LossConfig:
             raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {self.clip_ratio_c}")
         for name, val, valid in (("ratio_level", self.ratio_level, RATIO_LEVELS),
                                  ("loss_agg_mode", self.loss_agg_mode, AGG_MODES),
-                                 ("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)):
+                                 ("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS),
+                                 ("loss_mode", self.loss_mode, LOSS_MODES)):
             if val not in valid:
                 raise ValueError(f"unknown {name} {val!r}; valid: {', '.join(valid)}")
+        if self.loss_mode != "vanilla" and self.ratio_level != "token":
+            raise ValueError(f"loss_mode={self.loss_mode} is a per-token loss; it needs ratio_level=token, "
+                             f"got {self.ratio_level!r}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
 
@@ -185,6 +193,44 @@ def gspo_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_l
     return loss, metrics
 
 
+def dppo_loss(logprobs, old_logprobs, advantages, response_mask, *, divergence="tv", clip_ratio_low=0.2,
+              clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", is_weights=None, num_tokens=None,
+              num_seqs=None):
+    """DPPO (verl 0.9.1 `compute_policy_loss_dppo_tv` / `_dppo_kl`): per token
+    -A * sg(min(r, c)) * log pi * m, with r = exp(clamp(logprobs - old, +-20)) and a detached trust
+    mask m over the probabilities p = exp(logprobs), p_old = exp(old):
+
+    - tv: for A > 0 keep p - p_old <= high, else keep p - p_old >= -low;
+    - kl: binary KL(p_old || p) = p_old log(p_old/p) + (1-p_old) log((1-p_old+1e-8)/(1-p+1e-8));
+      for A > 0 keep kl <= high or p <= p_old, else keep kl <= low or p >= p_old.
+
+    The gradient is -A sg(min(r, c)) grad log pi on kept tokens (TIS-truncated at c = clip_ratio_c,
+    None: no truncation). Metrics: `actor/pg_clipfrac` = fraction of tokens the trust mask drops,
+    `actor/pg_clipfrac_lower` = fraction kept with r > c, `actor/ppo_kl`."""
+    neg_kl = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = torch.exp(neg_kl)
+    truncated = (ratio if clip_ratio_c is None else ratio.clamp(max=clip_ratio_c)).detach()
+    with torch.no_grad():
+        p, p_old = torch.exp(logprobs), torch.exp(old_logprobs)
+        if divergence == "tv":
+            keep_pos, keep_neg = (p - p_old) <= clip_ratio_high, (p - p_old) >= -clip_ratio_low
+        elif divergence == "kl":
+            bkl = p_old * (old_logprobs - logprobs) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+            keep_pos, keep_neg = (bkl <= clip_ratio_high) | (p <= p_old), (bkl <= clip_ratio_low) | (p >= p_old)
+        else:
+            raise ValueError(f"unknown DPPO divergence {divergence!r}; valid: tv, kl")
+        keep = torch.where(advantages > 0, keep_pos, keep_neg).float()
+    per_tok = -advantages * truncated * logprobs * keep
+    if is_weights is not None:
+        per_tok = per_tok * is_weights.detach()
+    loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    over_c = torch.zeros_like(keep) if clip_ratio_c is None else (ratio.detach() > clip_ratio_c).float()
+    metrics = {"actor/pg_clipfrac": _masked_mean(1.0 - keep, response_mask).item(),
+               "actor/ppo_kl": _masked_mean(-neg_kl.detach(), response_mask).item(),
+               "actor/pg_clipfrac_lower": _masked_mean(over_c * keep, response_mask).item()}
+    return loss, metrics
+
+
 def reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, *, loss_agg_mode="token-mean",
                    is_weights=None, num_tokens=None, num_seqs=None):
     """REINFORCE -A log pi (times detached IS weights pi/mu when given): verl's bypass loss_type=reinforce."""
@@ -226,7 +272,11 @@ def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_ma
             return _finish(cfg, loss, {**metrics, **pm}, logprobs, ref_logprobs, entropy, response_mask,
                            num_tokens, num_seqs)
     kw = dict(loss_agg_mode=cfg.loss_agg_mode, is_weights=is_weights, num_tokens=num_tokens, num_seqs=num_seqs)
-    if cfg.ratio_level == "sequence":
+    if cfg.loss_mode != "vanilla":
+        loss, pm = dppo_loss(logprobs, old_logprobs, advantages, response_mask, divergence=cfg.loss_mode[5:],
+                             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                             clip_ratio_c=cfg.clip_ratio_c, **kw)
+    elif cfg.ratio_level == "sequence":
         loss, pm = gspo_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=cfg.clip_ratio_low,
                              clip_ratio_high=cfg.clip_ratio_high, **kw)
     else:

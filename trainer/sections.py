@@ -371,6 +371,8 @@ def _correction_preset(value: Any) -> Any:
         raise PydanticCustomError("section", "{error}", {"error": str(e)}) from None
 
 
+# loss / correction options added later (issue 20); left out at their defaults
+_LATER_KEYS = {"loss": (LossConfig, ("loss_mode",))}
 # rollout keys of the fleet and its fault handling; left out at their defaults
 _FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
@@ -488,6 +490,10 @@ class ExperimentConfig(Section):
         if self.loop.wandb is None:  # likewise
             d["loop"].pop("wandb")
         d["correction"].pop("preset")  # always None here: a preset is saved as its fields
+        for section, (cls, keys) in _LATER_KEYS.items():  # at defaults: saved as before they existed
+            for k in keys:
+                if d[section][k] == cls.__dataclass_fields__[k].default:
+                    d[section].pop(k)
         return d
 
     def hash(self, *sections: str) -> str:
