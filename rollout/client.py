@@ -237,7 +237,7 @@ class HTTPBackend(RolloutBackend):
             "rid": req.rid or uuid.uuid4().hex,
             "return_logprob": True, "logprob_start_len": 0 if req.return_input_logprobs else -1,
             "top_logprobs_num": req.top_logprobs_num,
-            "return_routed_experts": req.return_routes, "routed_experts_start_len": 0,
+            "return_routed_experts": req.return_routes, "routed_experts_start_len": req.routes_start if req.return_routes else 0,
         }
         if req.return_sampling_mask:
             body["return_sampling_mask"] = True
@@ -300,10 +300,11 @@ class HTTPBackend(RolloutBackend):
             if payload is None:
                 raise RolloutError(f"{who}: no routed_experts (launch SGLang with "
                                    f"--enable-return-routed-experts)")
-            c = self.cfg
+            c, start = self.cfg, req.routes_start
             try:
-                trace = decode_routes(payload, P + R - 1, c.num_hidden_layers, c.moe_layer_ids,
-                                      c.num_experts_per_tok, c.num_experts)
+                trace = decode_routes(payload, P + R - 1 - start, c.num_hidden_layers,
+                                      c.moe_layer_ids, c.num_experts_per_tok, c.num_experts,
+                                      start_len=start)
             except RouteError as e:
                 raise RolloutError(f"{who}: {e}") from None
             self.encodings_seen[routes_encoding(payload)] += 1
@@ -333,7 +334,7 @@ class HTTPBackend(RolloutBackend):
             output_logprobs=torch.tensor([float(e[0]) for e in lp_entries], dtype=torch.float32),
             sampling_logprobs=None if sel is None else torch.tensor(sel, dtype=torch.float32),
             finish_reason=finish, weight_version=version,
-            routes_NLK=routes,
+            routes_NLK=routes, routes_start=req.routes_start if routes is not None else 0,
             input_logprobs=None if inp is None else torch.tensor(
                 [float("nan") if e[0] is None else float(e[0]) for e in inp]),
             top_logprobs=None if "output_top_logprobs" not in meta else [

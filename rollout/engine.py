@@ -191,13 +191,15 @@ class Engine:
         if len(ids) >= self.max_len:
             raise RequestError(f"prompt of {len(ids)} tokens is too long: the engine's max_len="
                                f"{self.max_len} (prompt + generated tokens) leaves no room")
-        if not (isinstance(req.routes_start, int) and 0 <= req.routes_start < len(ids)):
-            raise RequestError(f"routes_start={req.routes_start!r} must be in [0, {len(ids)}) "
-                               f"for a prompt of {len(ids)} tokens")
         if sp.n > self.cfg.max_running:
             raise RequestError(f"n={sp.n} exceeds the engine's max_running={self.cfg.max_running}")
         if not (isinstance(req.top_logprobs_num, int) and 0 <= req.top_logprobs_num <= V):
             raise RequestError(f"top_logprobs_num must be in [0, {V}], got {req.top_logprobs_num!r}")
+        s, top = req.routes_start, len(ids) - (sp.max_new_tokens == 0)  # rows end at P+R-1
+        if not (isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= top):
+            raise RequestError(f"routes_start (routed_experts_start_len)={s!r} must be in "
+                               f"[0, {top}] for a prompt of {len(ids)} tokens and "
+                               f"max_new_tokens={sp.max_new_tokens}")
 
     def add_request(self, req: GenerateRequest) -> str:
         """Queue a request; returns its rid (assigned when empty)."""

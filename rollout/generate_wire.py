@@ -46,7 +46,6 @@ class _Parsed:
     return_logprob: bool
     logprob_start_len: int
     routes: bool
-    routes_start: int
     encoding: str
     mask_mode: str | None
 
@@ -130,15 +129,16 @@ def parse_generate(body: Any, vocab_size: int | None = None,
         if not -1 <= start < len(p):
             raise RequestError(f"logprob_start_len={start} must be in [-1, {len(p)}) for a "
                                f"prompt of {len(p)} tokens")
-        if not 0 <= rstart < len(p):
-            raise RequestError(f"routed_experts_start_len={rstart} must be in [0, {len(p)}) "
+        if not 0 <= rstart <= len(p):  # SGLang 0.5.23 takes the prompt length too
+            raise RequestError(f"routed_experts_start_len={rstart} must be in [0, {len(p)}] "
                                f"for a prompt of {len(p)} tokens")
         req = GenerateRequest(list(p), sp, rid=rid or uuid.uuid4().hex, return_routes=routes,
+                              routes_start=rstart if routes else 0,
                               return_input_logprobs=rl and start >= 0,
                               top_logprobs_num=top_n if rl else 0,
                               return_sampling_mask=mask,
                               return_support_logprobs=mask and mode == "support")
-        out.append(_Parsed(req, rl, start, routes, rstart, encoding, mode if mask else None))
+        out.append(_Parsed(req, rl, start, routes, encoding, mode if mask else None))
     rids = [x.req.rid for x in out]
     if len(set(rids)) != len(rids):
         raise RequestError(f"rid values must be distinct within a batch, got {rids}"[:300])
@@ -203,7 +203,7 @@ def build_response(res: GenerationResult, p: _Parsed, engine: Engine, n: int) ->
     if p.routes and res.routes_NLK is None:
         meta["routed_experts"] = None  # the engine runs with capture_routes=False
     elif p.routes:
-        trace = RoutingTrace(res.routes_NLK, cfg.num_experts).slice(p.routes_start, P + R - 1)
+        trace = RoutingTrace(res.routes_NLK, cfg.num_experts, start=res.routes_start)
         meta["routed_experts"] = encode_routes(trace, p.encoding, cfg.num_hidden_layers,
                                                cfg.moe_layer_ids)
     return {"output_ids": res.output_ids, "meta_info": meta}

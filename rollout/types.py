@@ -255,7 +255,8 @@ class GenerationResult:
     """Multi-turn trajectories: the `rollout.agent.TrajectoryInfo` (turns, env reward, error)."""
 
     def trace(self, num_experts: int, sample: int | None = None) -> RoutingTrace | None:
-        """Routes as a validated `RoutingTrace` (checked against P+R-1 rows)."""
+        """Routes as a validated `RoutingTrace` (checked against P+R-1-routes_start rows,
+        starting at `routes_start`)."""
         if self.routes_NLK is None:
             return None
         t = RoutingTrace(self.routes_NLK, num_experts, start=self.routes_start, sample=sample)

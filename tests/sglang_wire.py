@@ -1,5 +1,5 @@
 """Differential wire suite (run by tests/test_sglang_real.py on its server): one sequence of requests (generation with routes, log-probs,
-sampling masks, n > 1 and start lengths; aborts; version calls; weight-update sessions and
+sampling masks, n > 1 and start lengths, a second turn asking only its new routes; aborts; version calls; weight-update sessions and
 pushes; malformed and out-of-order calls) sent to a real SGLang 0.5.23 server and to
 `lockstep serve` (a real process) over the same fp32 HF folder, in the same order. Compared per
 request: HTTP status, the `success` flag and the response's shape (the wire keys clients read;
@@ -12,6 +12,7 @@ fails when the docs differ from what the servers answered. Regenerate it with
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import subprocess
@@ -31,6 +32,7 @@ FOLDER = "<folder>"  # replaced by the served HF folder
 
 P = [1, 5, 7, 3, 9]
 GREEDY = {"max_new_tokens": 3, "temperature": 0.0}
+TURN = {**GREEDY, "ignore_eos": True}
 MASK = {"max_new_tokens": 3, "temperature": 1.0, "top_p": 0.9, "top_k": 16, "ignore_eos": True}
 
 
@@ -38,12 +40,26 @@ def gen(**kw):
     return {"input_ids": P, "sampling_params": GREEDY, "return_logprob": True, **kw}
 
 
-# (label, method, path, body): sent in this order to both servers (state carries over).
+# (label, method, path, body): sent in this order to both servers (state carries over); a
+# callable body is built from the previous answer (a later turn of a trajectory).
 STEPS = [
     ("generate, greedy", "POST", "/generate", gen()),
     ("generate + routes", "POST", "/generate", gen(return_routed_experts=True)),
     ("generate + routes, routed_experts_start_len=2", "POST", "/generate",
      gen(return_routed_experts=True, routed_experts_start_len=2)),
+    ("generate + routes, routed_experts_start_len=5 (the prompt length)", "POST", "/generate",
+     gen(return_routed_experts=True, routed_experts_start_len=5)),
+    ("generate + routes, routed_experts_start_len=6 (past the prompt)", "POST", "/generate",
+     gen(return_routed_experts=True, routed_experts_start_len=6)),
+    ("generate + routes, batch with per-prompt routed_experts_start_len [2, 0]", "POST",
+     "/generate", gen(input_ids=[P, P[:3]], return_routed_experts=True,
+                      routed_experts_start_len=[2, 0])),
+    ("multi-turn: turn 1 (greedy, 3 tokens, routes)", "POST", "/generate",
+     gen(sampling_params=TURN, return_routed_experts=True)),
+    ("multi-turn: turn 2 = turn 1 + its tokens + 2 observation tokens, routes from turn 1's "
+     "last sampled token (prefix-cache hit)", "POST", "/generate", lambda prev: gen(
+         input_ids=P + prev["output_ids"] + [8, 2], sampling_params=TURN,
+         return_routed_experts=True, routed_experts_start_len=len(P) + len(prev["output_ids"]) - 1)),
     ("generate + prompt log-probs (logprob_start_len=0)", "POST", "/generate",
      gen(logprob_start_len=0)),
     ("generate, batch of 2 prompts", "POST", "/generate", gen(input_ids=[P, P[:3]])),
@@ -99,6 +115,9 @@ KNOWN = {
     "generate + sampling mask, n=2": "SGLang fails it with HTTP 500 (its n > 1 prefix warm-up "
     "copy keeps the flag and samples nothing); ours refuses it up front with 400 naming the "
     "rule. HTTPBackend sends n single requests instead",
+    "generate + routes, batch with per-prompt routed_experts_start_len [2, 0]": "SGLang "
+    "0.5.23 takes one int only (HTTP 400, its request validation); ours takes a list per prompt "
+    "like logprob_start_len. HTTPBackend sends one prompt per request",
     "generate, unknown sampling key": ERROR_BODY,
     "generate, body is not JSON": ERROR_BODY,
 }
@@ -121,6 +140,9 @@ def shape(v) -> str:
         if "meta_info" in v:
             meta = v["meta_info"] if isinstance(v["meta_info"], dict) else {}
             keys = [k for k in META_KEYS if meta.get(k) is not None]
+            if "routed_experts" in keys:  # how many rows: the byte count of the int32 payload
+                n = len(base64.b64decode(meta["routed_experts"]))
+                keys[keys.index("routed_experts")] = f"routed_experts[{n} B]"
             ft = meta.get("finish_reason")
             kind = ft.get("type") if isinstance(ft, dict) else ft
             return f"gen({len(v.get('output_ids') or [])} ids, {kind}; {', '.join(keys)})"
@@ -136,14 +158,17 @@ def answer(status: int, body) -> tuple[int, object, str]:
 
 
 def run(url: str, folder: Path) -> list[tuple[int, object, str]]:
-    out = []
+    out, prev = [], None
     for _, method, path, body in STEPS:
+        if callable(body):
+            body = body(prev)
         if isinstance(body, dict) and body.get("model_path") == FOLDER:
             body = {**body, "model_path": str(folder)}
         raw = body if isinstance(body, bytes) else None
         status, resp = call(url, path, None if raw else body, raw=raw, method=method,
                             timeout=120)
         out.append(answer(status, resp))
+        prev = resp
     return out
 
 
