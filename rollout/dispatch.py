@@ -27,6 +27,11 @@ that the fleet closes and a `FleetError` names the engine (index, pid, node) and
 left unanswered. Servers given by URL are not relaunched: a dead one is probed (`/health`) at
 each push and rejoins when it answers. A call that raised inside a live engine (a bad request)
 or an answer with an unexpected weight version is not a fault: it raises `RolloutError`.
+
+Trajectories. Every turn of a multi-turn trajectory goes to the engine that answered its first
+turn while that engine lives; a trajectory whose engine is lost mid-trajectory is not sent
+elsewhere but reported (`TrajectoriesLost`) to be started again from its first turn
+(rollout/pins.py).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, RolloutBackend
 from lockstep.rollout.engine_actors import UNLOADED
+from lockstep.rollout.pins import Pins, TrajectoriesLost, check_trajectories
 from lockstep.rollout.types import (EngineDown, FleetError, GenerateRequest, GenerationResult,
                                     RolloutError)
 
@@ -83,6 +89,7 @@ class EngineSlot:
     state: str = "starting"  # live | joining (up, without the current weights) | dead
     version: str | None = None  # the weight version it holds (None: not known)
     restarts: int = 0
+    life: int = 0  # +1 each time it is marked dead: trajectories pinned to a life end with it
     load: int = 0  # samples in flight
     samples: int = 0  # samples answered (every incarnation)
     last_error: str = ""
@@ -101,6 +108,7 @@ class Group:
     wire: list[tuple[int, GenerateRequest]]  # (first sample index, request): the request
     # itself, or n single-sample ones (HTTP fan-out)
     tries: int = 0
+    target: int | None = None  # the engine its trajectories are pinned to (None: any)
 
     @property
     def samples(self) -> int:
@@ -113,6 +121,7 @@ class FleetStats:
     duplicates_dropped: int = 0
     engines_marked_dead: int = 0
     relaunches: int = 0
+    trajectories_lost: int = 0  # reported by TrajectoriesLost, to be started again
     pushes: int = 0
     push_seconds: float = 0.0
     push_bytes: int = 0          # bytes sent to the engines by the last push
@@ -159,6 +168,8 @@ class Dispatcher(RolloutBackend):
         self.log = log or (lambda s: None)
         self.stats = FleetStats()
         self.placement: dict[tuple[str, int], int] = {}  # (rid, index) -> engine, last generate
+        self.pins = Pins()  # trajectory -> the engine (and its life) that holds it
+        self._answered: dict[tuple[str, int], tuple[int, int]] = {}  # key -> (engine, life)
         self._released: set[str] = set()  # memory tags released on the servers (colocate)
         self._refusals: dict[str, str | None] = {}  # url -> why it takes no release/resume
         self.closed = False
@@ -215,33 +226,58 @@ class Dispatcher(RolloutBackend):
                 raise RolloutError(f"two requests share rid {r.rid!r}: results are matched by "
                                    f"(rid, sample index), so rids must be unique")
             seen.add(r.rid)
+        check_trajectories(requests)
         if self._released:  # colocated: take the memory back before generating
             await asyncio.to_thread(self.resume_memory)
-        groups = [Group(k, r, self.transport.wire(r)) for k, r in enumerate(requests)]
+        groups, lost = [], {}
+        for k, r in enumerate(requests):
+            g = Group(k, r, self.transport.wire(r))
+            g.target, why = self.pins.target(r, self.slots)
+            if why:
+                lost.update((t, why) for t in r.trajectories)
+            else:
+                groups.append(g)
         store: dict[tuple[str, int], GenerationResult] = {}
-        self.placement = {}
-        await self._dispatch(groups, store)
-        want = [(r.rid, j) for r in requests for j in range(r.sampling.n)]
+        self.placement, self._answered = {}, {}
+        await self._dispatch(groups, store, lost)
+        gone = {r.rid for r in requests if lost.keys() & set(r.trajectories)}
+        for r in requests:
+            if r.rid in gone:  # partial answers of a lost request are not kept
+                self.pins.drop(r.trajectories)
+            else:
+                self.pins.pin(r, self._answered)
+        every = [(r.rid, j) for r in requests for j in range(r.sampling.n)]
+        want = [k for k in every if k[0] not in gone]
         missing = [k for k in want if k not in store]
-        extra = sorted(set(store) - set(want))
+        extra = sorted(set(store) - set(every))
         if missing or extra:
             raise RolloutError(f"fleet: results do not match the requests: missing (rid, index) "
                                f"{missing[:5]}, unexpected {extra[:5]}")
         if self.colocate:  # the actor's phase comes next: give the accelerator back
             await asyncio.to_thread(self.release_memory)
+        if lost:
+            self.stats.trajectories_lost += len(lost)
+            raise TrajectoriesLost(lost, [None if k[0] in gone else store[k] for k in every])
         return [store[k] for k in want]
 
-    async def _dispatch(self, groups: list[Group], store: dict) -> None:
+    def release_trajectories(self, trajectories) -> None:
+        """Forget the pins of trajectories that ended (their engine may serve anything)."""
+        self.pins.drop(trajectories)
+
+    async def _dispatch(self, groups: list[Group], store: dict, lost: dict) -> None:
         """Run every group to completion: one run of groups at a time per live engine; a run
-        whose engine goes down is split over the live ones and the engine relaunched."""
-        todo = collections.deque(run for run in self._split(groups) if run)
+        whose engine goes down is split over the live ones and the engine relaunched, except
+        groups pinned to it (their trajectories go to `lost`)."""
+        todo = [run for run in self._split(groups) if run]
         tasks: dict[asyncio.Future, tuple[str, EngineSlot, list[Group]]] = {}
         try:
             while todo or tasks:
                 busy = {s.index for _, s, _ in tasks.values()}
                 for s in self.slots:
-                    if todo and s.state == "live" and s.index not in busy:
-                        run = todo.popleft()
+                    mine = [r for r in todo if r[0].target in (None, s.index)]
+                    if mine and s.state == "live" and s.index not in busy:
+                        run = mine[0]
+                        todo.remove(run)
                         s.load += sum(g.samples for g in run)
                         t = asyncio.ensure_future(self.transport.run(self, s, run, store))
                         tasks[t] = ("run", s, run)
@@ -265,6 +301,7 @@ class Dispatcher(RolloutBackend):
                     if isinstance(err, Aborted):  # the engine is fine: send them again
                         self._requeue(left, todo, s)
                     elif isinstance(err, EngineDown):
+                        left = self._strand(s, str(err), left, todo, lost)
                         self._lost(s, str(err), left, todo, tasks, "generate")
                     else:
                         raise err
@@ -276,10 +313,29 @@ class Dispatcher(RolloutBackend):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     def _split(self, groups: list[Group]) -> list[list[Group]]:
+        """One run per engine for the groups pinned to it; the others in balanced runs."""
         live = sum(s.state == "live" for s in self.slots)
-        return shard(groups, max(1, live), lambda g: g.samples)
+        pinned = collections.defaultdict(list)
+        for g in groups:
+            if g.target is not None:
+                pinned[g.target].append(g)
+        free = shard([g for g in groups if g.target is None], max(1, live), lambda g: g.samples)
+        return list(pinned.values()) + free
 
-    def _requeue(self, groups: list[Group], todo: collections.deque, slot: EngineSlot) -> None:
+    def _strand(self, slot: EngineSlot, how: str, unanswered: list[Group], todo: list,
+                lost: dict) -> list[Group]:
+        """`slot` went down: its pinned groups, unanswered or waiting, lose their trajectories
+        (they must start again from their first turn); the others are returned to resend."""
+        why = f"engine {slot.index} was lost mid-trajectory: {how[:200]}"
+        for run in [r for r in todo if r[0].target == slot.index]:
+            todo.remove(run)
+            unanswered = unanswered + run
+        for g in unanswered:
+            if g.target == slot.index:
+                lost.update((t, why) for t in g.req.trajectories)
+        return [g for g in unanswered if g.target != slot.index]
+
+    def _requeue(self, groups: list[Group], todo: list, slot: EngineSlot) -> None:
         for g in groups:
             g.tries += 1
             if g.tries > len(self.slots) * (self.max_engine_restarts + 1) + 1:
@@ -289,7 +345,7 @@ class Dispatcher(RolloutBackend):
         todo.extend(run for run in self._split(groups) if run)
 
     def _lost(self, slot: EngineSlot, how: str, unanswered: list[Group],
-              todo: collections.deque, tasks: dict, what: str) -> None:
+              todo: list, tasks: dict, what: str) -> None:
         """`slot`'s engine is gone: hand its unanswered groups to the live engines and relaunch
         it in its bundle (a task in `tasks`), or fail when it has used up its restarts."""
         name = str(slot)
@@ -314,6 +370,7 @@ class Dispatcher(RolloutBackend):
 
     def _mark_dead(self, slot: EngineSlot, why: str) -> None:
         slot.state, slot.last_error, slot.version = "dead", why, None
+        slot.life += 1
         self.stats.engines_marked_dead += 1
         self._event(f"{slot.index} marked dead: {why[:200]}")
         self.transport.forget(slot)
@@ -333,6 +390,7 @@ class Dispatcher(RolloutBackend):
             return
         store[key] = result
         self.placement[key] = slot.index
+        self._answered[key] = (slot.index, slot.life)
         slot.samples += 1
 
     # -- relaunch ---------------------------------------------------------------------------

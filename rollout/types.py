@@ -199,6 +199,9 @@ class GenerateRequest:
     """Request id; results carry it (with the sample index when n > 1)."""
     return_routes: bool = True
     """Record routed experts for prompt and generated tokens."""
+    trajectories: tuple[str, ...] = ()
+    """Multi-turn: the trajectory each sample is a turn of (one id per sample, or empty); a
+    fleet sends every turn of a trajectory to one engine (rollout/pins.py)."""
     routes_start: int = 0
     """First position whose route is returned (SGLang's `routed_experts_start_len`): a later
     turn of a trajectory asks only for the rows the earlier turns do not have."""
