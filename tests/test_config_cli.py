@@ -36,7 +36,7 @@ BAD = {
                                                               r"divide",
     ("actor.weight_decay=-0.1",): r"actor\.weight_decay=-0\.1 is outside \[0\.0, 1\.0\]",
     ("actor.lr_schedule=exponential",): r"actor\.lr_schedule='exponential' is not one of "
-                                        r"\['constant', 'cosine', 'linear'\]",
+                                        r"\['constant', 'cosine', 'linear', 'triggered'\]",
     ("actor.betas=[0.9]",): r"actor\.betas=\[0\.9\] must be two numbers",
     ("actor.megatron.pipeline_parallel=2",): r"actor\.megatron\.pipeline_parallel=2: actor\.megatron "
                                              r"options apply only to actor\.backend=megatron",

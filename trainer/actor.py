@@ -85,11 +85,13 @@ def run_minibatches(batch_size: int, cfg: ActorConfig, shuffle_seed: int | None,
 
 
 def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:
-    """LR multiplier per optimiser step: linear warm-up, then constant / cosine / linear."""
+    """LR multiplier per optimiser step: linear warm-up, then constant / cosine / linear
+    (triggered: constant here; the driver's `UpdateInputs.lr_scale` multiplies it,
+    trainer/lr_trigger.py)."""
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
+        if cfg.lr_schedule in ("constant", "triggered"):
             return 1.0
         frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps))
         decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1 - frac
@@ -212,7 +214,7 @@ class TorchActor(RankActor):
     def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                replay_mask_BT: torch.Tensor | None = None, shuffle_seed: int | None = None,
                steps: list[torch.Tensor] | None = None, mini_size: int | None = None,
-               ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+               lr_scale: float = 1.0) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_size` rows (one optimiser
         step each), each accumulated over micro-batches. Rows are shuffled per epoch with
         `shuffle_seed` (None keeps their order). Returns (metrics averaged over optimiser
@@ -220,7 +222,8 @@ class TorchActor(RankActor):
 
         A DP rank (`policy_update`) passes `steps` instead: its local rows of each global
         optimiser step (maybe none), with `mini_size` the global mini-batch's rows; `loss_fn`'s
-        metrics are then already weighted to add up over micro-batches and ranks."""
+        metrics are then already weighted to add up over micro-batches and ranks. `lr_scale`
+        multiplies the schedule's LR of these steps (the triggered decay)."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
         # routes run and natural top-k: host results (R2's replay plan is made on the host)
@@ -231,13 +234,13 @@ class TorchActor(RankActor):
             metrics = run_minibatches(
                 B, self.cfg, shuffle_seed,
                 lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
-                                              used_BTLK, nat_BTLK))
+                                              used_BTLK, nat_BTLK, lr_scale=lr_scale))
         else:
             sums: dict[str, float] = {}
             for local in steps:
                 for k, v in self._train_step(batch, loss_fn, local, routes_BTLK, replay_mask_BT,
                                              used_BTLK, nat_BTLK, mini_size=mini_size,
-                                             weighted=True).items():
+                                             weighted=True, lr_scale=lr_scale).items():
                     sums[k] = sums.get(k, 0.0) + v
             metrics = {k: v / len(steps) for k, v in sums.items()}
         return metrics, used_BTLK.view(self.route_dtype), nat_BTLK.view(self.route_dtype)
@@ -251,7 +254,8 @@ class TorchActor(RankActor):
         by_step = {id(local): n for local, n in zip(steps, norms)}
         metrics, used_BTLK, nat_BTLK = self.update(
             batch, lambda lp, ent, idx, local: objective(lp, ent, idx, by_step[id(local)]),
-            routes_BTLK, replay_mask_BT, steps=steps, mini_size=self.cfg.mini_batch_size)
+            routes_BTLK, replay_mask_BT, steps=steps, mini_size=self.cfg.mini_batch_size,
+            lr_scale=objective.inputs.lr_scale)
         # optimiser metrics are replicated (every rank counts them); the loss metrics are this
         # rank's share of each mini-batch (added over ranks, counted once)
         first = float(self.dp_rank == 0)
@@ -260,7 +264,7 @@ class TorchActor(RankActor):
 
     def _train_step(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor, routes_BTLK,
                     replay_mask_BT, used_BTLK, nat_BTLK, mini_size: int | None = None,
-                    weighted: bool = False) -> dict[str, float]:
+                    weighted: bool = False, lr_scale: float = 1.0) -> dict[str, float]:
         """One optimiser step on rows `mini`, gradients accumulated over micro-batches; writes
         the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`.
         `mini_size`: rows of the whole mini-batch when `mini` is one DP rank's part of it.
@@ -294,7 +298,7 @@ class TorchActor(RankActor):
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
                 step_metrics[k] = step_metrics.get(k, 0.0) + (
                     v if weighted else v * len(idx) / mini_size)
-        step_metrics.update(self._optimizer_step())
+        step_metrics.update(self._optimizer_step(lr_scale))
         if load_LE is not None:
             if self.dp_size > 1:  # every rank applies the same update: the global load
                 self._all_reduce(load_LE)
@@ -317,12 +321,16 @@ class TorchActor(RankActor):
                 pm.grad = g if pm.grad is None else pm.grad.add_(g)
                 pc.grad = None
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def _optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
+        """Clip, step at the schedule's LR x `lr_scale`, advance the schedule."""
         if self.dp_size > 1:
             self._sum_gradients()
         params = [p for p in self.master.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if lr_scale != 1.0:  # the scheduler's next step sets the LR from its base again
+            for g in self.optimizer.param_groups:
+                g["lr"] *= lr_scale
         lr = self.optimizer.param_groups[0]["lr"]
         if torch.isfinite(grad_norm):
             self.optimizer.step()

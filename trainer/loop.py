@@ -37,6 +37,7 @@ from lockstep.trainer.correction import (CorrectionResult, correct, is_split_met
 from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.dump import maybe_dump
 from lockstep.trainer.losses import grpo_advantages
+from lockstep.trainer.lr_trigger import LRTrigger
 from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history, summarize,
                                      write_plots)
 from lockstep.trainer.pipeline import RolloutPipeline
@@ -133,6 +134,9 @@ class Trainer:
         self.mode = cfg.replay.mode
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None
+        # actor.lr_schedule=triggered: the LR multiplier, decided here from the step's metrics
+        self.lr_trigger = (None if cfg.actor.lr_trigger is None
+                           else LRTrigger(cfg.actor.lr_trigger, log))
         lean = lean_startup(cfg)  # an actor group reads its weights from an HF folder
         ckpt, model, trainer_state, self.state = (self._resume_from(lean) if resume
                                                   else self._start(lean, progress))
@@ -158,6 +162,8 @@ class Trainer:
             else:  # checkpoints of earlier versions: per-rank state, same layout
                 self.actor.load_rank_state(trainer_state)
             set_rng_state(trainer_state["rng"])
+            if self.lr_trigger is not None:
+                self.lr_trigger.load_state(trainer_state["lr_trigger"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, self.state.step,
                                      cfg.loop.tensorboard, progress, log=log)
         self.wandb = WandbRun.start(cfg, self.out, resume)  # loop.wandb; None when unset
@@ -262,6 +268,7 @@ class Trainer:
         adv_BT = grpo_advantages(rewards_B, group_B, mask_BT,                         # advantages
                                  norm_by_std=cfg.advantage.norm_by_std)
         corr = correct(cfg.correction, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)  # IS/RS
+        lr_m = self.trigger_lr(step, batch, corr, old)  # actor.lr_schedule=triggered: maybe cut
         upd = self.actor.policy_update(batch, self.update_inputs(batch, old, adv_BT, corr, step),
                                        self.mode, step)                                # update
         t.lap("update")
@@ -274,7 +281,7 @@ class Trainer:
                                            mask_BT))  # pi_old/mu = version lag x engine
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **reward_m,
                 **corr.metrics, **split, "replay/mode": self.mode.value, **stats_values(old.stats),
-                **stats_values(upd.stats), **lag_m, **self.rollout.counters(),
+                **stats_values(upd.stats), **lr_m, **lag_m, **self.rollout.counters(),
                 "time/rollout_s": gen_s, **t.metrics()}
 
     # -- pieces of the step ----------------------------------------------------------------
@@ -296,6 +303,17 @@ class Trainer:
             return_sampling_mask=ro.mask_replay)
             for i, p in enumerate(prompts)]
 
+    def trigger_lr(self, step: int, batch: Batch, corr: CorrectionResult,
+                   old: OldLogprobs) -> dict[str, float]:
+        """actor.lr_schedule=triggered: feed the step's symptoms (mean response length, k3
+        KL of pi_old vs mu_old, routing flip rate) to the trigger, which may cut the LR of
+        this step's update on; its lr_trigger/* metrics ({} for other schedules)."""
+        if self.lr_trigger is None:
+            return {}
+        length = float(batch.response_mask_BT.sum(1).float().mean())
+        return self.lr_trigger.observe(step, {"response/length_mean": length, **corr.metrics,
+                                              **stats_values(old.stats)})
+
     def update_inputs(self, batch: Batch, old: OldLogprobs, adv_BT: torch.Tensor,
                       corr: CorrectionResult, step: int) -> UpdateInputs:
         """The per-token inputs of the corrected policy loss (the actor splits them by rows).
@@ -307,7 +325,8 @@ class Trainer:
             loss_mask_BT=(batch.response_mask_BT if bypass else corr.response_mask).float(),
             is_weights_BT=None if bypass else corr.weights,
             shuffle_seed=shuffle_seed(cfg.loop.seed, step), loss=cfg.loss,
-            correction=cfg.correction)
+            correction=cfg.correction,
+            lr_scale=1.0 if self.lr_trigger is None else self.lr_trigger.scale)
 
     def sync_weights(self, step: int) -> str:
         """Stream the actor's HF-named weight buckets to the engines, one bucket at a time
@@ -404,7 +423,8 @@ class Trainer:
             check_weight_names(self.state.step, state.pop("nonfinite"), self.cfg,
                                latest_checkpoint(self.out))
             return {**state, **layout_state(self.cfg)}, known
-        return save_actor_checkpoint(self.out, write_actor, {}, self.state,
+        extra = {} if self.lr_trigger is None else {"lr_trigger": self.lr_trigger.state()}
+        return save_actor_checkpoint(self.out, write_actor, extra, self.state,
                                      keep=self.cfg.loop.keep_checkpoints)
 
 

@@ -143,6 +143,7 @@ class UpdateInputs:
     correction: CorrectionConfig
     ref_logprobs_BT: torch.Tensor | None = None  # fp32 pi_ref (loss.kl_coef > 0): set on the
     # rank by policy_update, whose reference replays the update's routes
+    lr_scale: float = 1.0            # x the schedule's LR in this update (trainer/lr_trigger.py)
 
     def rows(self, idx: torch.Tensor) -> UpdateInputs:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -32,6 +32,7 @@ from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.correction_presets import expand_preset
 from lockstep.trainer.data import DataConfig
 from lockstep.trainer.losses import LossConfig
+from lockstep.trainer.lr_trigger import LRTriggerConfig
 from lockstep.trainer.megatron.model import MegatronOptions  # no megatron-core import
 from lockstep.trainer.section_types import (ExperimentConfigError, Float, Section,  # noqa: F401
                                             dataclass_section, need, plain)
@@ -180,8 +181,9 @@ class ActorConfig(Section):
     """AdamW epsilon."""
     grad_clip: Float = Field(1.0, ge=0.0)
     """Max global grad norm (0 = no clipping)."""
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """LR after warm-up: constant, cosine or linear decay to min_lr_ratio * lr at loop.steps."""
+    lr_schedule: Literal["constant", "cosine", "linear", "triggered"] = "constant"
+    """LR after warm-up: constant, cosine or linear decay to min_lr_ratio * lr at loop.steps,
+    or triggered: constant, cut by actor.lr_trigger when mismatch symptoms show."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warm-up, in optimiser steps."""
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0)
@@ -204,6 +206,8 @@ class ActorConfig(Section):
     e_score_correction_bias += rate * sign(mean load - load), the load counted over the routes
     the mini-batch ran (the replayed ones under R2/R3). Sigmoid-router models, torch backend;
     0 = off."""
+    lr_trigger: LRTriggerConfig | None = None
+    """lr_schedule=triggered only: the triggers, factor and cooldown (trainer/lr_trigger.py)."""
     megatron: dataclass_section(MegatronOptions) = Field(default_factory=MegatronOptions)
     """backend=megatron only: TP/EP/ETP layout, dispatcher, TE, recompute (docs/megatron.md)."""
 
@@ -214,6 +218,10 @@ class ActorConfig(Section):
         need(self.mini_batch_size % self.micro_batch_size == 0,
              f"actor.micro_batch_size={self.micro_batch_size} must divide "
              f"actor.mini_batch_size={self.mini_batch_size}")
+        need((self.lr_schedule == "triggered") == (self.lr_trigger is not None),
+             f"actor.lr_schedule={self.lr_schedule!r} with actor.lr_trigger "
+             f"{'unset' if self.lr_trigger is None else 'set'}: the triggered schedule needs "
+             "actor.lr_trigger (its thresholds), and only it takes one")
         need(self.expert_bias_update_rate == 0 or self.backend == "torch",
              f"actor.expert_bias_update_rate={self.expert_bias_update_rate} is implemented by "
              f"the torch actor only; actor.backend={self.backend!r}")
@@ -467,8 +475,9 @@ class ExperimentConfig(Section):
              f"max_position_embeddings={self.model.max_position_embeddings}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every section; a default `cluster` (one in-process actor) is left out, so saved
-        configs and hashes read as before the section existed."""
+        """Every section; a default `cluster` (one in-process actor) and an unset
+        `actor.lr_trigger` are left out, so saved configs and hashes read as before they
+        existed."""
         d = plain(self)
         if self.cluster == ClusterConfig():
             d.pop("cluster")
@@ -476,6 +485,8 @@ class ExperimentConfig(Section):
             for k in _PLAN_KEYS:
                 if d["cluster"][k] == ClusterConfig.model_fields[k].default:
                     d["cluster"].pop(k)
+        if self.actor.lr_trigger is None:  # as before the triggered schedule existed
+            d["actor"].pop("lr_trigger")
         if self.rollout.sglang == SGLangOptions():
             d["rollout"].pop("sglang")
         else:  # rollout.sglang keys added later, at their defaults: as before they existed
@@ -499,8 +510,9 @@ class ExperimentConfig(Section):
     def hash(self, *sections: str) -> str:
         """Short stable hash of the named sections (all when none), e.g. for caches.
         A default `actor.megatron` and an unset `rollout.sampling_mask_replay` are left out (a
-        default `cluster` too, by `to_dict`), so configs hash as they did before they existed
-        (runs written then still resume); any other value changes the hash."""
+        default `cluster` and an unset `actor.lr_trigger` too, by `to_dict`), so configs hash
+        as they did before they existed (runs written then still resume); any other value
+        changes the hash."""
         d = self.to_dict()
         if self.actor.megatron == MegatronOptions():
             d["actor"].pop("megatron")

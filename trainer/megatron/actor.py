@@ -184,8 +184,9 @@ class MegatronActor(Schedule, RankActor):
         return self._only("moe_slices")
 
     # -- helpers -------------------------------------------------------------------------
-    def _set_lr(self) -> float:
-        lr = self.cfg.lr * self.lr_at(self.num_steps)
+    def _set_lr(self, lr_scale: float = 1.0) -> float:
+        """The schedule's LR of the next optimiser step, x `lr_scale` (the triggered decay)."""
+        lr = self.cfg.lr * self.lr_at(self.num_steps) * lr_scale
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
@@ -331,7 +332,7 @@ class MegatronActor(Schedule, RankActor):
             m = self._forward_backward(
                 batch, lambda lp, ent, idx, mini, n=norm: objective(lp, ent, idx, n), local,
                 routes_BTLK, replay_mask_BT, used, nat, sharded=True)
-            m.update(self._optimizer_step())
+            m.update(self._optimizer_step(objective.inputs.lr_scale))
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
         self._pp_sum(used)
@@ -405,8 +406,8 @@ class MegatronActor(Schedule, RankActor):
                                       device=self.device))
         return dict(zip(names, x.tolist()))
 
-    def _optimizer_step(self) -> dict[str, float]:
-        lr = self._set_lr()
+    def _optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
+        lr = self._set_lr(lr_scale)
         ok, grad_norm, _ = self.optimizer.step()
         self.optimizer.zero_grad()
         for m in self.ddps:
