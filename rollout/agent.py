@@ -26,7 +26,12 @@ Later turns' seeds are a pure function of the first turn's seed, the sample inde
 
 `generate` is any `RolloutBackend.generate` (embedded engine, server client, fleet): each turn
 after the first is a fresh request carrying the whole trajectory as `input_ids` (a server's
-prefix cache keeps the earlier turns' KV).
+prefix cache keeps the earlier turns' KV). Requests name their trajectories
+(`GenerateRequest.trajectories`, "<rid>/<sample>"), so a fleet sends every turn of one to the
+engine of its first turn (rollout/pins.py). A trajectory whose engine is lost mid-trajectory
+(`TrajectoriesLost`) is started again from its first turn, once, with the same seeds (the same
+trajectory when the weights are the same); lost again, it ends with the error `lost`.
+`release` (a backend's `release_trajectories`) is told the ids of every trajectory that ended.
 
 Shapes: N routes rows, L MoE layers, K top-k; P first-prompt tokens, R tokens after it.
 """
@@ -42,12 +47,14 @@ import torch
 
 from lockstep.replay.trace import RoutingTrace
 from lockstep.rollout.env import MAX_TURNS, EnvConfig, EnvPool
+from lockstep.rollout.pins import TrajectoriesLost
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 
-ERROR_KINDS = ("raised", "timeout", "bad_value", "crashed", "context", "aborted")
+ERROR_KINDS = ("raised", "timeout", "bad_value", "crashed", "context", "aborted", "lost")
 """Why an environment ended a trajectory with `error_score`: the worker kinds of
-rollout/rewards.py, `context` (an observation that does not fit the engine's max_len) and
-`aborted` (the engine aborted a turn)."""
+rollout/rewards.py, `context` (an observation that does not fit the engine's max_len),
+`aborted` (the engine aborted a turn) and `lost` (its engine was lost mid-trajectory on the
+one restart from its first turn too)."""
 
 
 @dataclass
@@ -79,6 +86,8 @@ class TrajectoryInfo:
     """The error's one-line message."""
     end: str = ""
     """done (the env said so), max_turns, context (no room for another turn) or error."""
+    restarts: int = 0
+    """1 when its engine was lost mid-trajectory and it was started again from its first turn."""
 
     @property
     def tool_calls(self) -> int:
@@ -156,6 +165,7 @@ class _Live:
     index: int
     problem: dict
     label: str
+    name: str  # its id in GenerateRequest.trajectories
     ids: list[int]
     prompt_len: int
     state: dict = field(default_factory=dict)
@@ -167,6 +177,7 @@ class _Live:
     first: GenerationResult | None = None
     info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
     done: bool = False
+    lost: str = ""  # why its engine was lost (it is then started again)
 
 
 class TrajectoryRunner:
@@ -174,28 +185,51 @@ class TrajectoryRunner:
 
     def __init__(self, generate: Callable[[list[GenerateRequest]], list[GenerationResult]],
                  env: EnvPool, codec: ObservationCodec, max_len: int, num_experts: int,
-                 eos_id: int | None, vocab_size: int):
+                 eos_id: int | None, vocab_size: int,
+                 release: Callable[[list[str]], None] | None = None):
         """`max_len`: the engine's context (prompt + every turn); observation ids are checked
-        against `vocab_size`; a turn that samples `eos_id` finishes as "eos"."""
+        against `vocab_size`; a turn that samples `eos_id` finishes as "eos"; `release` is
+        called with the ids of the trajectories of each run once they ended."""
         self.generate, self.env, self.codec = generate, env, codec
+        self.release = release or (lambda ids: None)
         self.cfg: EnvConfig = env.cfg
         self.max_len, self.num_experts, self.eos_id = max_len, num_experts, eos_id
         self.vocab_size = vocab_size
         self.stop_ids = tuple(codec.token_id(m) for m in self.cfg.stop)
 
-    def run(self, requests: Sequence[GenerateRequest], problems: Sequence[dict]
-            ) -> list[GenerationResult]:
+    def run(self, requests: Sequence[GenerateRequest], problems: Sequence[dict],
+            restart: bool = True) -> list[GenerationResult]:
+        """One result per sample (module docstring); `restart`: start trajectories whose
+        engine was lost again from their first turn (False: they end with error `lost`)."""
         if len(requests) != len(problems):
             raise ValueError(f"{len(requests)} requests for {len(problems)} problems")
-        first = [dataclasses.replace(r, sampling=self._with_stops(r.sampling)) for r in requests]
-        trajs = [_Live(r, j, p, f"trajectory {r.rid or i}/{j}", list(r.input_ids),
-                       len(r.input_ids))
-                 for i, (r, p) in enumerate(zip(first, problems)) for j in range(r.sampling.n)]
+        first = [dataclasses.replace(r, sampling=self._with_stops(r.sampling), trajectories=tuple(
+            f"{r.rid or i}/{j}" for j in range(r.sampling.n))) for i, r in enumerate(requests)]
+        trajs = [_Live(r, j, p, f"trajectory {r.trajectories[j]}", r.trajectories[j],
+                       list(r.input_ids), len(r.input_ids))
+                 for r, p in zip(first, problems) for j in range(r.sampling.n)]
+        try:
+            self._turns(trajs, first, restart)
+        finally:
+            self.release([t.name for t in trajs])
+        out = [None if t.lost else self._result(t) for t in trajs]
+        lost = [k for k, t in enumerate(trajs) if t.lost]
+        if lost:  # from the first turn, with the seeds they had: the same when nothing changed
+            again = self.run([self._from_start(trajs[k]) for k in lost],
+                             [trajs[k].problem for k in lost], restart=False)
+            for k, res in zip(lost, again):
+                res.trajectory.restarts = 1
+                out[k] = dataclasses.replace(res, rid=trajs[k].req.rid, index=trajs[k].index)
+        return out
+
+    def _turns(self, trajs: list[_Live], first: list[GenerateRequest], restart: bool) -> None:
         reset = self.env.reset([t.problem for t in trajs], [t.label for t in trajs])
-        results = self.generate(first)
+        results = self._generate(trajs, first, restart)
         if len(results) != len(trajs):
             raise ValueError(f"generate returned {len(results)} results for {len(trajs)} samples")
         for t, reply, res in zip(trajs, reset.scores, results):
+            if res is None:
+                continue
             self._take_turn(t, res)
             if reply is None:
                 self._fail(t, reset, t.label + ": env reset")
@@ -211,8 +245,47 @@ class TrajectoryRunner:
                 for t in live:
                     t.done, t.info.end = True, "max_turns"
                 break
-            for t, res in zip(live, self.generate([self._next_request(t, turn) for t in live])):
-                self._take_turn(t, res)
+            reqs = [self._next_request(t, turn) for t in live]
+            for t, res in zip(live, self._generate(live, reqs, restart)):
+                if res is not None:
+                    self._take_turn(t, res)
+
+    def _generate(self, trajs: list[_Live], requests: list[GenerateRequest], restart: bool
+                  ) -> list[GenerationResult | None]:
+        """`generate`; None for the samples of trajectories whose engine was lost (each is
+        then marked to start again, or ends with error `lost`)."""
+        try:
+            return self.generate(requests)
+        except TrajectoriesLost as e:
+            by_name = {t.name: t for t in trajs}
+            for name, why in e.lost.items():
+                t = by_name[name]
+                if restart:
+                    t.lost, t.done = why, True
+                else:  # it ends after its last sampled turn, without the observation
+                    self._drop_observation(t)
+                    self._error(t, "lost", f"{t.label}: its engine was lost again after a "
+                                           f"restart from its first turn: {why}")
+            return e.results
+
+    def _drop_observation(self, t: _Live) -> None:
+        """Take back the observation appended after the last turn (no turn followed it)."""
+        n = t.info.turns[-1].observation if t.info.turns else 0
+        if n:
+            del t.ids[-n:], t.sampled[-n:]
+            t.logprobs.pop()
+            t.sampling_logprobs.pop()
+            if t.sampling_mask is not None:
+                del t.sampling_mask[-n:]
+            t.info.turns[-1].observation = 0
+
+    def _from_start(self, t: _Live) -> GenerateRequest:
+        """The one-sample first-turn request of a trajectory started again: sample j of n
+        was seeded seed + j, and its later turns' seeds follow (`turn_seed`)."""
+        sp = t.req.sampling
+        sampling = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + t.index)
+        return dataclasses.replace(t.req, rid=f"{t.req.rid}-{t.index}-restart", trajectories=(),
+                                   sampling=sampling)
         return [self._result(t) for t in trajs]
 
     # -- pieces ------------------------------------------------------------------------------
@@ -306,7 +379,7 @@ class TrajectoryRunner:
                                        max_new_tokens=min(sp.max_new_tokens, room))
         return dataclasses.replace(
             r, input_ids=list(t.ids), sampling=sampling, rid=f"{r.rid}-{t.index}-t{turn}",
-            routes_start=t.trace.end if t.trace is not None else 0)
+            routes_start=t.trace.end if t.trace is not None else 0, trajectories=(t.name,))
 
     def _fail(self, t: _Live, scores, label: str) -> None:
         kind = next((k for k in ERROR_KINDS if scores.errors.get(k)), "raised")

@@ -58,6 +58,10 @@ class RolloutBackend(ABC):
         """Running totals the loop logs with each step's metrics (none by default)."""
         return {}
 
+    def release_trajectories(self, trajectories: list[str]) -> None:
+        """Multi-turn trajectories that ended (a fleet forgets their engine; rollout/pins.py);
+        nothing to do for one engine."""
+
 
 def _aborted(item: Any) -> bool:
     """A /generate answer whose sample was aborted (finish_reason type 'abort')."""

@@ -1,6 +1,7 @@
-"""Differential wire suite (run by tests/test_sglang_real.py on its server): one sequence of requests (generation with routes, log-probs,
-sampling masks, n > 1 and start lengths, a second turn asking only its new routes; aborts; version calls; weight-update sessions and
-pushes; malformed and out-of-order calls) sent to a real SGLang 0.5.23 server and to
+"""Differential wire suite (run by tests/test_sglang_real.py on its server): one sequence of
+requests (generation with routes, log-probs, sampling masks, n > 1 and start lengths, a second
+turn asking only its new routes; aborts; version calls; weight-update sessions and pushes;
+malformed and out-of-order calls) sent to a real SGLang 0.5.23 server and to
 `lockstep serve` (a real process) over the same fp32 HF folder, in the same order. Compared per
 request: HTTP status, the `success` flag and the response's shape (the wire keys clients read;
 fields only one side sends are ignored). Every difference is listed in KNOWN with its reason.
@@ -59,7 +60,8 @@ STEPS = [
     ("multi-turn: turn 2 = turn 1 + its tokens + 2 observation tokens, routes from turn 1's "
      "last sampled token (prefix-cache hit)", "POST", "/generate", lambda prev: gen(
          input_ids=P + prev["output_ids"] + [8, 2], sampling_params=TURN,
-         return_routed_experts=True, routed_experts_start_len=len(P) + len(prev["output_ids"]) - 1)),
+         return_routed_experts=True,
+         routed_experts_start_len=len(P) + len(prev["output_ids"]) - 1)),
     ("generate + prompt log-probs (logprob_start_len=0)", "POST", "/generate",
      gen(logprob_start_len=0)),
     ("generate, batch of 2 prompts", "POST", "/generate", gen(input_ids=[P, P[:3]])),
