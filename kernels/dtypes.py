@@ -46,6 +46,22 @@ PRECISIONS = tuple(d.name for d in DTYPES if d.precision)
 """Our spellings a config or the CLI accepts, in table order: ("bf16", "fp16", "fp32")."""
 HF_PRECISIONS = tuple(d.hf for d in DTYPES if d.precision)
 """The same precisions in HF/SGLang/megatron spelling: ("bfloat16", "float16", "float32")."""
+FP8 = "fp8"
+"""A rollout-engine precision, not a torch dtype: bf16 weights, activations and KV cache with
+every attention, MLP and expert matmul in block FP8 (kernels/fp8.py: e4m3 weights in 128x128
+blocks, activations in 1x128 groups, the DeepSeek-V3/SGLang recipe); routers, embeddings and
+the LM head stay bf16 (or router_dtype / lm_head_dtype)."""
+FP8_BASE = "bf16"
+"""The precision an fp8 engine holds and computes everything else in."""
+ENGINE_PRECISIONS = PRECISIONS + (FP8,)
+"""What `rollout.dtype` and `lockstep serve --dtype` accept."""
+
+
+def base_precision(name: str) -> str:
+    """The torch precision behind an engine precision: "fp8" -> "bf16", others unchanged."""
+    return FP8_BASE if name == FP8 else name
+
+
 BY_NAME = {d.name: d for d in DTYPES}
 BY_HF = {d.hf: d for d in DTYPES}
 

@@ -23,6 +23,7 @@ import argparse
 import json
 from typing import Any
 
+from lockstep.kernels.dtypes import FP8, base_precision
 from lockstep.launch.plan_estimate import (GiB, Estimates, _stage_chunks,  # noqa: F401
                                           count_params)
 from lockstep.launch.plan_placement import Placement, _colocated_note, gpus_needed
@@ -189,6 +190,8 @@ class _Plan(Estimates, Placement):
         ddp, opt = ddp_args(), optimizer_args(a, o)
         out["ddp"] = {k: ddp[k] for k in ("grad_reduce_in_fp32", "use_distributed_optimizer")}
         out["optimizer"] = {k: opt[k] for k in ("optimizer", "lr", "clip_grad")}
+        if o.fp8:  # actor.fp8: TE's FP8 GEMMs
+            out["fp8"], out["fp8_recipe"] = args["fp8"], args["fp8_recipe"]
         return out
 
     # -- the rollout -------------------------------------------------------------------
@@ -232,9 +235,15 @@ class _Plan(Estimates, Placement):
         if not m.path:
             self.refuse("rollout.backend=sglang needs model.path: SGLang loads the policy "
                         "from an HF folder")
-        if ro.router_dtype not in (None, ro.dtype):
+        if ro.router_dtype not in (None, base_precision(ro.dtype)):
             self.notes.append(f"rollout.router_dtype={ro.router_dtype}: SGLang has no router "
                               "dtype option; its router runs in --dtype")
+        if ro.dtype == FP8:
+            self.notes.append(
+                "rollout.dtype=fp8: --dtype bfloat16 --quantization fp8; SGLang runs the block "
+                "recipe (128x128 weight blocks, 1x128 activation groups) when model.path is a "
+                "block-FP8 folder (quantization_config.weight_block_size, `*.weight_scale_inv`: "
+                "moe/checkpoint.py save_hf_fp8), else per-tensor online FP8")
         if ro.mask_replay:
             cap = sg.sampling_mask_max_tokens or 4096
             if ro.top_k == -1 or ro.top_k > cap:
@@ -267,6 +276,13 @@ def check_devices(cfg: ExperimentConfig, source: str | None = None) -> None:
     without them, no cluster.ray_address) or several nodes without a Ray cluster."""
     c = cfg.cluster
     why = colocation_refusal(cfg)  # a colocated layout the fleet cannot put in the ranks' bundles
+    if cfg.rollout.backend == "sglang" and cfg.rollout.dtype == "fp8":
+        raise PlanError(
+            "rollout.dtype=fp8 with rollout.backend=sglang: SGLang's block-FP8 layers load FP8 "
+            "weights with weight_scale_inv, and lockstep's weight pushes are bf16/fp32 tensors "
+            "(FP8 pushes are not implemented). This layout can be planned (`lockstep plan "
+            f"{source or 'CONFIG'}`) but not trained; rollout.backend=embedded, ray or serve "
+            "run an FP8 engine (docs/precision.md)")
     if why is not None:
         raise PlanError(f"{why}. This layout can be planned (`lockstep plan {source or 'CONFIG'}`) "
                         "but not trained (docs/ray.md, \"Colocated placement\")")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.kernels.dtypes import BY_NAME
+from lockstep.kernels.dtypes import BY_NAME, FP8, base_precision
 
 GiB = float(1 << 30)
 SGLANG_DEFAULT_MEM_FRACTION = 0.9
@@ -177,11 +177,13 @@ class Estimates:
     def _engine_memory(self, g: int) -> dict[str, Any]:
         cfg, pc, m = self.cfg, self.pc, self.cfg.model
         ro, sg = cfg.rollout, cfg.rollout.sglang
-        b = BY_NAME[ro.dtype].bytes
+        b = BY_NAME[base_precision(ro.dtype)].bytes
         sharded = sum(pc.layer_tp) + pc.embedding + pc.lm_head
         rep = sum(pc.layer_rep) + pc.final_norm
         # experts: ep_size-way expert parallel x (tp/ep)-way expert TP = split over all tp GPUs
         weights = (sharded / g + rep + pc.experts / g) * b
+        if ro.dtype == FP8:  # block FP8: the layers' matmul weights take 1 byte (+ 4 per 16k)
+            weights -= (sum(pc.layer_tp) + pc.experts) / g * (b - 1)
         L = m.num_hidden_layers
         if m.is_mla:  # SGLang caches the compressed latent + the rope key, on every TP rank
             per_token = L * (m.kv_lora_rank + m.qk_rope_head_dim) * b

@@ -19,7 +19,7 @@ import socket
 import sys
 import traceback
 
-from lockstep.kernels.dtypes import PRECISIONS
+from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 
 _DTYPES = list(PRECISIONS)
 API_KEY_ENV = "LOCKSTEP_API_KEY"
@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over HTTP (SGLang /generate wire format)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="DIR", help="HF Qwen3-MoE folder")
-    p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="engine dtype (default bf16)")
+    p.add_argument("--dtype", choices=list(ENGINE_PRECISIONS), default="bf16",
+                   help="engine dtype (default bf16; fp8: bf16 with block-FP8 matmuls)")
     p.add_argument("--router-dtype", choices=_DTYPES, default=None, help="router weights dtype")
     p.add_argument("--lm-head-dtype", choices=_DTYPES, default=None, help="LM head dtype")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

@@ -1,7 +1,7 @@
 """Building blocks of the MoE policy models (moe/model.py): linear and grouped-expert matmuls
-(bf16/fp16 emulated in fp32 on CPU), attention, RMSNorm, RoPE (with YaRN and partial and
-interleaved rotary), the KV cache and the attention layers (GQA/MHA and DeepSeek's multi-head
-latent attention).
+(bf16/fp16 emulated in fp32 on CPU; block FP8 with `fp8=True`, kernels/fp8.py), attention,
+RMSNorm, RoPE (with YaRN and partial and interleaved rotary), the KV cache and the attention
+layers (GQA/MHA and DeepSeek's multi-head latent attention).
 
 Shape legend (suffixes): B batch, T time, N flattened tokens, D model width, H query heads, G
 key/value heads, Dh head width, E experts, S cache slots, M cache length, L layers.
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.fp8 import act_qdq, has_scaled_mm, scaled_mm_blockwise, scaled_mm_fits, weight_qdq
 from .config import ModelConfig
 
 
@@ -23,21 +24,42 @@ def _emulated_on_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ b) in the operands' dtype.
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           fp8: bool = False) -> torch.Tensor:
+    """x @ w.T (+ b) in the operands' dtype (`fp8`: in block FP8, see fp8_linear).
 
     NOTE: CPUs without native bf16/fp16 matmul (AVX2) run them 5-12x slower than fp32 at our
     sizes. Both round the fp32-accumulated result once: the products of bf16/fp16 numbers are
     exact in fp32, so upcasting differs only by summation order (about 1e-4 of outputs move one
     ulp). GPUs keep the native kernel.
     """
+    if fp8:
+        return fp8_linear(x, w, b)
     if _emulated_on_cpu(x):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)
 
 
-def grouped_linear(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor):
-    """Rows offs_E[e-1]:offs_E[e] of x times w_EOD[e].T, for every expert e in one call.
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ b) in block FP8 (kernels/fp8.py): x quantised per token in 1x128 groups, w in
+    128x128 blocks, both dequantised to fp32 for an fp32 matmul (an fp32-accumulating FP8 GEMM
+    emulated), the result in x's dtype; the bias is added unquantised. Gradients pass straight
+    through both quantisers to x and w (fp32 master weights train). On a GPU with FP8 tensor
+    cores, inference (no gradient) runs torch._scaled_mm instead."""
+    O, D = w.shape
+    x_ND = x.reshape(-1, D)
+    if (x.device.type == "cuda" and not (x.requires_grad or w.requires_grad)
+            and has_scaled_mm(x.device) and scaled_mm_fits(x_ND.shape[0], D, O)):
+        y = scaled_mm_blockwise(x_ND, w, x.dtype).view(*x.shape[:-1], O)
+        return y if b is None else y + b.to(y.dtype)
+    y = F.linear(act_qdq(x), weight_qdq(w), None if b is None else b.float())
+    return y.to(x.dtype)
+
+
+def grouped_linear(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor,
+                   fp8: bool = False):
+    """Rows offs_E[e-1]:offs_E[e] of x times w_EOD[e].T, for every expert e in one call
+    (`fp8`: each expert's weight in 128x128 blocks and x in 1x128 groups, as fp8_linear).
 
     One grouped matmul instead of a Python loop of E matmuls, E activations and a cat: the same
     bits on CPU (per-expert matmuls inside), far fewer kernels when rows per expert are few
@@ -45,20 +67,24 @@ def grouped_linear(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor
     """
     if x_XD.device.type != "cpu":
         # CUDA's grouped_mm takes only bf16 on recent GPUs; a loop of matmuls runs anywhere.
-        return grouped_linear_loop(x_XD, w_EOD, offs_E)
+        return grouped_linear_loop(x_XD, w_EOD, offs_E, fp8)
+    if fp8:
+        return F.grouped_mm(act_qdq(x_XD), weight_qdq(w_EOD).transpose(1, 2),
+                            offs=offs_E).to(x_XD.dtype)
     if _emulated_on_cpu(x_XD):  # see linear()
         return F.grouped_mm(x_XD.float(), w_EOD.float().transpose(1, 2),
                             offs=offs_E).to(x_XD.dtype)
     return F.grouped_mm(x_XD, w_EOD.transpose(1, 2), offs=offs_E)
 
 
-def grouped_linear_loop(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor):
+def grouped_linear_loop(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor,
+                        fp8: bool = False):
     """grouped_linear as one matmul per expert."""
     ends = offs_E.tolist()
     # unbind once: indexing the stacked weight per expert would make backward allocate
     # (and zero-fill) a full-size gradient for every expert.
     w_E = w_EOD.unbind(0)
-    return torch.cat([linear(x_XD[start:end], w_E[e])
+    return torch.cat([linear(x_XD[start:end], w_E[e], fp8=fp8)
                       for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
 
 
@@ -268,16 +294,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.fp8 = False
+        """Projections in block FP8 (MoEModel.set_precision's fp8)."""
 
     def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
         B, T, _ = x_BTD.shape
         Dh = self.head_dim
-        q = linear(x_BTD, self.q_proj.weight, self.q_proj.bias).view(B, T, -1, Dh)
-        k = linear(x_BTD, self.k_proj.weight, self.k_proj.bias).view(B, T, -1, Dh)
+        q = linear(x_BTD, self.q_proj.weight, self.q_proj.bias, fp8=self.fp8).view(B, T, -1, Dh)
+        k = linear(x_BTD, self.k_proj.weight, self.k_proj.bias, fp8=self.fp8).view(B, T, -1, Dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = linear(x_BTD, self.v_proj.weight, self.v_proj.bias).view(B, T, -1, Dh).transpose(1, 2)
+        v = linear(x_BTD, self.v_proj.weight, self.v_proj.bias, fp8=self.fp8)
+        v = v.view(B, T, -1, Dh).transpose(1, 2)
         # (B, H|G, T, Dh); cos covers the rotary dims only (all of Dh but for GLM-4.5)
         q, k = apply_partial_rope(q, cos, sin_signed), apply_partial_rope(k, cos, sin_signed)
         if cache_rows is None:
@@ -285,7 +314,7 @@ class Attention(nn.Module):
         else:
             keys, values = cache_rows.write_and_read(self.layer_idx, k, v)  # (B, G, M, Dh)
             o = attention(q, keys, values, cache_rows.mask_B1TM)
-        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, fp8=self.fp8)
 
 
 class MLAttention(nn.Module):
@@ -317,22 +346,24 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.fp8 = False
+        """Projections in block FP8 (MoEModel.set_precision's fp8)."""
 
     def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
         B, T, _ = x_BTD.shape
         if hasattr(self, "q_proj"):
-            q = linear(x_BTD, self.q_proj.weight)
+            q = linear(x_BTD, self.q_proj.weight, fp8=self.fp8)
         else:
-            q = linear(self.q_a_layernorm(linear(x_BTD, self.q_a_proj.weight)),
-                       self.q_b_proj.weight)
+            q = linear(self.q_a_layernorm(linear(x_BTD, self.q_a_proj.weight, fp8=self.fp8)),
+                       self.q_b_proj.weight, fp8=self.fp8)
         q_BHTq = q.view(B, T, -1, self.dn + self.dr).transpose(1, 2)
         q_nope, q_rot = q_BHTq.split([self.dn, self.dr], dim=-1)
-        latent, k_rot = linear(x_BTD, self.kv_a_proj_with_mqa.weight).split(
+        latent, k_rot = linear(x_BTD, self.kv_a_proj_with_mqa.weight, fp8=self.fp8).split(
             [self.kv_rank, self.dr], dim=-1)
         k_rot_B1TR = k_rot.view(B, 1, T, self.dr)
         rope = apply_rope_interleaved if self.interleave else apply_rope
         q_rot, k_rot_B1TR = rope(q_rot, cos, sin_signed), rope(k_rot_B1TR, cos, sin_signed)
-        kv = linear(self.kv_a_layernorm(latent), self.kv_b_proj.weight)
+        kv = linear(self.kv_a_layernorm(latent), self.kv_b_proj.weight, fp8=self.fp8)
         k_nope, v = kv.view(B, T, -1, self.dn + self.dv).transpose(1, 2).split(
             [self.dn, self.dv], dim=-1)
         H = k_nope.shape[1]
@@ -343,4 +374,4 @@ class MLAttention(nn.Module):
         else:
             keys, values = cache_rows.write_and_read(self.layer_idx, k, v)
             o = attention(q, keys, values, cache_rows.mask_B1TM, self.scale)
-        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, fp8=self.fp8)

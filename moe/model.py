@@ -45,10 +45,12 @@ class DenseMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.fp8 = False  # block FP8 projections (set_precision)
 
     def forward(self, x):
-        h = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
-        return linear(h, self.down_proj.weight)
+        g = linear(x, self.gate_proj.weight, fp8=self.fp8)
+        h = F.silu(g) * linear(x, self.up_proj.weight, fp8=self.fp8)
+        return linear(h, self.down_proj.weight, fp8=self.fp8)
 
 
 class Experts(nn.Module):
@@ -58,6 +60,7 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))  # (E, 2I, D)
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))  # (E, D, I)
+        self.fp8 = False  # block FP8 matmuls, 128x128 blocks per expert (set_precision)
 
     def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, gates_NK: torch.Tensor):
         N, K = ids_NK.shape
@@ -70,8 +73,8 @@ class Experts(nn.Module):
         # index_select, not x_ND[token_of]: advanced indexing is several times slower on CPU
         # forward, and its backward is an accumulating index_put (a sort) instead of index_add.
         x_sorted = x_ND.index_select(0, token_of)
-        g, u = grouped_linear(x_sorted, self.gate_up_proj, offs_E).chunk(2, dim=-1)
-        y_sorted = grouped_linear(F.silu(g) * u, self.down_proj, offs_E)
+        g, u = grouped_linear(x_sorted, self.gate_up_proj, offs_E, self.fp8).chunk(2, dim=-1)
+        y_sorted = grouped_linear(F.silu(g) * u, self.down_proj, offs_E, self.fp8)
         y_sorted = y_sorted * gates_NK.reshape(-1).index_select(0, order)[:, None]
         return torch.zeros_like(x_ND).index_add_(0, token_of, y_sorted)
 
@@ -137,6 +140,8 @@ class MoEModel(nn.Module):
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compute_dtype = torch.float32
         self.lm_head_dtype = torch.float32
+        self.fp8 = False
+        """Block-FP8 matmuls (set_precision)."""
         self.reset_parameters()
 
     @torch.no_grad()
@@ -152,11 +157,18 @@ class MoEModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def set_precision(self, dtype: torch.dtype, router_dtype: torch.dtype | None = None,
-                      lm_head_dtype: torch.dtype | None = None) -> "MoEModel":
+                      lm_head_dtype: torch.dtype | None = None, fp8: bool = False) -> "MoEModel":
         """Cast for inference/training: everything to dtype, router and LM head optionally
         kept in a wider dtype (they then compute in it). With tied embeddings a wider LM head
-        keeps the shared matrix wide; lookups are cast to dtype."""
+        keeps the shared matrix wide; lookups are cast to dtype. `fp8`: the attention, MLP and
+        expert matmuls run in block FP8 (moe/layers.py fp8_linear; weights stay in dtype); the
+        routers, the shared-expert gate, embeddings and LM head do not (as SGLang and
+        DeepSeek-V3's FP8 checkpoints leave them)."""
         self.to(dtype)
+        for m in self.modules():
+            if isinstance(m, (Attention, MLAttention, DenseMLP, Experts)):
+                m.fp8 = fp8
+        self.fp8 = fp8
         for layer in self.layers:  # the selection bias stays fp32 (as HF keeps it)
             if layer.is_moe and layer.mlp.e_score_correction_bias is not None:
                 layer.mlp.e_score_correction_bias.data = \

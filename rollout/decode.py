@@ -16,7 +16,7 @@ Every result is rounded where the forward rounds it, so the step gives the same 
 cached forward in fp32 and bf16 (tests/test_decode.py), and the engine's routes and log-probs
 match one full forward (tests/test_engine.py).
 
-The fused step covers Qwen3-MoE only (`fused_decode_supported`). The other families (Qwen2-MoE,
+The fused step covers Qwen3-MoE without FP8 only (`fused_decode_supported`). The other families (Qwen2-MoE,
 Mixtral, GLM-4.5, DeepSeek-V3 with MLA) decode through `cached_forward_step`: the model's own
 forward with the KV cache and T = 1, slower per token but the same math by construction.
 """
@@ -32,8 +32,10 @@ from ..moe.model import MoEModel
 
 
 def fused_decode_supported(model: MoEModel) -> bool:
-    """The fused step implements Qwen3-MoE's layer (q/k norm, no biases, softmax router)."""
-    return model.cfg.model_type == "qwen3_moe"
+    """The fused step implements Qwen3-MoE's layer (q/k norm, no biases, softmax router) in
+    plain precisions; block FP8 decodes through the model's forward (its fused q/k/v matrix
+    would be quantised in other blocks than the separate projections)."""
+    return model.cfg.model_type == "qwen3_moe" and not model.fp8
 
 
 def make_decode_weights(model: MoEModel) -> "DecodeWeights | None":

@@ -28,7 +28,7 @@ import torch
 
 from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_state_dict,
                               read_hf_state_dict)
-from ..kernels.dtypes import BY_NAME, PRECISIONS
+from ..kernels.dtypes import BY_NAME, ENGINE_PRECISIONS, FP8, PRECISIONS, base_precision
 from ..moe.config import strict_kwargs
 from ..moe.model import KVCache, MoEModel
 from ..moe.sizes import check_fits, kv_cache_bytes
@@ -44,7 +44,8 @@ class EngineConfig:
     """Engine sizing and numerics."""
 
     dtype: str = "bf16"
-    """Weights, activations and KV cache: bf16, fp16 or fp32."""
+    """Weights, activations and KV cache: bf16, fp16 or fp32; or fp8: bf16 with block-FP8
+    matmuls (kernels/dtypes.py FP8)."""
     router_dtype: str | None = None
     """Keep router weights (and their matmul) in this dtype, e.g. fp32; None = dtype."""
     lm_head_dtype: str | None = None
@@ -66,9 +67,12 @@ class EngineConfig:
     finished sample."""
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "router_dtype", "lm_head_dtype"):
+        if self.dtype not in ENGINE_PRECISIONS:
+            raise ValueError(f"EngineConfig.dtype must be one of {list(DTYPES)} or {FP8!r} "
+                             f"(bf16 with block-FP8 matmuls), got {self.dtype!r}")
+        for name in ("router_dtype", "lm_head_dtype"):
             v = getattr(self, name)
-            if not (v in DTYPES or (v is None and name != "dtype")):
+            if not (v in DTYPES or v is None):
                 raise ValueError(f"EngineConfig.{name} must be one of {list(DTYPES)}, got {v!r}")
         for name in ("max_running", "max_prefill_tokens"):
             v = getattr(self, name)
@@ -122,9 +126,9 @@ class Engine:
         mcfg = model.cfg
         self.device = dev = engine_device(cfg.device)
         self.model = model.eval().requires_grad_(False)
-        self.model.set_precision(DTYPES[cfg.dtype],
-                                 router_dtype=DTYPES.get(cfg.router_dtype),
-                                 lm_head_dtype=DTYPES.get(cfg.lm_head_dtype))
+        dtype = DTYPES[base_precision(cfg.dtype)]
+        self.model.set_precision(dtype, router_dtype=DTYPES.get(cfg.router_dtype),
+                                 lm_head_dtype=DTYPES.get(cfg.lm_head_dtype), fp8=cfg.dtype == FP8)
         self.model.to(dev)
         self.weight_version = weight_version
         self._decode_weights = make_decode_weights(self.model)
@@ -136,12 +140,12 @@ class Engine:
         S, M, L, K = cfg.max_running, self.max_len, mcfg.num_moe_layers, mcfg.num_experts_per_tok
         # Every per-slot buffer lives on the engine's device; the host keeps only Python
         # bookkeeping (which slot runs which request).
-        buffers = kv_cache_bytes(mcfg, S, M, DTYPES[cfg.dtype]) + S * M * (L * K * 2 + 16)
+        buffers = kv_cache_bytes(mcfg, S, M, dtype) + S * M * (L * K * 2 + 16)
         check_fits(f"the engine's KV cache and sequence buffers ({S} slots x max_len {M} "
                    f"tokens x {mcfg.num_hidden_layers} layers)", buffers, dev,
                    "lower the engine's max_len (`lockstep serve --max-len`; it defaults to the "
                    "model's max_position_embeddings) or its max_running")
-        self.cache = KVCache.allocate(mcfg, S, M, dtype=DTYPES[cfg.dtype], device=dev)
+        self.cache = KVCache.allocate(mcfg, S, M, dtype=dtype, device=dev)
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
         self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype, device=dev)

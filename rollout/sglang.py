@@ -52,6 +52,10 @@ class SGLangConfig:
     """Expert-parallel size (divides tp_size in SGLang)."""
     dtype: str = "bfloat16"
     """Weights/activations dtype: auto, bfloat16, float16, float32."""
+    quantization: str | None = None
+    """--quantization: "fp8" (rollout.dtype=fp8; the block-FP8 recipe when the model folder's
+    config.json carries quantization_config with weight_block_size, otherwise SGLang
+    quantises online per tensor); None = none (or what the folder's config.json says)."""
     mem_fraction_static: float | None = None
     """Fraction of GPU memory for weights + KV cache; None = SGLang's default."""
     context_length: int | None = None
@@ -95,6 +99,8 @@ class SGLangConfig:
         need(self.tp_size % self.ep_size == 0,
              f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
         need(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        need(self.quantization in (None, "fp8"),
+             f"quantization must be fp8 or None, got {self.quantization!r}")
         need(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
              f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         for name in ("context_length", "sampling_mask_max_tokens"):
@@ -136,6 +142,7 @@ class SGLangConfig:
                 "--host", self.host, "--port", str(self.port),
                 "--tp-size", str(self.tp_size), "--ep-size", str(self.ep_size),
                 "--dtype", self.dtype,
+                *(["--quantization", self.quantization] if self.quantization else []),
                 # lockstep needs token ids in and out, and the routes of every token.
                 "--skip-tokenizer-init", "--enable-return-routed-experts"]
         opt = [("--mem-fraction-static", self.mem_fraction_static),

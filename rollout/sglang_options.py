@@ -103,6 +103,7 @@ class SGLangOptions:
 _OWN_FLAGS = {"--model-path": "model.path", "--tp-size": "rollout.sglang.tp_size",
               "--tp": "rollout.sglang.tp_size", "--ep-size": "rollout.sglang.ep_size",
               "--ep": "rollout.sglang.ep_size", "--dtype": "rollout.dtype",
+              "--quantization": "rollout.dtype: fp8",
               "--port": "the fleet (a free port per server)", "--host": "the fleet",
               "--mem-fraction-static": "rollout.sglang.mem_fraction_static",
               "--random-seed": "loop.seed",

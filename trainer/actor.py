@@ -4,7 +4,8 @@ The actor owns the fp32 master weights (the `MoEModel` it is given) and an AdamW
 them. When `ActorConfig.dtype` (or the router / LM-head dtype) is not fp32, forwards and
 backwards run on a cast copy (`model.set_precision`) whose gradients are added into the fp32
 master's after every micro-batch (so they accumulate in fp32), and which is refreshed from the
-master after each optimiser step.
+master after each optimiser step. `ActorConfig.fp8`: the forward's matmuls run in block FP8
+(moe/layers.py fp8_linear) and their gradients pass straight through the quantisers.
 
 Log-probs are of the token at each position given the tokens before it, under
 softmax(logits / temperature) over the whole vocabulary (the distribution the rollout engine
@@ -138,10 +139,12 @@ class TorchActor(RankActor):
         low = [cfg.dtype, cfg.router_dtype or cfg.dtype, cfg.lm_head_dtype or cfg.dtype]
         if all(d == "fp32" for d in low):
             self.compute = model
+            if cfg.fp8:  # FP8 forward, straight-through backward into the fp32 weights
+                model.set_precision(torch.float32, fp8=True)
         else:
             self.compute = copy.deepcopy(model).set_precision(
                 torch_dtype(cfg.dtype), torch_dtype(cfg.router_dtype) if cfg.router_dtype else None,
-                torch_dtype(cfg.lm_head_dtype) if cfg.lm_head_dtype else None)
+                torch_dtype(cfg.lm_head_dtype) if cfg.lm_head_dtype else None, fp8=cfg.fp8)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,

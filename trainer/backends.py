@@ -28,10 +28,11 @@ def check_policy_fits(cfg: ExperimentConfig) -> None:
     """Refuse, before any allocation, a policy the in-process actor and engine cannot hold:
     its weights, gradients and AdamW moments (fp32 master weights: 16 bytes a parameter),
     plus the engine's copy in rollout.dtype."""
-    from lockstep.kernels.dtypes import BY_NAME
+    from lockstep.kernels.dtypes import BY_NAME, base_precision
     from lockstep.moe.sizes import check_fits, param_count
     n = param_count(cfg.model)
-    per_param = 4 * BY_NAME[cfg.actor.dtype].bytes + BY_NAME[cfg.rollout.dtype].bytes
+    per_param = 4 * BY_NAME[cfg.actor.dtype].bytes + \
+        BY_NAME[base_precision(cfg.rollout.dtype)].bytes
     m = cfg.model
     check_fits(f"the {n / 1e9:,.2f}B-parameter policy (model.hidden_size={m.hidden_size}, "
                f"num_hidden_layers={m.num_hidden_layers}, num_experts={m.num_experts}, "

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lockstep.kernels.dtypes import PRECISIONS
+from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
 from lockstep.replay import ReplayMode
 from lockstep.rollout.rewards import RewardConfig
@@ -44,6 +44,7 @@ BOUND_REASONS = {"rollout.temperature": (
     "temperature-1 log-probs, which the actor would compare with tempered ones")}
 
 Dtype = Literal[PRECISIONS]  # our spellings in the one dtype table (kernels/dtypes.py)
+EngineDtype = Literal[ENGINE_PRECISIONS]  # the same plus "fp8" (bf16 with block-FP8 matmuls)
 RolloutBackend = Literal["embedded", "http", "ray", "serve", "sglang"]
 WeightSync = Literal["auto", "distributed", "tensor", "disk", "object_store"]
 # weight_sync values each rollout backend takes
@@ -74,8 +75,10 @@ class RolloutConfig(Section):
     is refused (TIS/IcePop would see a ratio biased by the kept mass)."""
     max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
     """Response length cap; None = the task's own cap."""
-    dtype: Dtype = "bf16"
-    """Engine compute dtype (the train/infer mismatch comes from here)."""
+    dtype: EngineDtype = "bf16"
+    """Engine compute dtype (the train/infer mismatch comes from here); fp8: bf16 with every
+    attention/MLP/expert matmul in block FP8 (e4m3, 128x128 weight blocks, 1x128 activation
+    groups; docs/precision.md)."""
     router_dtype: Dtype | None = None
     """Engine router dtype; None = same as dtype."""
     lm_head_dtype: Dtype | None = None
@@ -157,7 +160,7 @@ class RolloutConfig(Section):
 
 # MegatronOptions fields the megatron actor overwrites from ActorConfig (actor.options_for).
 _MEGATRON_FROM_ACTOR = {"params_dtype": "actor.dtype", "router_dtype": "actor.router_dtype",
-                        "aux_loss_coef": "actor.aux_loss_coef"}
+                        "aux_loss_coef": "actor.aux_loss_coef", "fp8": "actor.fp8"}
 
 
 class ActorConfig(Section):
@@ -171,6 +174,11 @@ class ActorConfig(Section):
     """Router dtype; None = same as dtype (the Megatron moe_router_dtype knob)."""
     lm_head_dtype: Dtype | None = None
     """LM-head dtype; None = same as dtype (the MiniMax-M1 fp32 head knob)."""
+    fp8: bool = False
+    """Run the forward's attention/MLP/expert matmuls in block FP8 as rollout.dtype=fp8 does
+    (the same quantiser), with a straight-through backward into the actor.dtype master
+    weights ("unified FP8" with rollout.dtype=fp8; docs/precision.md). Megatron backend: TE's
+    blockwise FP8 recipe, GPU with transformer-engine only."""
     lr: Float = Field(3e-4, gt=0.0, le=1.0)
     """AdamW peak learning rate."""
     betas: list[Float] = Field(default_factory=lambda: [0.9, 0.999])
@@ -505,6 +513,8 @@ class ExperimentConfig(Section):
             for k in keys:
                 if d[section][k] == cls.__dataclass_fields__[k].default:
                     d[section].pop(k)
+        if not self.actor.fp8:  # likewise
+            d["actor"].pop("fp8")
         return d
 
     def hash(self, *sections: str) -> str:
@@ -517,7 +527,7 @@ class ExperimentConfig(Section):
         if self.actor.megatron == MegatronOptions():
             d["actor"].pop("megatron")
         else:  # megatron options added later are left out at their defaults, likewise
-            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel"):
+            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel", "fp8"):
                 if getattr(self.actor.megatron, k) == getattr(MegatronOptions(), k):
                     d["actor"]["megatron"].pop(k)
         if self.rollout.sampling_mask_replay is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lockstep.kernels.dtypes import hf_name
+from lockstep.kernels.dtypes import FP8, base_precision, hf_name
 from lockstep.rollout.sglang import SGLangConfig
 from lockstep.rollout.sglang_options import FLEET_KEYS
 from lockstep.rollout.sglang_options import check as _check
@@ -27,11 +27,12 @@ def sglang_options_dict(cfg: Any) -> dict[str, Any]:
     what is chosen per server (model_path, host, port, api_key, weight_version), plus the
     fleet's own `FLEET_KEYS`: the options every server of the fleet is launched with."""
     ro, sg = cfg.rollout, cfg.rollout.sglang
-    _check(ro.lm_head_dtype in (None, "fp32", ro.dtype),
+    _check(ro.lm_head_dtype in (None, "fp32", base_precision(ro.dtype)),
            f"rollout.lm_head_dtype={ro.lm_head_dtype!r}: SGLang computes the LM head in "
            f"rollout.dtype={ro.dtype!r} or in fp32 (--enable-fp32-lm-head), nothing else")
     d: dict[str, Any] = dict(
-        tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=hf_name(ro.dtype),
+        tp_size=sg.tp_size, ep_size=sg.ep_size, dtype=hf_name(base_precision(ro.dtype)),
+        quantization="fp8" if ro.dtype == FP8 else None,
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length,
         enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
         enable_deterministic_inference=sg.deterministic_inference,

@@ -53,6 +53,10 @@ class MegatronOptions:
     logprob_chunk_tokens: int = 1024
     """TP > 1: tokens per chunk of the vocabulary-parallel log-prob kernel (logprob.py); a
     chunk holds [chunk, V/TP] fp32 logits per rank (TP = 1 uses actor.logprob_chunk)."""
+    fp8: bool = False
+    """FP8 GEMMs through Transformer Engine's blockwise recipe (TransformerConfig fp8="e4m3",
+    fp8_recipe="blockwise": 1x128 activation and 128x128 weight scales, as kernels/fp8.py);
+    from actor.fp8. GPU with transformer_engine only."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel",
@@ -289,6 +293,11 @@ def precision_problems(cfg, on_gpu: bool) -> list[str]:
     if cfg.router_dtype not in (None, cfg.dtype, "fp32"):
         out.append(f"actor.router_dtype={cfg.router_dtype}: megatron-core's router dtype "
                    "can only be raised to fp32")
+    if cfg.fp8 and not on_gpu:
+        out.append("actor.fp8=true: the megatron backend runs FP8 through Transformer Engine's "
+                   "blockwise recipe, which needs a CUDA GPU with transformer_engine; "
+                   "megatron-core's local (CPU) layers have no FP8 path to emulate it with "
+                   "(use actor.backend=torch for FP8 on CPU)")
     return out
 
 
@@ -297,7 +306,8 @@ def actor_options(cfg, options: MegatronOptions | None) -> MegatronOptions:
     (not checked: `precision_problems`)."""
     router = None if cfg.router_dtype in (None, cfg.dtype) else cfg.router_dtype
     return dataclasses.replace(options or MegatronOptions(), params_dtype=hf_name(cfg.dtype),
-                               router_dtype=router, aux_loss_coef=cfg.aux_loss_coef)
+                               router_dtype=router, aux_loss_coef=cfg.aux_loss_coef,
+                               fp8=cfg.fp8)
 
 
 # -- the arguments megatron-core is given --------------------------------------------------
@@ -400,6 +410,8 @@ def megatron_args(cfg: ModelConfig, opts: MegatronOptions, *, use_te: bool | str
         recompute_granularity="full" if opts.recompute_activations else None,
         recompute_method="uniform" if opts.recompute_activations else None,
         recompute_num_layers=1 if opts.recompute_activations else None,
+        # FP8 GEMMs (actor.fp8) through TE: e4m3 forward and backward, block scales
+        **(dict(fp8="e4m3", fp8_recipe="blockwise") if opts.fp8 else {}),
     )
 
 

@@ -60,6 +60,10 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
     if grouped and not use_te:
         raise ConfigError("megatron.grouped_gemm=True needs the Transformer Engine spec "
                           "(use_transformer_engine=True on a GPU)")
+    if opts.fp8 and not use_te:
+        raise ConfigError("actor.fp8=true with the megatron backend needs the Transformer "
+                          "Engine spec (a CUDA GPU and transformer_engine): megatron-core's "
+                          "local layers have no FP8 GEMM")
     if opts.router_dtype is not None and on_gpu and not use_te:
         # 0.16.1 reads `te_general_gemm` unconditionally once moe_router_dtype is set; only the
         # CPU bridge defines it when TE is missing, and the bridge never runs on a GPU.
