@@ -54,10 +54,11 @@ def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(E4M3)
 
 
-def block_scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+def block_scales_shape(shape: tuple[int, ...], block: tuple[int, int] = (BLOCK, BLOCK)
+                       ) -> tuple[int, ...]:
     """Scale shape of a weight of `shape` (..., O, D): (..., ceil(O/128), ceil(D/128))."""
     *lead, O, D = shape
-    return (*lead, math.ceil(O / BLOCK), math.ceil(D / BLOCK))
+    return (*lead, math.ceil(O / block[0]), math.ceil(D / block[1]))
 
 
 def quantize_weight(w: torch.Tensor, scale_inv: torch.Tensor | None = None):
@@ -85,14 +86,17 @@ def quantize_weight(w: torch.Tensor, scale_inv: torch.Tensor | None = None):
 
 
 def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale_inv blockwise, in fp32, then cast to `dtype`."""
+                      dtype: torch.dtype = torch.float32,
+                      block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """q * scale_inv blockwise (blocks of `block`, a checkpoint's weight_block_size), in fp32,
+    then cast to `dtype`."""
     *lead, O, D = q.shape
-    if tuple(scale_inv.shape) != block_scales_shape(tuple(q.shape)):
+    want = block_scales_shape(tuple(q.shape), block)
+    if tuple(scale_inv.shape) != want:
         raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not fit a "
-                         f"weight of shape {tuple(q.shape)} in {BLOCK}x{BLOCK} blocks: expected "
-                         f"{block_scales_shape(tuple(q.shape))}")
-    s = scale_inv.float().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+                         f"weight of shape {tuple(q.shape)} in {block[0]}x{block[1]} blocks: "
+                         f"expected {want}")
+    s = scale_inv.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
     return (q.float() * s[..., :O, :D]).to(dtype)
 
 

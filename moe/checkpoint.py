@@ -5,22 +5,40 @@ A folder holds `config.json`, `model.safetensors` (or shards `model-0000i-of-000
 plus `model.safetensors.index.json` above `max_shard_bytes`), `generation_config.json`, and,
 when given, the tokenizer files. SGLang, vLLM, transformers and Megatron bridges load it.
 Experts are stacked in memory and written under HF's per-expert names.
+
+`fp8=True` writes block FP8 in DeepSeek-V3's layout: every attention, MLP and expert
+projection (`FP8_WEIGHTS`, the matmuls `MoEModel.set_precision(fp8=True)` quantises) as
+float8_e4m3fn `X.weight` plus fp32 `X.weight_scale_inv` per 128x128 block, the rest (router,
+norms, embeddings, LM head) in bf16, and config.json's `quantization_config` {quant_method:
+fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}: what SGLang's
+block-FP8 path loads. Reading such a folder dequantises (moe/hf_lazy.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from ..kernels.fp8 import BLOCK, quantize_weight
 from .config import ModelConfig
-from .hf_lazy import (INDEX_FILE, SINGLE_FILE, CheckpointError, LazyHF,  # noqa: F401
-                      regular_file)
+from .hf_lazy import (INDEX_FILE, SCALE_SUFFIX, SINGLE_FILE, CheckpointError,  # noqa: F401
+                      LazyHF, regular_file)
 from .model import MoEModel
+
+FP8_WEIGHTS = re.compile(
+    r"\.(self_attn\.(q|k|v|o|q_a|q_b|kv_b)_proj|self_attn\.kv_a_proj_with_mqa"
+    r"|mlp\.(experts\.\d+\.|shared_experts?\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
+"""HF names of the weights a block-FP8 folder stores in FP8 (routers `mlp.gate`, the
+shared-expert gate, norms, embeddings and the LM head stay bf16)."""
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [BLOCK, BLOCK]}
 
 
 def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
@@ -154,28 +172,50 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 def save_hf(model: MoEModel, out_dir: str | os.PathLike, tokenizer=None,
             generation_config: dict | None = None, max_shard_bytes: int = 2 * 1024**3,
-            dtype: torch.dtype | None = None) -> Path:
-    """Write an HF folder. The write goes to a temporary sibling and is renamed into place,
-    so a killed save never leaves a half-written checkpoint under `out_dir`."""
+            dtype: torch.dtype | None = None, fp8: bool = False) -> Path:
+    """Write an HF folder (`fp8`: in block FP8, module docstring). The write goes to a
+    temporary sibling and is renamed into place, so a killed save never leaves a half-written
+    checkpoint under `out_dir`."""
     return save_hf_state_dict(hf_state_dict(model), model.cfg, out_dir, tokenizer,
-                              generation_config, max_shard_bytes, dtype)
+                              generation_config, max_shard_bytes, dtype, fp8)
+
+
+def fp8_state_dict(weights: Mapping[str, torch.Tensor],
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """HF-named tensors in block FP8: each `FP8_WEIGHTS` tensor as float8_e4m3fn + its fp32
+    `weight_scale_inv`, every other one in `dtype` (the selection bias stays fp32)."""
+    out = {}
+    for k, v in weights.items():
+        v = v.detach()
+        if FP8_WEIGHTS.search(k):
+            out[k], out[k + SCALE_SUFFIX] = quantize_weight(v)
+        else:
+            out[k] = v if k.endswith("e_score_correction_bias") else v.to(dtype)
+    return out
 
 
 def save_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
                        out_dir: str | os.PathLike, tokenizer=None,
                        generation_config: dict | None = None, max_shard_bytes: int = 2 * 1024**3,
-                       dtype: torch.dtype | None = None) -> Path:
+                       dtype: torch.dtype | None = None, fp8: bool = False) -> Path:
     """`save_hf` from HF-named tensors (e.g. an actor's exported weight buckets) and a config."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         _rmtree(tmp)
     tmp.mkdir(parents=True)
+    if fp8:
+        weights = fp8_state_dict(weights, dtype or torch.bfloat16)
+        dtype = None
     # The selection bias stays fp32 whatever `dtype` (as transformers keeps it).
     sd = {k: (v.detach().to(dtype) if dtype and not k.endswith("e_score_correction_bias")
               else v.detach()).contiguous().cpu()
           for k, v in weights.items()}
     cfg.save_json(tmp / "config.json")
+    if fp8:
+        hf = json.loads((tmp / "config.json").read_text())
+        hf.update(quantization_config=FP8_QUANTIZATION_CONFIG, torch_dtype="bfloat16")
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in sd.items():

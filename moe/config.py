@@ -55,6 +55,7 @@ _IGNORED_HF_KEYS = frozenset({
     "output_router_logits", "rope_scaling", "use_sliding_window", "sliding_window",
     "max_window_layers", "layer_types", "_name_or_path", "qkv_bias", "num_local_experts",
     "rope_parameters",
+    "quantization_config",  # block FP8: read (and checked) with the weights, moe/hf_lazy.py
 })
 
 # Per architecture: the HF class name, and the keys its config.json may carry that hold no

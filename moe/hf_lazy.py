@@ -15,6 +15,11 @@ The folder is a single `model.safetensors`, or shards listed by `model.safetenso
 per-expert names and are read one expert at a time. Only regular files are opened; a damaged
 file or a missing tensor is named in the error (`CheckpointError`).
 
+Block-FP8 folders (DeepSeek-V3's layout: config.json `quantization_config` {quant_method: fp8,
+fmt: e4m3, weight_block_size: [128, 128]}, `X.weight` float8_e4m3fn with `X.weight_scale_inv`
+fp32 of shape [ceil(O/128), ceil(D/128)]) read the same way: `X.weight` comes back
+dequantised (q * scale, fp32, then `dtype`); the `weight_scale_inv` tensors are not listed.
+
 The file handles stay open (safetensors maps each tensor it returns on its own; the handle
 holds no tensor data); a LazyHF is meant to live in the process that reads it.
 """
@@ -31,10 +36,15 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..kernels.fp8 import dequantize_weight
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+SCALE_SUFFIX = "_scale_inv"
+"""`X.weight` + this: the dequantisation scales of a block-FP8 weight (DeepSeek-V3's name)."""
+FP8_STORED = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
 
 class CheckpointError(ValueError):
@@ -52,6 +62,29 @@ def regular_file(path: Path) -> Path:
         kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
         raise CheckpointError(f"{path} is {kind}; expected a regular file")
     return path
+
+
+def fp8_block_size(folder: Path) -> tuple[int, int] | None:
+    """weight_block_size of a block-FP8 folder's config.json `quantization_config`; None when
+    config.json has none. Anything but e4m3 FP8 with a 2-number block size is refused."""
+    try:
+        qc = json.loads(regular_file(folder / "config.json").read_text()).get(
+            "quantization_config")
+    except (CheckpointError, ValueError, AttributeError):
+        return None  # no (readable) config.json: the weights alone say what they are
+    if qc is None:
+        return None
+    where = f"{folder / 'config.json'}: quantization_config"
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        raise CheckpointError(f"{where} = {qc!r}: only block FP8 (quant_method fp8) is read")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{where}.fmt = {qc['fmt']!r}: only e4m3 weights are read")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"{where}.weight_block_size = {block!r}: expected two positive "
+                              "integers such as [128, 128] (per-tensor FP8 is not read)")
+    return block[0], block[1]
 
 
 def weight_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -82,7 +115,8 @@ def weight_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
 
 class LazyHF(Mapping[str, torch.Tensor]):
     """HF-named tensors of `folder`, each read from disk when asked (module docstring).
-    `dtype`: floating-point tensors are returned in it (None: as stored); others as stored."""
+    `dtype`: floating-point tensors are returned in it (None: as stored, but block-FP8 weights
+    dequantised to fp32); others as stored."""
 
     def __init__(self, folder: str | os.PathLike, dtype: torch.dtype | None = torch.float32):
         self.folder, self.dtype = Path(folder), dtype
@@ -91,6 +125,8 @@ class LazyHF(Mapping[str, torch.Tensor]):
         # HF name -> (file, stored name, expert or None, kind: "" | "gate" | "up" | "down")
         self._where: dict[str, tuple[Path, str, int | None, str]] = {}
         self._shapes: dict[str, torch.Size] = {}
+        self._scales: dict[str, tuple[Path, str]] = {}  # FP8 weight -> where its scales are
+        self._block = fp8_block_size(self.folder) or (128, 128)
         files, weight_map = weight_files(self.folder)
         stored: dict[str, Path] = {}
         for name in files:
@@ -107,7 +143,35 @@ class LazyHF(Mapping[str, torch.Tensor]):
                 raise CheckpointError(
                     f"{self.folder / INDEX_FILE} maps {len(wrong)} tensor(s) to a file that does "
                     f"not hold them, e.g. {k!r} -> {weight_map[k]!r}")
+        self._pair_fp8_scales()
 
+    def _pair_fp8_scales(self) -> None:
+        """Hide each `X.weight_scale_inv` behind its `X.weight` (checked: an FP8 weight, scales
+        of the block shape); an FP8 weight without scales is refused."""
+        for k in [k for k in self._where if k.endswith(SCALE_SUFFIX)]:
+            w = k[:-len(SCALE_SUFFIX)]
+            path, key, _, _ = self._where.pop(k)
+            shape = self._shapes.pop(k)
+            if w not in self._where or self._stored_dtype(w) != FP8_STORED:
+                raise CheckpointError(f"{path}: {k} has no float8_e4m3fn tensor {w!r} to scale")
+            (bo, bd), (O, D) = self._block, self._shapes[w][-2:]
+            want = torch.Size([-(-O // bo), -(-D // bd)])
+            if self._where[w][2] is not None or shape != want:
+                raise CheckpointError(f"{path}: {k} has shape {tuple(shape)}; {w} of shape "
+                                      f"{tuple(self._shapes[w])} in {bo}x{bd} blocks needs "
+                                      f"{tuple(want)}")
+            self._scales[w] = (path, key)
+        bare = [k for k in self._where if k not in self._scales
+                and self._stored_dtype(k) == FP8_STORED]
+        if bare:
+            more = f" ({len(bare)} such tensors)" if len(bare) > 1 else ""
+            raise CheckpointError(f"{self.folder}: float8 tensor {bare[0]!r} has no "
+                                  f"{bare[0] + SCALE_SUFFIX!r}: block-FP8 weights need their "
+                                  f"scales{more}")
+
+    def _stored_dtype(self, name: str) -> str:
+        path, key, _, _ = self._where[name]
+        return self._open(path).get_slice(key).get_dtype()
     # -- Mapping ---------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.part(name)
@@ -134,6 +198,10 @@ class LazyHF(Mapping[str, torch.Tensor]):
         n = 1
         for s in self._shapes[name]:
             n *= s
+        if name in self._scales:  # an FP8 weight: its fp32 scales too
+            spath, skey = self._scales[name]
+            scales = torch.Size(self._open(spath).get_slice(skey).get_shape()).numel()
+            return n + 4 * scales
         return n * _itemsize(sl.get_dtype())
 
     def part(self, name: str, dim: int | None = None, n: int = 1, r: int = 0) -> torch.Tensor:
@@ -141,6 +209,8 @@ class LazyHF(Mapping[str, torch.Tensor]):
         shard): only those bytes are read from disk where the chunk is a contiguous run of
         rows (dim 0) or a strided block (dim 1); a copy, in `dtype`."""
         self._check(name)
+        if name in self._scales:
+            return self._part_fp8(name, dim, n, r)
         path, key, expert, kind = self._where[name]
         shape = list(self._shapes[name])
         index: list = [slice(None)] * len(shape)
@@ -167,6 +237,25 @@ class LazyHF(Mapping[str, torch.Tensor]):
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t
+
+    def _part_fp8(self, name: str, dim: int | None, n: int, r: int) -> torch.Tensor:
+        """A block-FP8 weight dequantised whole (its blocks need not align with a TP chunk),
+        then chunked as `part` does."""
+        (path, key, _, _), (spath, skey) = self._where[name], self._scales[name]
+        try:
+            q = self._open(path).get_tensor(key)
+            scale = self._open(spath).get_tensor(skey)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor {key!r} or its scales (truncated "
+                                  f"or damaged?): {e}") from None
+        self.bytes_read += q.numel() + scale.numel() * scale.element_size()
+        t = dequantize_weight(q, scale, block=self._block)
+        if dim is not None and n > 1:
+            if t.shape[dim] % n:
+                raise ValueError(f"{name}: dim {dim} of shape {tuple(t.shape)} not divisible "
+                                 f"by {n}")
+            t = t.chunk(n, dim)[r].clone()
+        return t if self.dtype is None else t.to(self.dtype)
 
     def close(self) -> None:
         self._handles.clear()

@@ -1,0 +1,109 @@
+"""Block-FP8 HF folders (DeepSeek-V3's layout): written by save_hf(fp8=True), read back
+dequantised by LazyHF / load_hf, refused by name when malformed."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from lockstep.kernels.fp8 import dequantize_weight, quantize_weight
+from lockstep.moe.checkpoint import (FP8_WEIGHTS, CheckpointError, LazyHF, hf_state_dict,
+                                     load_hf, save_hf)
+from lockstep.moe.config import ModelConfig
+from lockstep.moe.model import MoEModel
+
+from arch_fixtures import COMMON, HF_FAMILIES
+from model_fixtures import tiny_config
+
+
+def _deepseek(seed=0):
+    torch.manual_seed(seed)
+    kw = {**COMMON, **HF_FAMILIES["deepseek_v3"][2], "model_type": "deepseek_v3"}
+    return MoEModel(ModelConfig.from_hf_dict(kw))
+
+
+@pytest.mark.parametrize("make", [lambda: MoEModel(tiny_config(mlp_only_layers=[0])),
+                                  _deepseek,
+                                  lambda: MoEModel(tiny_config(model_type="mixtral", intermediate_size=16))],
+                         ids=["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_fp8_names_are_the_matmuls_the_model_quantises(make):
+    model = make().set_precision(torch.float32, fp8=True)
+    quantised = {p.untyped_storage().data_ptr() for m in model.modules()
+                 if getattr(m, "fp8", False) and m is not model
+                 for p in m.parameters() if p.dim() >= 2}
+    for name, t in hf_state_dict(model).items():
+        assert bool(FP8_WEIGHTS.search(name)) == (t.untyped_storage().data_ptr() in quantised), \
+            name
+
+
+def test_deepseek_layout_round_trip(tmp_path):
+    model = _deepseek()
+    folder = save_hf(model, tmp_path / "fp8", fp8=True)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]}
+    stored = load_file(folder / "model.safetensors")
+    p = "model.layers.1."
+    for name in (p + "self_attn.kv_a_proj_with_mqa.weight", p + "mlp.experts.3.down_proj.weight",
+                 p + "mlp.shared_experts.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+        assert stored[name].dtype == torch.float8_e4m3fn, name
+        assert stored[name + "_scale_inv"].dtype == torch.float32
+        assert stored[name + "_scale_inv"].shape == (1, 1)  # tiny: one partial block
+    assert stored[p + "mlp.gate.weight"].dtype == torch.bfloat16           # the router
+    assert stored[p + "mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # read back dequantised, in fp32: FP8 weights are q * scale, the rest bf16 values
+    back = load_hf(folder)
+    want, got = hf_state_dict(model), hf_state_dict(back)
+    for name, w in want.items():
+        if FP8_WEIGHTS.search(name):
+            assert torch.equal(got[name], dequantize_weight(*quantize_weight(w))), name
+        else:
+            assert torch.equal(got[name], w.to(torch.bfloat16).float()), name
+    assert not any(k.endswith("_scale_inv") for k in LazyHF(folder))
+    # exported again: the same FP8 bytes (re-quantising dequantised weights is exact here)
+    again = load_file(save_hf(back, tmp_path / "again", fp8=True) / "model.safetensors")
+    assert all(torch.equal(again[k].float(), v.float()) for k, v in stored.items())
+
+
+def test_malformed_fp8_folders_are_refused_by_name(tmp_path):
+    folder = save_hf(MoEModel(tiny_config()), tmp_path / "f", fp8=True)
+    sd = load_file(folder / "model.safetensors")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    scale = sd.pop(name + "_scale_inv")
+    save_file(sd, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"float8 tensor '{name}' has no "
+                                              f"'{name}_scale_inv'"):
+        LazyHF(folder)
+    sd[name + "_scale_inv"] = torch.ones(2, 1)
+    save_file(sd, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"_scale_inv has shape \(2, 1\).* needs \(1, 1\)"):
+        load_hf(folder)
+    sd[name + "_scale_inv"] = scale
+    save_file(sd, folder / "model.safetensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"only block FP8 \(quant_method fp8\) is read"):
+        load_hf(folder)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"}  # per-tensor
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="weight_block_size = None: expected two"):
+        load_hf(folder)
+
+
+def test_tp_parts_of_an_fp8_weight_are_slices_of_the_dequantised_one(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(260, 136)
+    q, s = quantize_weight(w)
+    save_file({"x.weight": q, "x.weight_scale_inv": s}, tmp_path / "model.safetensors")
+    hf = LazyHF(tmp_path)
+    full = dequantize_weight(q, s)
+    assert torch.equal(hf["x.weight"], full)
+    assert torch.equal(hf.part("x.weight", dim=0, n=2, r=1), full[130:])
+    assert torch.equal(hf.part("x.weight", dim=1, n=2, r=0), full[:, :68])
+    assert hf.nbytes("x.weight") == 260 * 136 + 4 * 3 * 2
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.get_slice("x.weight").get_dtype() == "F8_E4M3"
