@@ -1,11 +1,13 @@
-"""Newer trust regions and masks in the policy loss (issue 20 item 3), with hand-computed numbers and
-verl 0.9.1's own `core_algos` where verl has them: DPPO's binary-TV / binary-KL masks."""
+"""Newer trust regions and masks in the policy loss (issue 20 items 2-3), with hand-computed numbers
+and verl 0.9.1's own `core_algos` where verl has them (DPPO's binary-TV / binary-KL masks);
+DeepSeek-V3.2's OPSM and unbiased KL (slime's `--use-opsm`, `--use-unbiased-kl`) by hand."""
 
 import math
 
 import pytest
 import torch
 
+from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.losses import LossConfig, dppo_loss, policy_loss
 
 
@@ -86,3 +88,52 @@ def test_loss_mode_config():
         LossConfig(loss_mode="dppo")
     with pytest.raises(ValueError, match="loss_mode=dppo_kl is a per-token loss; it needs ratio_level=token"):
         LossConfig(loss_mode="dppo_kl", ratio_level="sequence")
+
+
+def test_opsm_masks_negative_advantage_sequences_far_off_policy():
+    # rows: A = -1 with mean log(mu/pi) = ln(1.25)/2 = .1116 > .1 (masked); the same with A = +1
+    # (kept); A = -.5 on policy (kept). old = pi, so the PPO ratio is 1 and the term is -A per token
+    mu = torch.log(torch.tensor([[0.5, 0.5]] * 3))
+    lp = torch.log(torch.tensor([[0.4, 0.5], [0.4, 0.5], [0.5, 0.5]])).requires_grad_()
+    adv, mask = torch.tensor([[-1.0, -1], [1, 1], [-0.5, -0.5]]), torch.ones(3, 2)
+    kw = dict(rollout_logprobs=mu)
+    off = policy_loss(LossConfig(), lp, lp.detach(), adv, mask, **kw)
+    on = policy_loss(LossConfig(opsm_delta=0.1), lp, lp.detach(), adv, mask, **kw)
+    assert off.loss.item() == approx((2 - 2 + 1) / 6)
+    assert on.loss.item() == approx((-2 + 1) / 6)  # the masked row leaves the sum, not the denominator
+    assert on.metrics["actor/opsm_masked_fraction"] == approx(2 / 6)
+    assert on.metrics["actor/opsm_kl"] == approx(2 * math.log(1.25) / 6)
+    (g,) = torch.autograd.grad(on.loss, lp)
+    assert g[0].abs().sum() == 0 and g[1].abs().sum() > 0
+    # delta above the row's KL: nothing masked; opsm_logprobs=old measures against pi_old = pi: 0
+    assert policy_loss(LossConfig(opsm_delta=0.12), lp, lp.detach(), adv, mask, **kw).loss.item() == approx(1 / 6)
+    assert policy_loss(LossConfig(opsm_delta=0.1, opsm_logprobs="old"), lp, lp.detach(), adv, mask,
+                       **kw).metrics["actor/opsm_masked_fraction"] == 0.0
+    # bypass REINFORCE: pi_old := mu; OPSM multiplies the IS-weighted -A log pi
+    byp = CorrectionConfig(rollout_is="token", bypass_mode=True, loss_type="reinforce")
+    out = policy_loss(LossConfig(opsm_delta=0.1), lp, None, adv, mask, correction=byp, **kw)
+    w = [[0.8, 1.0], [0.8, 1.0], [1.0, 1.0]]  # pi/mu
+    lpv = lp.detach().tolist()
+    want = sum(-adv[i, t].item() * lpv[i][t] * w[i][t] for i in (1, 2) for t in (0, 1)) / 6
+    assert out.loss.item() == approx(want)
+    with pytest.raises(ValueError, match="opsm_delta must be >= 0"):
+        LossConfig(opsm_delta=-1.0)
+    with pytest.raises(ValueError, match="valid: rollout, old"):
+        LossConfig(opsm_logprobs="ref")
+
+
+def test_unbiased_kl_weights_the_estimate_by_pi_over_pi_old():
+    # pi = .5, pi_old = .25 (r = 2), ref = .25: k1 = ln 2, unbiased 2 ln 2; d/dlog pi (r k1) = r k1 + r
+    lp = torch.log(torch.tensor([[0.5]])).requires_grad_()
+    old = ref = torch.log(torch.tensor([[0.25]]))
+    zero, one = torch.zeros(1, 1), torch.ones(1, 1)
+    for unbiased, value, grad in ((False, math.log(2), 1.0), (True, 2 * math.log(2), 2 * math.log(2) + 2)):
+        cfg = LossConfig(kl_coef=1.0, kl_loss_type="k1", unbiased_kl=unbiased)
+        out = policy_loss(cfg, lp, old, zero, one, ref_logprobs=ref)
+        assert out.metrics["actor/kl_loss"] == approx(value)
+        (g,) = torch.autograd.grad(out.loss, lp)
+        assert g.item() == approx(grad)
+    # low_var_kl: r = e^5, k3 = e^-1 + 1 - 1 = .368 -> r k3 = 54.6, clamped to 10 (as slime does)
+    cfg = LossConfig(kl_coef=1.0, kl_loss_type="low_var_kl", unbiased_kl=True)
+    out = policy_loss(cfg, torch.zeros(1, 1), torch.full((1, 1), -5.0), zero, one, ref_logprobs=-one)
+    assert out.metrics["actor/kl_loss"] == approx(10.0)

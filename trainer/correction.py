@@ -56,6 +56,7 @@ class CorrectionConfig:
     bypass_mode: bool = False  # True: pi_old := mu_old, IS/RS against the current policy in the loss
     loss_type: Literal[LOSS_TYPES] = "ppo_clip"  # bypass only: "ppo_clip" (ratio is the IS) | "reinforce" (apply weights)
     prob_diff_eps: float | None = None  # IPO/DPPO mask: drop tokens with |p_old - p_rollout| > eps (0.3 typical)
+    m2po_threshold: float | None = None  # M2PO (AReaL actor.m2_threshold): mask the largest (log r)^2 tokens until the rest's mean < it
     preset: Literal[tuple(PRESETS)] | None = None  # verl preset name: sets verl's 7 fields (correction_presets), then None
 
     def __post_init__(self):
@@ -75,6 +76,8 @@ class CorrectionConfig:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
         if self.prob_diff_eps is not None and not 0 < self.prob_diff_eps <= 1:
             raise ValueError(f"prob_diff_eps must be in (0, 1], got {self.prob_diff_eps}")
+        if self.m2po_threshold is not None and not self.m2po_threshold > 0:
+            raise ValueError(f"m2po_threshold must be > 0 (None disables M2PO), got {self.m2po_threshold}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "CorrectionConfig":
@@ -101,6 +104,32 @@ def prob_diff_mask(old_logprobs, rollout_logprobs, response_mask, eps: float):
     return (response_mask * keep).to(response_mask.dtype), m
 
 
+def m2po_mask(old_logprobs, rollout_logprobs, response_mask, threshold: float):
+    """M2PO's second-moment constraint (arXiv 2510.01161; AReaL's `_apply_m2po_masking`): with
+    m2 = (old - rollout)^2 per valid token, drop the tokens of largest m2 (ties: the first in
+    row-major order goes first) until the mean m2 of the rest is below `threshold`; when no
+    such point exists all but the smallest one are dropped. Returns (mask, metrics)."""
+    valid = response_mask.bool()
+    m2 = (old_logprobs - rollout_logprobs).square()
+    sel = m2[valid]
+    n = sel.numel()
+    k = 0
+    if n > 0:
+        top = torch.sort(sel, descending=True, stable=True)
+        suffix_mean = top.values.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=sel.dtype)
+        below = torch.nonzero(suffix_mean < threshold)
+        k = int(below[0]) if below.numel() else n - 1
+    keep_sel = torch.ones(n, dtype=torch.bool)
+    if k:
+        keep_sel[top.indices[:k]] = False
+    keep = torch.zeros_like(valid)
+    keep[valid] = keep_sel
+    m = {"m2po_m2_mean": sel.mean().item() if n else 0.0,
+         "m2po_m2_mean_kept": sel[keep_sel].mean().item() if n else 0.0,
+         "m2po_masked_fraction": k / n if n else 0.0}
+    return (response_mask * keep).to(response_mask.dtype), m
+
+
 def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask) -> CorrectionResult:
     """Weights, mask and `rollout_corr/*` metrics of `old_logprobs` (pi_old) vs `rollout_logprobs` (mu_old).
 
@@ -114,6 +143,9 @@ def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask
         if cfg.prob_diff_eps is not None:
             mask, pd = prob_diff_mask(old_logprobs.detach(), rollout_logprobs.detach(), mask, cfg.prob_diff_eps)
             metrics.update(_prefixed(pd))
+        if cfg.m2po_threshold is not None:
+            mask, mm = m2po_mask(old_logprobs.detach(), rollout_logprobs.detach(), mask, cfg.m2po_threshold)
+            metrics.update(_prefixed(mm))
     return CorrectionResult(weights=w, response_mask=mask, metrics=metrics)
 
 

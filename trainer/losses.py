@@ -28,6 +28,7 @@ RATIO_LEVELS = ("token", "sequence")  # sequence = GSPO
 # verl 0.9.1 `policy_loss.loss_mode` names: vanilla = PPO clip (or GSPO with ratio_level=sequence);
 # dppo_tv / dppo_kl = DPPO's binary-TV / binary-KL trust masks (arXiv 2602.04879)
 LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl")
+OPSM_LOGPROBS = ("rollout", "old")
 
 
 def _masked_mean(v, mask):
@@ -47,6 +48,9 @@ class LossConfig:
     kl_loss_type: Literal[KL_ESTIMATORS] = "low_var_kl"  # verl's names: kl/k1, abs, mse/k2, low_var_kl/k3; "+" = k2 grad
     entropy_coef: float = 0.0  # subtract entropy_coef * aggregated entropy from the loss
     loss_mode: Literal[LOSS_MODES] = "vanilla"  # verl's name: vanilla (PPO/GSPO) | dppo_tv | dppo_kl (clip_ratio_* = divergence bounds)
+    unbiased_kl: bool = False  # DeepSeek-V3.2: KL term times pi_theta/pi_old (slime/miles --use-unbiased-kl)
+    opsm_delta: float | None = None  # DeepSeek-V3.2 OPSM: mask A<0 sequences whose mean log(behaviour/pi_theta) > delta (slime --use-opsm --opsm-delta, 1e-4 there)
+    opsm_logprobs: Literal[OPSM_LOGPROBS] = "rollout"  # OPSM's behaviour policy: rollout (mu_old, DeepSeek-V3.2) | old (pi_old)
 
     def __post_init__(self):
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
@@ -57,12 +61,15 @@ class LossConfig:
         for name, val, valid in (("ratio_level", self.ratio_level, RATIO_LEVELS),
                                  ("loss_agg_mode", self.loss_agg_mode, AGG_MODES),
                                  ("kl_loss_type", self.kl_loss_type, KL_ESTIMATORS),
-                                 ("loss_mode", self.loss_mode, LOSS_MODES)):
+                                 ("loss_mode", self.loss_mode, LOSS_MODES),
+                                 ("opsm_logprobs", self.opsm_logprobs, OPSM_LOGPROBS)):
             if val not in valid:
                 raise ValueError(f"unknown {name} {val!r}; valid: {', '.join(valid)}")
         if self.loss_mode != "vanilla" and self.ratio_level != "token":
             raise ValueError(f"loss_mode={self.loss_mode} is a per-token loss; it needs ratio_level=token, "
                              f"got {self.ratio_level!r}")
+        if self.opsm_delta is not None and not self.opsm_delta >= 0:
+            raise ValueError(f"opsm_delta must be >= 0 (None disables OPSM), got {self.opsm_delta}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
 
@@ -241,6 +248,31 @@ def reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, *, los
     return loss, {"actor/ppo_kl": _masked_mean(rollout_logprobs - logprobs.detach(), response_mask).item()}
 
 
+def opsm_mask(logprobs, behaviour_logprobs, advantages, response_mask, delta: float):
+    """DeepSeek-V3.2's off-policy sequence masking (slime's `compute_opsm_mask`): a sequence is
+    dropped from the policy term on its tokens with A < 0 when its mean over valid tokens of
+    log(behaviour / pi_theta) exceeds `delta`. Returns (detached 0/1 keep mask [B, T], metrics):
+    `actor/opsm_masked_fraction` (valid tokens masked) and `actor/opsm_kl` (the token mean of
+    log(behaviour / pi_theta))."""
+    with torch.no_grad():
+        lr = torch.where(response_mask.bool(), behaviour_logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+        seq_kl = (lr * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+        drop = (advantages < 0) & (seq_kl > delta)[:, None]
+        keep = (~drop).to(logprobs.dtype)
+    metrics = {"actor/opsm_masked_fraction": _masked_mean(drop.float(), response_mask).item(),
+               "actor/opsm_kl": _masked_mean(lr, response_mask).item()}
+    return keep, metrics
+
+
+def unbiased_kl_penalty(logprobs, old_logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
+    """DeepSeek-V3.2's unbiased KL(pi_theta || ref) from samples of pi_old: the per-token estimate
+    times r = pi_theta/pi_old (log r clamped +-20, gradient through r as in slime's
+    `--use-unbiased-kl`); for low_var_kl/k3 the product is clamped to [-10, 10] as well."""
+    r = torch.exp((logprobs - old_logprobs.detach()).clamp(-20.0, 20.0))
+    kl = r * kl_penalty(logprobs, ref_logprobs, estimator)
+    return kl.clamp(-10, 10) if estimator.rstrip("+") in ("low_var_kl", "k3") else kl
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar to backward
@@ -266,11 +298,18 @@ def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_ma
         metrics.update(res.metrics)
         old_logprobs, response_mask = rollout_logprobs, res.response_mask
         is_weights = res.weights if correction.loss_type == "reinforce" else None
-        if correction.loss_type == "reinforce":
-            loss, pm = reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, is_weights=is_weights,
-                                      loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-            return _finish(cfg, loss, {**metrics, **pm}, logprobs, ref_logprobs, entropy, response_mask,
-                           num_tokens, num_seqs)
+    if cfg.opsm_delta is not None:  # multiplies the policy term only; its denominator stays
+        behaviour = old_logprobs if cfg.opsm_logprobs == "old" else rollout_logprobs
+        if behaviour is None:
+            raise ValueError("loss.opsm_logprobs=rollout needs rollout_logprobs")
+        keep, om = opsm_mask(logprobs, behaviour, advantages, response_mask, cfg.opsm_delta)
+        metrics.update(om)
+        is_weights = keep if is_weights is None else is_weights * keep
+    if correction is not None and correction.bypass_mode and correction.loss_type == "reinforce":
+        loss, pm = reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, is_weights=is_weights,
+                                  loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        return _finish(cfg, loss, {**metrics, **pm}, logprobs, old_logprobs, ref_logprobs, entropy, response_mask,
+                       num_tokens, num_seqs)
     kw = dict(loss_agg_mode=cfg.loss_agg_mode, is_weights=is_weights, num_tokens=num_tokens, num_seqs=num_seqs)
     if cfg.loss_mode != "vanilla":
         loss, pm = dppo_loss(logprobs, old_logprobs, advantages, response_mask, divergence=cfg.loss_mode[5:],
@@ -282,17 +321,21 @@ def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_ma
     else:
         loss, pm = ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=cfg.clip_ratio_low,
                                  clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, **kw)
-    return _finish(cfg, loss, {**metrics, **pm}, logprobs, ref_logprobs, entropy, response_mask, num_tokens, num_seqs)
+    return _finish(cfg, loss, {**metrics, **pm}, logprobs, old_logprobs, ref_logprobs, entropy, response_mask,
+                   num_tokens, num_seqs)
 
 
-def _finish(cfg, pg_loss, metrics, logprobs, ref_logprobs, entropy, mask, num_tokens, num_seqs) -> LossOutput:
+def _finish(cfg, pg_loss, metrics, logprobs, old_logprobs, ref_logprobs, entropy, mask, num_tokens, num_seqs
+            ) -> LossOutput:
     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs)
     metrics["actor/pg_loss"] = pg_loss.item()
     loss = pg_loss
     if cfg.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = agg_loss(kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg)
+        kl_BT = (unbiased_kl_penalty(logprobs, old_logprobs, ref_logprobs, cfg.kl_loss_type) if cfg.unbiased_kl
+                 else kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type))
+        kl = agg_loss(kl_BT, mask, cfg.loss_agg_mode, **agg)
         metrics["actor/kl_loss"], metrics["actor/kl_coef"] = kl.item(), cfg.kl_coef
         loss = loss + cfg.kl_coef * kl
     if entropy is not None:

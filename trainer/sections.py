@@ -388,7 +388,8 @@ def _correction_preset(value: Any) -> Any:
 
 
 # loss / correction options added later (issue 20); left out at their defaults
-_LATER_KEYS = {"loss": (LossConfig, ("loss_mode",))}
+_LATER_KEYS = {"loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
+               "correction": (CorrectionConfig, ("m2po_threshold",))}
 # rollout keys of the fleet and its fault handling; left out at their defaults
 _FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
