@@ -36,3 +36,11 @@ def check_routes_BTLK(routes_BTLK: torch.Tensor, mask_BT: torch.Tensor | None = 
                                 or tuple(mask_BT.shape) != tuple(routes_BTLK.shape[:2])):
         raise RouteError(f"{mask} must be bool {tuple(routes_BTLK.shape[:2])}, got "
                          f"{mask_BT.dtype} {tuple(mask_BT.shape)}")
+
+
+def check_gates_BTLK(gates_BTLK: torch.Tensor, routes_shape, *, what: str = "routed_gates"):
+    """Raise RouteError unless replayed gate weights are a floating [B, T, L, K] tensor of the
+    routes' shape (values are checked where they enter: `replay.gates.decode_gates`)."""
+    if not gates_BTLK.dtype.is_floating_point or tuple(gates_BTLK.shape) != tuple(routes_shape):
+        raise RouteError(f"{what} must be a floating tensor of the routes' shape "
+                         f"{list(routes_shape)}, got {gates_BTLK.dtype} {tuple(gates_BTLK.shape)}")

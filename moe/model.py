@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.routes import RouteError, check_routes_BTLK
+from ..kernels.routes import RouteError, check_gates_BTLK, check_routes_BTLK
 from .config import ModelConfig
 from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, grouped_linear, linear,
                      rope_cos_sin)
@@ -35,6 +35,9 @@ class ModelOutput:
     """int64 experts each token actually ran (the given ids where replayed)."""
     natural_BTLK: torch.Tensor
     """int64 natural top-k of the current router, computed in the same pass."""
+    gates_BTLK: torch.Tensor
+    """Detached gate weights the experts were combined with, in the compute dtype (the
+    replayed ones where gate weights were replayed)."""
     router_logits_LNE: list[torch.Tensor]
     """Per MoE layer, fp32 router logits of all N tokens (for the load-balancing loss)."""
 
@@ -81,7 +84,9 @@ class Experts(nn.Module):
 
 class MoEBlock(nn.Module):
     """Router (moe/router.py: the family picks or replays ids and computes gate weights) +
-    grouped experts + optional shared experts. Replay fixes the ids, never the gate weights."""
+    grouped experts + optional shared experts. Replay fixes the ids; the gate weights are
+    recomputed from the current router unless replayed too (`replay_gates_NK`, straight-through:
+    moe/router.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -100,21 +105,22 @@ class MoEBlock(nn.Module):
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_width)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x_BTD, replay_ids_NK, replay_mask_N):
+    def forward(self, x_BTD, replay_ids_NK, replay_mask_N, replay_gates_NK=None):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
         router_logits_NE = linear(x_ND.to(w.dtype), w).float()
         ids_NK, gates_NK, natural_NK = route(router_logits_NE, self.cfg,
                                              self.e_score_correction_bias, replay_ids_NK,
-                                             replay_mask_N)
-        y_ND = self.experts(x_ND, ids_NK, gates_NK.to(x_ND.dtype))
+                                             replay_mask_N, replay_gates_NK)
+        gates_NK = gates_NK.to(x_ND.dtype)
+        y_ND = self.experts(x_ND, ids_NK, gates_NK)
         if self.cfg.n_shared_experts:
             y_ND = y_ND + self.shared_experts(x_ND)
         if self.cfg.shared_expert_intermediate_size:
             g_N1 = torch.sigmoid(linear(x_ND, self.shared_expert_gate.weight))
             y_ND = y_ND + g_N1 * self.shared_expert(x_ND)
-        return y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE
+        return y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE, gates_NK.detach()
 
 
 class DecoderLayer(nn.Module):
@@ -199,7 +205,12 @@ class MoEModel(nn.Module):
                 routed_experts_BTLK: torch.Tensor | None = None,
                 replay_mask_BT: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, cache_slots_B: torch.Tensor | None = None,
-                compute_logits: bool = True) -> ModelOutput:
+                compute_logits: bool = True,
+                routed_gates_BTLK: torch.Tensor | None = None) -> ModelOutput:
+        """`routed_experts_BTLK` (+ `replay_mask_BT`, default all True) replays expert ids;
+        `routed_gates_BTLK` (any float dtype, same shape) replays their gate weights too, where
+        the mask is set (straight-through: the forward uses them, the router's gradient is that
+        of its own gates at those ids)."""
         cfg = self.cfg
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -207,7 +218,14 @@ class MoEModel(nn.Module):
         if kv_cache is not None and cache_slots_B is None:
             cache_slots_B = torch.arange(B, device=input_ids_BT.device)
         replay_ids_LNK: list[torch.Tensor | None] = [None] * cfg.num_moe_layers
+        replay_gates_LNK: list[torch.Tensor | None] = [None] * cfg.num_moe_layers
         replay_mask_N = None
+        if routed_gates_BTLK is not None:
+            if routed_experts_BTLK is None:
+                raise RouteError("routed_gates given without routed_experts")
+            check_gates_BTLK(routed_gates_BTLK, routed_experts_BTLK.shape)
+            replay_gates_LNK = list(routed_gates_BTLK.reshape(B * T, cfg.num_moe_layers, -1)
+                                    .unbind(1))
         if routed_experts_BTLK is not None:
             if replay_mask_BT is None:
                 replay_mask_BT = torch.ones(B, T, dtype=torch.bool, device=input_ids_BT.device)
@@ -222,13 +240,15 @@ class MoEModel(nn.Module):
                                        cfg.rope_scaling, cfg.max_position_embeddings)
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
-        routes, natural, router_logits = [], [], []
+        routes, natural, router_logits, gates = [], [], [], []
         for layer in self.layers:
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin_signed, cache_rows)
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
-                y, ids_NK, nat_NK, logits_NE = layer.mlp(h, replay_ids_LNK[len(routes)],
-                                                         replay_mask_N)
+                l = len(routes)
+                y, ids_NK, nat_NK, logits_NE, gates_NK = layer.mlp(
+                    h, replay_ids_LNK[l], replay_mask_N, replay_gates_LNK[l])
+                gates.append(gates_NK)
                 routes.append(ids_NK)
                 natural.append(nat_NK)
                 router_logits.append(logits_NE)
@@ -243,6 +263,8 @@ class MoEModel(nn.Module):
             hidden_BTD=hidden,
             routes_BTLK=torch.stack(routes, 1).view(B, T, -1, K) if routes else empty,
             natural_BTLK=torch.stack(natural, 1).view(B, T, -1, K) if natural else empty,
+            gates_BTLK=(torch.stack(gates, 1).view(B, T, -1, K) if gates
+                        else empty.to(self.compute_dtype)),
             router_logits_LNE=router_logits,
         )
 

@@ -3,7 +3,7 @@
 Shape legend: N tokens, E experts, K top-k, G expert groups.
 
 Every family takes fp32 router logits and, optionally, replayed expert ids with a per-token
-mask, and returns (ids_NK, gates_NK, natural_NK):
+mask (and replayed gate weights), and returns (ids_NK, gates_NK, natural_NK):
 - `natural_NK`: the family's own choice from the current logits (with the selection bias and
   the group limit where the family has them): what the divergence metrics compare against.
 - `ids_NK`: the experts that run: the replayed ids where the mask is set, else natural.
@@ -12,6 +12,10 @@ mask, and returns (ids_NK, gates_NK, natural_NK):
   group limits do not apply to replayed ids (a replayed id outside the token's current best
   groups still runs, with its current score as weight). Gates stay differentiable in the logits
   at replayed ids too, so the router keeps its gradient under replay.
+- Gate-weight replay (`replay_gates_NK`, docs/replay.md "Gate-weight replay"): where the mask
+  is set, the gates' forward VALUE is the replayed weights while their gradient is the
+  recomputed gates' (straight-through: g_replayed + (g_own - g_own.detach())), so the experts
+  are combined exactly as the engine combined them and the router still learns.
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ from .config import ModelConfig
 
 
 def route(logits_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None = None,
-          replay_ids_NK: torch.Tensor | None = None, replay_mask_N: torch.Tensor | None = None):
+          replay_ids_NK: torch.Tensor | None = None, replay_mask_N: torch.Tensor | None = None,
+          replay_gates_NK: torch.Tensor | None = None):
     """Pick (or replay) experts and compute their gate weights; see the module docstring."""
     K = cfg.num_experts_per_tok
+    if replay_gates_NK is not None and replay_ids_NK is None:
+        raise ValueError("replay_gates_NK given without replay_ids_NK (gate weights replay "
+                         "with the experts they weighted)")
 
     def chosen(natural_NK):
         if replay_ids_NK is None:
@@ -53,6 +61,11 @@ def route(logits_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None
             gates_NK = gates_NK / (gates_NK.sum(dim=-1, keepdim=True) + 1e-20)
     if cfg.routed_scaling_factor != 1.0:
         gates_NK = gates_NK * cfg.routed_scaling_factor
+    if replay_gates_NK is not None:
+        # x - x.detach() is exactly 0 in the forward: the value is the replayed weights bit
+        # for bit, the gradient d(gates)/d(logits) of the recomputed ones.
+        st_NK = replay_gates_NK.float() + (gates_NK - gates_NK.detach())
+        gates_NK = torch.where(replay_mask_N[:, None], st_NK, gates_NK)
     return ids_NK, gates_NK, natural_NK
 
 

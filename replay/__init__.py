@@ -19,7 +19,9 @@ from .codec import (
     wire_bytes_per_token,
 )
 from .route_divergence import RouteComparison, compare_routes, routing_divergence
-from .policy import NO_REPLAY, ReplayMode, ReplayPlan, old_logprob_plan, update_plan
+from .gates import GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, decode_gates, encode_gates
+from .policy import (GATES, NO_REPLAY, ReplayMode, ReplayOptions, ReplayPlan, old_logprob_plan,
+                     update_plan)
 from .trace import (
     RouteError,
     RoutingTrace,
@@ -32,7 +34,8 @@ from .trace import (
 
 __all__ = [
     "COMPACT_HEADER_BYTES", "ENCODING_COMPACT", "ENCODING_INT32", "ENCODING_REQUEST_FIELD",
-    "ENCODINGS", "NO_REPLAY", "ReplayMode", "ReplayPlan", "RouteComparison", "RouteError",
+    "ENCODINGS", "GATES", "GATES_REQUEST_FIELD", "GATES_RESPONSE_FIELD", "NO_REPLAY",
+    "ReplayMode", "ReplayOptions", "ReplayPlan", "decode_gates", "encode_gates", "RouteComparison", "RouteError",
     "RoutingTrace", "batch_traces", "compact_dtype", "compare_routes", "concat_traces",
     "decode_compact", "decode_routes", "decode_sglang", "encode_compact", "encode_routes",
     "encode_sglang", "load_traces", "old_logprob_plan", "routing_divergence", "save_traces",

@@ -10,6 +10,12 @@ last sampled token of a sample never went through the rollout engine, and paddin
 route, so those positions route naturally (their logits never enter the loss). Dense layers have
 no rows: the route tensors' layer axis is the model's MoE layers in order.
 
+Gate weights (`ReplayOptions.gates`): "recompute" (the default, as every peer does) lets the
+trainer's router recompute the weights of the replayed experts; "engine" replays the weights
+too, from whoever picked the routes: the rollout engine under R3 (its returned gates), the
+old-log-prob forward under R2 (recorded with its routes). The model applies them
+straight-through (moe/router.py), so the router keeps its gradient.
+
 Shapes: B batch, T padded time, L MoE layers, K top-k.
 """
 
@@ -20,7 +26,7 @@ from enum import Enum
 
 import torch
 
-from ..kernels.routes import RouteError, check_routes_BTLK
+from ..kernels.routes import RouteError, check_gates_BTLK, check_routes_BTLK
 
 
 class ReplayMode(str, Enum):
@@ -46,6 +52,24 @@ class ReplayMode(str, Enum):
         return self.value
 
 
+GATES = ("recompute", "engine")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How an actor replays, beyond the mode (the experiment's `replay` section)."""
+
+    gates: str = "recompute"  # GATES: recompute the replayed experts' weights, or replay them
+
+    def __post_init__(self) -> None:
+        if self.gates not in GATES:
+            raise ValueError(f"replay gates {self.gates!r}; valid: {list(GATES)}")
+
+    @property
+    def replays_gates(self) -> bool:
+        return self.gates == "engine"
+
+
 @dataclass(frozen=True)
 class ReplayPlan:
     """What one actor forward does with routes. Pass `routes_BTLK` and `replay_mask_BT` to the
@@ -55,6 +79,7 @@ class ReplayPlan:
     routes_BTLK: torch.Tensor | None  # ids to replay; None = natural routing everywhere
     replay_mask_BT: torch.Tensor | None  # bool, True = replay routes_BTLK at this position
     record: bool  # keep the routes this forward used
+    gates_BTLK: torch.Tensor | None = None  # their gate weights to replay; None = recompute
 
     @property
     def replays(self) -> bool:
@@ -65,24 +90,29 @@ NO_REPLAY = ReplayPlan(None, None, False)
 
 
 def _checked(routes_BTLK: torch.Tensor | None, mask_BT: torch.Tensor | None, what: str,
-             mode: ReplayMode) -> ReplayPlan:
+             mode: ReplayMode, gates_BTLK: torch.Tensor | None = None) -> ReplayPlan:
     if routes_BTLK is None:
         raise RouteError(f"replay mode {mode.value} needs {what}, got None")
     check_routes_BTLK(routes_BTLK, mask_BT, what=what, mask=f"replay mask for {what}")
+    if gates_BTLK is not None:
+        check_gates_BTLK(gates_BTLK, routes_BTLK.shape, what=f"gate weights of the {what}")
     if mask_BT is None:
         mask_BT = torch.ones(routes_BTLK.shape[:2], dtype=torch.bool, device=routes_BTLK.device)
-    return ReplayPlan(routes_BTLK, mask_BT, record=False)
+    return ReplayPlan(routes_BTLK, mask_BT, record=False, gates_BTLK=gates_BTLK)
 
 
 def old_logprob_plan(mode: ReplayMode | str, rollout_routes_BTLK: torch.Tensor | None = None,
-                     rollout_valid_BT: torch.Tensor | None = None) -> ReplayPlan:
+                     rollout_valid_BT: torch.Tensor | None = None,
+                     rollout_gates_BTLK: torch.Tensor | None = None) -> ReplayPlan:
     """Plan for the forward that computes old log-probs (pi_old).
 
-    R3 replays the rollout routes where `rollout_valid_BT` (from `batch_traces`) is True; R2
-    routes naturally and records; off routes naturally."""
+    R3 replays the rollout routes where `rollout_valid_BT` (from `batch_traces`) is True, with
+    the engine's gate weights when given; R2 routes naturally and records; off routes
+    naturally."""
     mode = ReplayMode.parse(mode)
     if mode is ReplayMode.R3:
-        return _checked(rollout_routes_BTLK, rollout_valid_BT, "rollout routes", mode)
+        return _checked(rollout_routes_BTLK, rollout_valid_BT, "rollout routes", mode,
+                        rollout_gates_BTLK)
     if mode is ReplayMode.R2:
         return ReplayPlan(None, None, record=True)
     return NO_REPLAY
@@ -91,16 +121,20 @@ def old_logprob_plan(mode: ReplayMode | str, rollout_routes_BTLK: torch.Tensor |
 def update_plan(mode: ReplayMode | str, rollout_routes_BTLK: torch.Tensor | None = None,
                 rollout_valid_BT: torch.Tensor | None = None,
                 recorded_routes_BTLK: torch.Tensor | None = None,
-                recorded_valid_BT: torch.Tensor | None = None) -> ReplayPlan:
+                recorded_valid_BT: torch.Tensor | None = None,
+                rollout_gates_BTLK: torch.Tensor | None = None,
+                recorded_gates_BTLK: torch.Tensor | None = None) -> ReplayPlan:
     """Plan for a policy-update forward (pi_theta) of the same batch rows.
 
-    R3: the rollout routes again. R2: the routes the old-log-prob forward recorded; the trainer
-    routed every position of that forward, so `recorded_valid_BT` defaults to all True (pass the
+    R3: the rollout routes again (and the engine's gate weights when given). R2: the routes
+    the old-log-prob forward recorded (and its gate weights when given); the trainer routed
+    every position of that forward, so `recorded_valid_BT` defaults to all True (pass the
     token mask to leave padding natural). off: natural routing."""
     mode = ReplayMode.parse(mode)
     if mode is ReplayMode.R3:
-        return _checked(rollout_routes_BTLK, rollout_valid_BT, "rollout routes", mode)
+        return _checked(rollout_routes_BTLK, rollout_valid_BT, "rollout routes", mode,
+                        rollout_gates_BTLK)
     if mode is ReplayMode.R2:
         return _checked(recorded_routes_BTLK, recorded_valid_BT,
-                        "routes recorded by the old-log-prob forward", mode)
+                        "routes recorded by the old-log-prob forward", mode, recorded_gates_BTLK)
     return NO_REPLAY

@@ -25,6 +25,7 @@ from ..moe.config import ModelConfig
 from ..moe.model import MoEModel
 from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
                             decode_routes, routes_encoding)
+from ..replay.gates import GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, decode_gates
 from ..replay.trace import RouteError
 from .engine import Engine
 from .types import EngineDown, GenerateRequest, GenerationResult, PushRefused, RolloutError
@@ -248,6 +249,8 @@ class HTTPBackend(RolloutBackend):
             body["sampling_logprobs_mode"] = "support" if req.return_support_logprobs else "selected"
         if self.compact_routes and req.return_routes:
             body[ENCODING_REQUEST_FIELD] = ENCODING_COMPACT
+        if req.return_gates:
+            body[GATES_REQUEST_FIELD] = True
         return body
 
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
@@ -314,6 +317,8 @@ class HTTPBackend(RolloutBackend):
             self.encodings_seen[routes_encoding(payload)] += 1
             self.route_bytes_received += len(payload)
             routes = trace.ids_NLK
+        gates = (self._gates(meta, req, P + R - 1 - req.routes_start, who) if req.return_gates
+                 else None)
         if meta.get("weight_version") is None:
             raise RolloutError(f"{who}: meta_info has no weight_version (the server must report "
                                f"the weights that generated each sample)")
@@ -339,6 +344,7 @@ class HTTPBackend(RolloutBackend):
             sampling_logprobs=None if sel is None else torch.tensor(sel, dtype=torch.float32),
             finish_reason=finish, weight_version=version,
             routes_NLK=routes, routes_start=req.routes_start if routes is not None else 0,
+            gates_NLK=gates,
             input_logprobs=None if inp is None else torch.tensor(
                 [float("nan") if e[0] is None else float(e[0]) for e in inp]),
             top_logprobs=None if "output_top_logprobs" not in meta else [
@@ -346,6 +352,20 @@ class HTTPBackend(RolloutBackend):
             sampling_mask=None if mask is None else [torch.tensor(m, dtype=torch.int32)
                                                      for m in mask],
             support_logprobs=support_lp)
+
+    def _gates(self, meta: dict, req: GenerateRequest, rows: int, who: str) -> torch.Tensor:
+        """The gate weights of a `return_gates` request (lockstep's extension, replay/gates.py);
+        a server without it (real SGLang) is named as such."""
+        payload = meta.get(GATES_RESPONSE_FIELD)
+        if payload is None:
+            raise RolloutError(f"{who}: no meta_info.{GATES_RESPONSE_FIELD}: replay.gates=engine "
+                               f"needs a lockstep server (lockstep serve, or the embedded / ray "
+                               f"engines); real SGLang returns expert ids only")
+        try:
+            return decode_gates(payload, rows, self.cfg.num_moe_layers,
+                                self.cfg.num_experts_per_tok)
+        except RouteError as e:
+            raise RolloutError(f"{who}: {e}") from None
 
     # -- weights ------------------------------------------------------------------------------
     async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:

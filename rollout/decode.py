@@ -49,7 +49,7 @@ def cached_forward_step(model: MoEModel, ids_B: torch.Tensor, pos_B: torch.Tenso
     """decode_step for any family: one cached forward of T = 1. Same returns as decode_step."""
     out = model(ids_B[:, None], positions_BT=pos_B[:, None], kv_cache=cache,
                 cache_slots_B=slots_B, compute_logits=False)
-    return model.logits(out.hidden_BTD[:, 0]), out.routes_BTLK[:, 0]
+    return model.logits(out.hidden_BTD[:, 0]), out.routes_BTLK[:, 0], out.gates_BTLK[:, 0]
 
 
 def _fingerprint(model: MoEModel) -> tuple:
@@ -107,7 +107,8 @@ class DecodeWeights:
 def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: torch.Tensor,
                 cache: KVCache, slots_B: torch.Tensor):
     """Feed token ids_B[b] at position pos_B[b] of slot slots_B[b]; returns next-token logits
-    [B, V] (in the LM head's dtype) and the experts each token ran, int64 [B, L, K]."""
+    [B, V] (in the LM head's dtype), the experts each token ran, int64 [B, L, K], and their
+    gate weights as the experts were combined with them (compute dtype) [B, L, K]."""
     cfg = model.cfg
     B, dev = ids_B.shape[0], ids_B.device
     H, G, Dh, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
@@ -125,7 +126,7 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
               + pos_B[:, None]).reshape(-1)
     s0 = int(slots_B[0])
     consecutive = bool((slots_B == torch.arange(s0, s0 + B, device=dev)).all())
-    routes = []
+    routes, gates = [], []
     for i, w in enumerate(dw.layers):
         h = rms_norm(x_BD, w["n1"], eps)
         qkv = linear(h, w["qkv"])
@@ -151,21 +152,24 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
         x_BD = x_BD + linear(o.reshape(B, H * Dh), w["o"])
         h = rms_norm(x_BD, w["n2"], eps)
         if "router" in w:
-            y, ids_BK = moe(h, w, K, E, cfg.norm_topk_prob)
+            y, ids_BK, gates_BK = moe(h, w, K, E, cfg.norm_topk_prob)
             routes.append(ids_BK)
+            gates.append(gates_BK)
         else:
             g, u = linear(h, w["gate_up"]).chunk(2, dim=-1)
             y = linear(F.silu(g) * u, w["down"])
         x_BD = x_BD + y
     hidden = rms_norm(x_BD, dw.norm, eps)
     logits_BV = linear(hidden.to(model.lm_head_dtype), dw.lm_head)
-    routes_BLK = torch.stack(routes, 1) if routes else \
-        torch.empty(B, 0, K, dtype=torch.long, device=dev)
-    return logits_BV, routes_BLK
+    if not routes:
+        return (logits_BV, torch.empty(B, 0, K, dtype=torch.long, device=dev),
+                torch.empty(B, 0, K, dtype=x_BD.dtype, device=dev))
+    return logits_BV, torch.stack(routes, 1), torch.stack(gates, 1)
 
 
 def moe(h_BD, w: dict, K: int, E: int, norm_topk_prob: bool):
-    """Router top-k and the grouped experts (MoEBlock without replay); returns (y_BD, ids_BK)."""
+    """Router top-k and the grouped experts (MoEBlock without replay); returns (y_BD, ids_BK,
+    gates_BK in h's dtype)."""
     router = w["router"]
     router_dtype = w["router_dtype"]
     logits_BE = linear(h_BD.to(router_dtype), router).to(router_dtype).float()
@@ -179,5 +183,6 @@ def moe(h_BD, w: dict, K: int, E: int, norm_topk_prob: bool):
     offs_E = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
     g, u = grouped_linear(h_BD.index_select(0, token_of), w["gate_up"], offs_E).chunk(2, dim=-1)
     y = grouped_linear(F.silu(g) * u, w["down"], offs_E)
-    y = y * gates_BK.to(h_BD.dtype).reshape(-1).index_select(0, order)[:, None]
-    return torch.zeros_like(h_BD).index_add_(0, token_of, y), ids_BK
+    gates_BK = gates_BK.to(h_BD.dtype)
+    y = y * gates_BK.reshape(-1).index_select(0, order)[:, None]
+    return torch.zeros_like(h_BD).index_add_(0, token_of, y), ids_BK, gates_BK

@@ -149,6 +149,7 @@ class Engine:
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
         self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype, device=dev)
+        self.gates_SMLK: torch.Tensor | None = None  # made by the first return_gates request
         self.tokens_SM = torch.zeros(S, M, dtype=torch.long, device=dev)      # generated ids
         self.logprobs_SM = torch.zeros(S, M, dtype=torch.float32, device=dev)
         self.sel_logprobs_SM = torch.zeros(S, M, dtype=torch.float32, device=dev)
@@ -204,6 +205,20 @@ class Engine:
             raise RequestError(f"routes_start (routed_experts_start_len)={s!r} must be in "
                                f"[0, {top}] for a prompt of {len(ids)} tokens and "
                                f"max_new_tokens={sp.max_new_tokens}")
+        if req.return_gates and not (req.return_routes and self.cfg.capture_routes):
+            raise RequestError("return_gates needs the routes too (return_routes, and an engine "
+                               "with capture_routes)")
+
+    def _allocate_gates(self) -> None:
+        """The per-slot gate-weight buffer (compute dtype), made once a request asks for gates;
+        from then on every step records them (one more indexed write)."""
+        S, M = self.routes_SMLK.shape[:2]
+        L, K = self.routes_SMLK.shape[2:]
+        dtype = DTYPES[self.cfg.dtype]
+        check_fits(f"the engine's gate-weight buffer ({S} slots x max_len {M} x {L} MoE layers "
+                   f"x top-{K})", S * M * L * K * dtype.itemsize, self.device,
+                   "lower the engine's max_len or max_running")
+        self.gates_SMLK = torch.zeros(S, M, L, K, dtype=dtype, device=self.device)
 
     def add_request(self, req: GenerateRequest) -> str:
         """Queue a request; returns its rid (assigned when empty)."""
@@ -213,6 +228,8 @@ class Engine:
             req.rid = f"req-{self._rid_counter}"
         if req.rid in self._live:
             raise RequestError(f"rid {req.rid!r} is already queued or running")
+        if req.return_gates and self.gates_SMLK is None:
+            self._allocate_gates()
         self._live[req.rid] = req.sampling.n
         self.waiting.append(req)
         return req.rid
@@ -348,6 +365,8 @@ class Engine:
                 self.cache.copy_slot(first_b[b], s.slot, P)
             if self.cfg.capture_routes and s.req.return_routes:
                 self.routes_SMLK[s.slot, :P] = out.routes_BTLK[b, :P].to(self.route_dtype)
+            if self.gates_SMLK is not None and s.req.return_gates:
+                self.gates_SMLK[s.slot, :P] = out.gates_BTLK[b, :P]
             if s.req.return_input_logprobs:  # same prompt for all n samples: computed once
                 if id(s.req) not in prompt_lp:
                     prompt_lp[id(s.req)] = self._input_logprobs(out.hidden_BTD[b, :P], s.req)
@@ -370,15 +389,17 @@ class Engine:
         pos_B = self.prompt_len_S[active_B] + gen_B - 1
         last_B = self.tokens_SM[active_B, gen_B - 1]
         if self._decode_weights is None:  # a family without the fused step (rollout/decode.py)
-            logits_BV, routes_BLK = cached_forward_step(self.model, last_B, pos_B, self.cache,
-                                                        active_B)
+            logits_BV, routes_BLK, gates_BLK = cached_forward_step(self.model, last_B, pos_B,
+                                                                   self.cache, active_B)
         else:
             if not self._decode_weights.current(self.model):  # written outside update_weights
                 self._decode_weights = make_decode_weights(self.model)
-            logits_BV, routes_BLK = decode_step(self.model, self._decode_weights, last_B, pos_B,
-                                                self.cache, active_B)
+            logits_BV, routes_BLK, gates_BLK = decode_step(self.model, self._decode_weights,
+                                                           last_B, pos_B, self.cache, active_B)
         if self.cfg.capture_routes:
             self.capture_step(active_B, pos_B, routes_BLK)
+            if self.gates_SMLK is not None:
+                self.gates_SMLK[active_B, pos_B] = gates_BLK
         return self._sample_and_record(logits_BV, active_B, None)
 
     def capture_step(self, slots_B: torch.Tensor, pos_B: torch.Tensor,
@@ -511,13 +532,16 @@ class Engine:
             routes = self.routes_SMLK[slot, seq.req.routes_start:P + R - 1].to("cpu", copy=True)
             if routes.dtype == torch.int16:
                 routes = routes.view(torch.uint16)
+        gates = None
+        if self.gates_SMLK is not None and seq.req.return_gates:
+            gates = self.gates_SMLK[slot, seq.req.routes_start:P + R - 1].to("cpu", copy=True)
         res = GenerationResult(
             rid=seq.req.rid, index=seq.index, prompt_ids=list(seq.req.input_ids),
             output_ids=self.tokens_SM[slot, :R].tolist(),
             output_logprobs=self.logprobs_SM[slot, :R].to("cpu", copy=True),
             sampling_logprobs=self.sel_logprobs_SM[slot, :R].to("cpu", copy=True),
             finish_reason=reason, weight_version=self.weight_version, routes_NLK=routes,
-            routes_start=seq.req.routes_start,
+            routes_start=seq.req.routes_start, gates_NLK=gates,
             input_logprobs=seq.input_logprobs, top_logprobs=seq.top_logprobs,
             input_top_logprobs=seq.input_top_logprobs, sampling_mask=seq.sampling_mask,
             support_logprobs=seq.support_logprobs)

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from ..replay.codec import ENCODING_INT32, ENCODING_REQUEST_FIELD, ENCODINGS, encode_routes
+from ..replay.gates import GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, encode_gates
 from ..replay.trace import RoutingTrace
 from .engine import Engine
 from .request_fields import check_generate_fields
@@ -102,6 +103,10 @@ def parse_generate(body: Any, vocab_size: int | None = None,
         start = check_type("logprob_start_len", g("logprob_start_len", -1), int)
         top_n = check_type("top_logprobs_num", g("top_logprobs_num", 0), int)
         routes = check_type("return_routed_experts", g("return_routed_experts", False), bool)
+        gates = check_type(GATES_REQUEST_FIELD, g(GATES_REQUEST_FIELD, False), bool)
+        if gates and not routes:
+            raise RequestError(f"{GATES_REQUEST_FIELD}=true needs return_routed_experts=true "
+                               f"(gate weights come with the experts they weight)")
         rstart = check_type("routed_experts_start_len", g("routed_experts_start_len", 0), int)
         mask = check_type("return_sampling_mask", g("return_sampling_mask", False), bool)
         mode = g("sampling_logprobs_mode", None)
@@ -134,6 +139,7 @@ def parse_generate(body: Any, vocab_size: int | None = None,
                                f"for a prompt of {len(p)} tokens")
         req = GenerateRequest(list(p), sp, rid=rid or uuid.uuid4().hex, return_routes=routes,
                               routes_start=rstart if routes else 0,
+                              return_gates=gates,
                               return_input_logprobs=rl and start >= 0,
                               top_logprobs_num=top_n if rl else 0,
                               return_sampling_mask=mask,
@@ -206,6 +212,9 @@ def build_response(res: GenerationResult, p: _Parsed, engine: Engine, n: int) ->
         trace = RoutingTrace(res.routes_NLK, cfg.num_experts, start=res.routes_start)
         meta["routed_experts"] = encode_routes(trace, p.encoding, cfg.num_hidden_layers,
                                                cfg.moe_layer_ids)
+        if p.req.return_gates:  # lockstep's extension (replay/gates.py)
+            meta[GATES_RESPONSE_FIELD] = (None if res.gates_NLK is None else
+                                          encode_gates(res.gates_NLK))
     return {"output_ids": res.output_ids, "meta_info": meta}
 
 

@@ -23,7 +23,7 @@ SERVED = (
     "return_sampling_mask", "sampling_logprobs_mode", "stream",
 )
 # Our extensions to the wire (a real SGLang server would not accept them in strict mode).
-EXTENSIONS = ("lockstep_routed_experts_encoding",)
+EXTENSIONS = ("lockstep_routed_experts_encoding", "lockstep_return_routed_gates")
 # SGLang fields that label, log or route a request: no effect on one lockstep server.
 NO_EFFECT = (
     "session_id", "log_metrics", "routed_dp_rank", "data_parallel_rank",

@@ -205,6 +205,9 @@ class GenerateRequest:
     routes_start: int = 0
     """First position whose route is returned (SGLang's `routed_experts_start_len`): a later
     turn of a trajectory asks only for the rows the earlier turns do not have."""
+    return_gates: bool = False
+    """Also record the gate weights the engine combined those experts with (a lockstep
+    extension: `replay.gates: engine`; needs return_routes)."""
     return_input_logprobs: bool = False
     """Also return log-probs of the prompt tokens (first one has none)."""
     top_logprobs_num: int = 0
@@ -239,6 +242,9 @@ class GenerationResult:
     token at position routes_start + i; None when not requested."""
     routes_start: int = 0
     """Absolute position of routes row 0 (the request's `routes_start`)."""
+    gates_NLK: torch.Tensor | None = None
+    """Gate weights of those experts as the engine combined them, rows as routes_NLK's, in
+    its compute dtype (bf16/fp16/fp32); None unless `return_gates`."""
     input_logprobs: torch.Tensor | None = None
     """[P] fp32, entry 0 is NaN (the first prompt token has no prediction)."""
     top_logprobs: list[list[tuple[float, int]]] | None = None

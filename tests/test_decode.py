@@ -32,10 +32,12 @@ def test_decode_step_same_bits_as_cached_forward(dtype, router_dtype, lm_head_dt
     ours = KVCache(cache.k.clone(), cache.v.clone())
     want = model(ids_B[:, None], positions_BT=pos_B[:, None], kv_cache=cache,
                  cache_slots_B=slots_B)
-    logits_BV, routes_BLK = decode_step(model, DecodeWeights(model), ids_B, pos_B, ours, slots_B)
+    logits_BV, routes_BLK, gates_BLK = decode_step(model, DecodeWeights(model), ids_B, pos_B,
+                                                   ours, slots_B)
     assert logits_BV.dtype == want.logits_BTV.dtype
     assert torch.equal(logits_BV, want.logits_BTV[:, 0])
     assert torch.equal(routes_BLK, want.routes_BTLK[:, 0])
+    assert torch.equal(gates_BLK, want.gates_BTLK[:, 0])  # what replay.gates=engine sends
     assert torch.equal(ours.k, cache.k) and torch.equal(ours.v, cache.v)
 
 

@@ -38,7 +38,7 @@ from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import CheckpointError, hf_state_dict
 from lockstep.moe.model import MoEModel
-from lockstep.replay import compact_dtype
+from lockstep.replay import ReplayOptions, compact_dtype
 from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
                                     micro_batches, minibatch_schedule, trim, trim_batch)
 from lockstep.trainer.actor_ckpt import (MOMENTS, Part, check_adam, common_step, num_parts,
@@ -55,6 +55,7 @@ class LogprobResult:
     entropy_BT: torch.Tensor         # fp32, same alignment
     natural_BTLK: torch.Tensor       # compact: the router's own top-k at every position
     routes_BTLK: torch.Tensor | None  # compact: routes the forward ran (when record=True)
+    gates_BTLK: torch.Tensor | None = None  # their gate weights, compute dtype (record=True)
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -129,10 +130,12 @@ class TorchActor(RankActor):
     stay equal. The rank-side interface is `lockstep.trainer.rank`."""
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
-                 temperature: float = 1.0, dp_group=None, device: str | torch.device = "cpu"):
+                 temperature: float = 1.0, dp_group=None, device: str | torch.device = "cpu",
+                 replay: ReplayOptions | None = None):
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
         self.cfg, self.temperature = cfg, temperature
+        self.replay = replay or ReplayOptions()
         self.device = torch.device(device)
         self.master = model.to(self.device)
         self.model_cfg = model.cfg
@@ -160,7 +163,7 @@ class TorchActor(RankActor):
             self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
 
     # -- forward -------------------------------------------------------------------------
-    def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT):
+    def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT, gates_BTLK=None):
         """One forward of `batch` -> (logprobs_BT, entropy_BT, ModelOutput)."""
         model, dev = self.compute, self.device
         ids = batch.input_ids_BT.to(dev)  # the micro-batch goes to the actor's device once
@@ -168,7 +171,8 @@ class TorchActor(RankActor):
                     routed_experts_BTLK=None if routes_BTLK is None else routes_BTLK.to(dev),
                     replay_mask_BT=(replay_mask_BT.to(dev) if routes_BTLK is not None
                                     and replay_mask_BT is not None else None),
-                    compute_logits=False)
+                    compute_logits=False,
+                    routed_gates_BTLK=None if gates_BTLK is None else gates_BTLK.to(dev))
         # position t-1's hidden state predicts the token at t
         cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:].to(dev)
         lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
@@ -178,21 +182,24 @@ class TorchActor(RankActor):
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
 
     @staticmethod
-    def _replay_args(routes_BTLK, replay_mask_BT, idx, t):
+    def _replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK=None):
         """Rows `idx` of the replay inputs, cut to the micro-batch's time `t`."""
         if routes_BTLK is None:
-            if replay_mask_BT is not None:
-                raise ValueError("replay_mask_BT given without routes_BTLK")
-            return None, None
-        return trim(routes_BTLK, idx, t), None if replay_mask_BT is None else trim(replay_mask_BT, idx, t)
+            if replay_mask_BT is not None or gates_BTLK is not None:
+                raise ValueError("replay_mask_BT / gates_BTLK given without routes_BTLK")
+            return None, None, None
+        return (trim(routes_BTLK, idx, t),
+                None if replay_mask_BT is None else trim(replay_mask_BT, idx, t),
+                None if gates_BTLK is None else trim(gates_BTLK, idx, t))
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, routes_BTLK: torch.Tensor | None = None,
                  replay_mask_BT: torch.Tensor | None = None, record: bool = False,
-                 ) -> LogprobResult:
+                 gates_BTLK: torch.Tensor | None = None) -> LogprobResult:
         """Log-probs of every token of `batch` (old log-probs before an update), in
-        micro-batches. `routes_BTLK`/`replay_mask_BT` replay (R3); `record` keeps the routes
-        this forward ran (R2 replays them in `update`)."""
+        micro-batches. `routes_BTLK`/`replay_mask_BT` replay (R3), with `gates_BTLK` their gate
+        weights too; `record` keeps the routes this forward ran and their gate weights (R2
+        replays them in `update`)."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
         host = torch.device("cpu")  # results: one copy back per micro-batch
@@ -201,23 +208,28 @@ class TorchActor(RankActor):
         nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device=host)
         used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device=host) \
             if record else None
+        used_gates_BTLK = torch.zeros(B, T, L, K, dtype=self.compute.compute_dtype,
+                                      device=host) if record else None
         for idx in micro_batches(torch.arange(B, device="cpu"), batch.seq_lens_B, self.cfg):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
-            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
-            lp, ent, out = self._forward(mb, r, m)
+            r, m, g = self._replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK)
+            lp, ent, out = self._forward(mb, r, m, g)
             lp_BT[idx, :t], ent_BT[idx, :t] = lp.float().cpu(), ent.float().cpu()
             nat_BTLK[idx, :t] = out.natural_BTLK.to(self._route_store).cpu()
             if record:
                 used_BTLK[idx, :t] = out.routes_BTLK.to(self._route_store).cpu()
+                used_gates_BTLK[idx, :t] = out.gates_BTLK.cpu()
         return LogprobResult(lp_BT, ent_BT, nat_BTLK.view(self.route_dtype),
-                             None if used_BTLK is None else used_BTLK.view(self.route_dtype))
+                             None if used_BTLK is None else used_BTLK.view(self.route_dtype),
+                             used_gates_BTLK)
 
     # -- update --------------------------------------------------------------------------
     def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,
                replay_mask_BT: torch.Tensor | None = None, shuffle_seed: int | None = None,
                steps: list[torch.Tensor] | None = None, mini_size: int | None = None,
-               lr_scale: float = 1.0) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+               lr_scale: float = 1.0, gates_BTLK: torch.Tensor | None = None,
+               ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_size` rows (one optimiser
         step each), each accumulated over micro-batches. Rows are shuffled per epoch with
         `shuffle_seed` (None keeps their order). Returns (metrics averaged over optimiser
@@ -237,19 +249,21 @@ class TorchActor(RankActor):
             metrics = run_minibatches(
                 B, self.cfg, shuffle_seed,
                 lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
-                                              used_BTLK, nat_BTLK, lr_scale=lr_scale))
+                                              used_BTLK, nat_BTLK, lr_scale=lr_scale,
+                                              gates_BTLK=gates_BTLK))
         else:
             sums: dict[str, float] = {}
             for local in steps:
                 for k, v in self._train_step(batch, loss_fn, local, routes_BTLK, replay_mask_BT,
                                              used_BTLK, nat_BTLK, mini_size=mini_size,
-                                             weighted=True, lr_scale=lr_scale).items():
+                                             weighted=True, lr_scale=lr_scale,
+                                             gates_BTLK=gates_BTLK).items():
                     sums[k] = sums.get(k, 0.0) + v
             metrics = {k: v / len(steps) for k, v in sums.items()}
         return metrics, used_BTLK.view(self.route_dtype), nat_BTLK.view(self.route_dtype)
 
     def _train_steps(self, batch: Batch, objective, steps: list[torch.Tensor], routes_BTLK,
-                     replay_mask_BT) -> tuple[Stats, torch.Tensor, torch.Tensor]:
+                     replay_mask_BT, gates_BTLK=None) -> tuple[Stats, torch.Tensor, torch.Tensor]:
         """The rank side of `policy_update`: `update` over this shard's part of every optimiser
         step, the loss normalised by the whole mini-batch's counts (`step_norms`, one
         all-reduce for all steps). Returns (stats, routes run, natural top-k) of the shard."""
@@ -258,7 +272,7 @@ class TorchActor(RankActor):
         metrics, used_BTLK, nat_BTLK = self.update(
             batch, lambda lp, ent, idx, local: objective(lp, ent, idx, by_step[id(local)]),
             routes_BTLK, replay_mask_BT, steps=steps, mini_size=self.cfg.mini_batch_size,
-            lr_scale=objective.inputs.lr_scale)
+            lr_scale=objective.inputs.lr_scale, gates_BTLK=gates_BTLK)
         # optimiser metrics are replicated (every rank counts them); the loss metrics are this
         # rank's share of each mini-batch (added over ranks, counted once)
         first = float(self.dp_rank == 0)
@@ -267,7 +281,8 @@ class TorchActor(RankActor):
 
     def _train_step(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor, routes_BTLK,
                     replay_mask_BT, used_BTLK, nat_BTLK, mini_size: int | None = None,
-                    weighted: bool = False, lr_scale: float = 1.0) -> dict[str, float]:
+                    weighted: bool = False, lr_scale: float = 1.0,
+                    gates_BTLK=None) -> dict[str, float]:
         """One optimiser step on rows `mini`, gradients accumulated over micro-batches; writes
         the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`.
         `mini_size`: rows of the whole mini-batch when `mini` is one DP rank's part of it.
@@ -283,8 +298,8 @@ class TorchActor(RankActor):
         for idx in (micro_batches(mini, batch.seq_lens_B, cfg) if len(mini) else []):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
-            r, m = self._replay_args(routes_BTLK, replay_mask_BT, idx, t)
-            lp, ent, out = self._forward(mb, r, m)
+            r, m, g = self._replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK)
+            lp, ent, out = self._forward(mb, r, m, g)
             lp, ent = (torch.nn.functional.pad(x, (0, T - t)) for x in (lp, ent))  # LossFn: [b, T]
             loss, metrics = loss_fn(lp, ent, idx, mini)
             if cfg.aux_loss_coef > 0:

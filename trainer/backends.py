@@ -63,7 +63,8 @@ def make_actor(cfg: ExperimentConfig, weights: MoEModel | Mapping[str, torch.Ten
         load_hf_state_dict(model, weights)
         weights = model
     return TorchActor(weights, cfg.actor, total_updates, temperature=temperature,
-                      dp_group=dp_group, device=resolve_device(cfg.cluster.device))
+                      dp_group=dp_group, device=resolve_device(cfg.cluster.device),
+                      replay=cfg.replay.options())
 
 
 # -- the KL reference ------------------------------------------------------------------------

@@ -44,6 +44,8 @@ class Batch:
     rollout_routes_valid_BT: torch.Tensor | None = None  # bool: rows that have an engine route
     candidates_BTS: torch.Tensor | None = None  # int16/int32: kept ids of the token at t, -1 pad;
     # a row of all -1 = whole vocabulary (prompt, padding, untruncated tokens)
+    rollout_gates_BTLK: torch.Tensor | None = None  # the engine's gate weights of its routes
+    # (its compute dtype, 0 where no route): replay.gates=engine
 
     @property
     def size(self) -> int:
@@ -107,7 +109,29 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
         raise ValueError(f"{B - len(traces)} of {B} samples have no routes; all or none must")
     routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
     cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
-    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS)
+    gates = _gates(results, T, routes) if any(r.gates_NLK is not None for r in results) else None
+    return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS,
+                 gates)
+
+
+def _gates(results: Sequence[GenerationResult], T: int, routes_BTLK) -> torch.Tensor:
+    """The engine's gate weights right-padded like its routes (0 where no route); every
+    sample must have them, one row per route row."""
+    if routes_BTLK is None:
+        raise ValueError("gate weights came without routes (replay.gates=engine needs both)")
+    got = [r.gates_NLK for r in results]
+    for b, (r, g) in enumerate(zip(results, got)):
+        want = (r.prompt_tokens + r.completion_tokens - 1, *routes_BTLK.shape[2:])
+        if g is None or tuple(g.shape) != want:
+            raise ValueError(f"sample {b}: gate weights {None if g is None else tuple(g.shape)}, "
+                             f"expected {want} (one per route)")
+    dtype = got[0].dtype
+    if any(g.dtype != dtype for g in got):
+        raise ValueError(f"gate weights of mixed dtypes {sorted({str(g.dtype) for g in got})}")
+    out = torch.zeros(routes_BTLK.shape, dtype=dtype)
+    for b, g in enumerate(got):
+        out[b, :len(g)] = g
+    return out
 
 
 def _candidates(results: Sequence[GenerationResult], T: int, V: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
+from lockstep.replay import ReplayMode
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
@@ -297,10 +298,12 @@ class Trainer:
         With sampling-mask replay each request also asks for the kept candidate sets."""
         ro, n = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
         base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24)
+        # the engine's gate weights: replay.gates=engine under R3 (R2 records the actor's own)
+        gates = self.cfg.replay.gates == "engine" and self.mode is ReplayMode.R3
         return [GenerateRequest(list(p.ids), SamplingParams(
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n), rid=f"s{step}p{i}",
-            return_sampling_mask=ro.mask_replay)
+            return_sampling_mask=ro.mask_replay, return_gates=gates)
             for i, p in enumerate(prompts)]
 
     def trigger_lr(self, step: int, batch: Batch, corr: CorrectionResult,

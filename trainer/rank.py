@@ -64,7 +64,7 @@ import torch
 
 from lockstep.moe.buckets import Bucket, bucketize
 from lockstep.moe.checkpoint import hf_state_dict
-from lockstep.replay import ReplayMode, old_logprob_plan, update_plan
+from lockstep.replay import ReplayMode, ReplayOptions, old_logprob_plan, update_plan
 from lockstep.replay.route_divergence import compare_routes
 from lockstep.trainer.batch import Batch, minibatch_schedule, trim_batch
 from lockstep.trainer.correction import CorrectionConfig
@@ -179,11 +179,24 @@ class RankActor:
     dp_rank: int = 0
     dp_size: int = 1
     reference = None  # a ReferencePolicy once set_reference was called (loss.kl_coef > 0)
+    replay = ReplayOptions()  # the experiment's replay options (gates, ...), set at construction
 
-    def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False):
+    def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False,
+                       gates_BTLK=None):
         """`logprobs` of `batch`, this rank's shard of the step's rows: an actor that splits a
-        whole batch over its own data-parallel group (megatron) is told not to."""
-        return self.logprobs(batch, routes_BTLK, replay_mask_BT, record=record)
+        whole batch over its own data-parallel group (megatron) is told not to. `gates_BTLK`:
+        gate weights to replay with the routes (replay.gates=engine)."""
+        return self.logprobs(batch, routes_BTLK, replay_mask_BT, record=record,
+                             gates_BTLK=gates_BTLK)
+
+    def _rollout_gates(self, batch: Batch, mode: ReplayMode):
+        """The engine's gate weights to replay under R3 with replay.gates=engine, else None."""
+        if not self.replay.replays_gates or ReplayMode.parse(mode) is not ReplayMode.R3:
+            return None
+        if batch.rollout_gates_BTLK is None:
+            raise ValueError("replay.gates=engine under R3 needs the engine's gate weights, but "
+                             "the batch has none (the rollout backend did not return them)")
+        return batch.rollout_gates_BTLK
 
     def _kept_routes(self) -> dict:
         if not hasattr(self, "_kept"):
@@ -192,11 +205,14 @@ class RankActor:
 
     @torch.no_grad()
     def old_logprobs(self, batch: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
-        plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT)
-        res = self.shard_logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True)
+        plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
+                                self._rollout_gates(batch, mode))
+        res = self.shard_logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True,
+                                  gates_BTLK=plan.gates_BTLK)
         kept = self._kept_routes()
         kept.clear()  # a step never updated (a failed run) leaves nothing behind
-        kept[step] = (res.routes_BTLK, res.natural_BTLK)
+        kept[step] = (res.routes_BTLK, res.natural_BTLK,
+                      res.gates_BTLK if self.replay.replays_gates else None)
         stats: Stats = {}
         if batch.rollout_routes_BTLK is not None:
             stats = route_stats(batch.rollout_routes_BTLK, res.natural_BTLK,
@@ -210,9 +226,11 @@ class RankActor:
         if step not in kept:
             raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step "
                                f"on rank {self.dp_rank} (kept: {sorted(kept)})")
-        recorded_BTLK, old_natural_BTLK = kept.pop(step)
+        recorded_BTLK, old_natural_BTLK, recorded_gates_BTLK = kept.pop(step)
         up = update_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
-                         recorded_routes_BTLK=recorded_BTLK, recorded_valid_BT=batch.token_mask_BT)
+                         recorded_routes_BTLK=recorded_BTLK, recorded_valid_BT=batch.token_mask_BT,
+                         rollout_gates_BTLK=self._rollout_gates(batch, mode),
+                         recorded_gates_BTLK=recorded_gates_BTLK)
         if self.reference is not None:  # pi_ref on the update's routes: no routing flips
             inputs = dataclasses.replace(inputs, ref_logprobs_BT=self.reference.logprobs(
                 batch, up.routes_BTLK, up.replay_mask_BT))
@@ -223,7 +241,7 @@ class RankActor:
         current_BT = torch.zeros_like(inputs.old_logprobs_BT)
         stats, used_BTLK, natural_BTLK = self._train_steps(
             batch, Objective(batch, inputs, current_BT), steps, up.routes_BTLK,
-            up.replay_mask_BT)
+            up.replay_mask_BT, gates_BTLK=up.gates_BTLK)
         first = 1.0 if self.dp_rank == 0 else 0.0
         token_BT = batch.token_mask_BT
         stats.update(route_stats(old_natural_BTLK, natural_BTLK, token_BT, "routing_stale",
@@ -265,9 +283,11 @@ class RankActor:
                 continue
             store.check(v, step, f"{type(self).__name__} (DP rank {self.dp_rank})")
             sub = trim_batch(batch, rows)
-            plan = old_logprob_plan(mode, sub.rollout_routes_BTLK, sub.rollout_routes_valid_BT)
+            plan = old_logprob_plan(mode, sub.rollout_routes_BTLK, sub.rollout_routes_valid_BT,
+                                    self._rollout_gates(sub, mode))
             with store.swapped_in(v, live):
-                lp = self.shard_logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT).logprobs_BT
+                lp = self.shard_logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT,
+                                         gates_BTLK=plan.gates_BTLK).logprobs_BT
             keep = torch.isin(rows, mine)
             out_bT[rows[keep], :lp.shape[1]] = lp[keep]
         store.advance(step, live)
@@ -353,7 +373,7 @@ class RankActor:
         dist.all_reduce(t, group=getattr(self, "dp_group", None))
 
     def _train_steps(self, batch: Batch, objective: Objective, steps, routes_BTLK,
-                     replay_mask_BT) -> tuple[Stats, torch.Tensor, torch.Tensor]:
+                     replay_mask_BT, gates_BTLK=None) -> tuple[Stats, torch.Tensor, torch.Tensor]:
         """Fallback for actors with only `update` (world of one): the same schedule through
         their own `run_minibatches`, normalisers from the whole mini-batch."""
         if self.dp_size > 1:
@@ -366,7 +386,8 @@ class RankActor:
             share = len(rows) / len(mini)  # `update` weights each micro-batch by its rows
             return loss, {k: v / share for k, v in metrics.items()}
         metrics, used, natural = self.update(batch, loss_fn, routes_BTLK, replay_mask_BT,
-                                             shuffle_seed=objective.inputs.shuffle_seed)
+                                             shuffle_seed=objective.inputs.shuffle_seed,
+                                             gates_BTLK=gates_BTLK)
         return {k: (v, 1.0) for k, v in metrics.items()}, used, natural
 
 

@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
-from lockstep.replay import ReplayMode
+from lockstep.replay import ReplayMode, ReplayOptions
 from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
@@ -254,6 +254,14 @@ class ReplayConfig(Section):
     mode: ReplayMode = Field(ReplayMode.R3, strict=False)
     """off: actor routes freely; R2: updates replay the actor's own old-logprob routes;
     R3: old-logprob and update forwards replay the rollout engine's routes."""
+    gates: Literal["recompute", "engine"] = "recompute"
+    """Gate weights of the replayed experts: recompute (from the actor's router) or engine
+    (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
+    forward's under R2; straight-through, so the router still learns; docs/replay.md)."""
+
+    def options(self) -> ReplayOptions:
+        """What the actor needs beyond the mode (lockstep.replay.ReplayOptions)."""
+        return ReplayOptions(gates=self.gates)
 
 
 class AdvantageConfig(Section):
@@ -449,6 +457,7 @@ class ExperimentConfig(Section):
              f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
         need(self.loop.val_every == 0 or bool(self.data.val_files),
              f"loop.val_every={self.loop.val_every} needs data.val_files")
+        self._check_replay()
         if self.data.enabled:
             self._check_data()
             return self
@@ -464,6 +473,23 @@ class ExperimentConfig(Section):
             need(getattr(self.model, name) == want,
                  f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
         return self
+
+    def _check_replay(self) -> None:
+        """replay.gates=engine: what it needs of the mode, the rollout backend and the actor."""
+        rp = self.replay
+        if rp.gates != "engine":
+            return
+        need(rp.mode is not ReplayMode.OFF,
+             "replay.gates=engine replays the gate weights of replayed routes, but "
+             "replay.mode=off replays none; set replay.mode to R2 or R3")
+        need(not (rp.mode is ReplayMode.R3 and self.rollout.backend == "sglang"),
+             "replay.gates=engine with replay.mode=R3 needs the engine's gate weights, which "
+             "real SGLang does not return (expert ids only); use rollout.backend embedded, ray "
+             "or serve (lockstep's server returns them), or replay.gates=recompute")
+        need(self.actor.backend != "megatron",
+             "replay.gates=engine is not available with actor.backend=megatron: megatron-core's "
+             "RouterReplay recomputes the gate weights of replayed ids and takes no given ones; "
+             "use actor.backend=torch or replay.gates=recompute")
 
     def _check_data(self) -> None:
         """A data-set run: a pretrained folder with its tokenizer, no synthetic warm start."""
@@ -516,6 +542,9 @@ class ExperimentConfig(Section):
                     d[section].pop(k)
         if not self.actor.fp8:  # likewise
             d["actor"].pop("fp8")
+        for k in ("gates",):  # replay options at their defaults: as before they existed
+            if d["replay"][k] == ReplayConfig.model_fields[k].default:
+                d["replay"].pop(k)
         return d
 
     def hash(self, *sections: str) -> str:

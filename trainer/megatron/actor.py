@@ -314,10 +314,11 @@ class MegatronActor(Schedule, RankActor):
         return UpdateResult(out.logprobs_BT, self._peer_stats(out.stats))
 
     def _train_steps(self, batch: Batch, objective, steps: list[torch.Tensor], routes_BTLK,
-                     replay_mask_BT):
+                     replay_mask_BT, gates_BTLK=None):
         """One optimiser step per entry of `steps` (this shard's rows of each global
         mini-batch), the loss normalised by the global mini-batch's counts (`step_norms`)."""
         from lockstep.trainer.actor import OPTIMIZER_METRICS
+        _no_gate_replay(gates_BTLK)
         B, T = batch.input_ids_BT.shape
         L, K = self.model_cfg.num_moe_layers, self.model_cfg.num_experts_per_tok
         used = torch.zeros(B, T, L, K, dtype=torch.int64, device=self.device)
@@ -342,9 +343,11 @@ class MegatronActor(Schedule, RankActor):
                  for k, v in sums.items()}
         return stats, self._host_routes(used), self._host_routes(nat)
 
-    def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False):
+    def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False,
+                       gates_BTLK=None):
         """`logprobs` of this DP rank's own rows (the rank interface: no row split, no DP
         sums)."""
+        _no_gate_replay(gates_BTLK)
         return self.logprobs(batch, routes_BTLK, replay_mask_BT, record, sharded=True)
 
     def _peer_stats(self, stats):
@@ -478,3 +481,12 @@ class MegatronActor(Schedule, RankActor):
         self.optimizer.load_state_dict(state["optimizer"])
         self.num_steps = state["num_steps"]
         self._set_lr()
+
+
+def _no_gate_replay(gates_BTLK) -> None:
+    """megatron-core's RouterReplay recomputes the gate weights of replayed ids from the current
+    scores and has no input for given ones (the config refuses replay.gates=engine with
+    actor.backend=megatron; this is the backstop)."""
+    if gates_BTLK is not None:
+        raise NotImplementedError("the megatron actor cannot replay gate weights "
+                                  "(replay.gates=engine): RouterReplay recomputes them")
