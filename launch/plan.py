@@ -28,13 +28,14 @@ from lockstep.launch.plan_estimate import (GiB, Estimates, _stage_chunks,  # noq
                                           count_params)
 from lockstep.launch.plan_placement import Placement, _colocated_note, gpus_needed
 from lockstep.launch.plan_render import render
+from lockstep.trainer.megatron.layout import stage_layer_counts
 from lockstep.trainer.config import ExperimentConfig, ExperimentConfigError, load_config
 from lockstep.trainer.backends import colocation_refusal
 
 # the TransformerConfig arguments (trainer/megatron/layout.megatron_args) the plan prints
 _PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",
               "expert_tensor_parallel_size", "pipeline_model_parallel_size",
-              "virtual_pipeline_model_parallel_size", "sequence_parallel", "num_layers",
+              "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size", "sequence_parallel", "num_layers",
               "hidden_size", "num_attention_heads", "num_query_groups", "num_moe_experts",
               "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
               "moe_router_dtype", "moe_enable_routing_replay", "moe_router_fusion",
@@ -130,7 +131,8 @@ class _Plan(Estimates, Placement):
         stage_size = max(1, N // pp)
         for r in range(N):
             s, idx = r // stage_size, r % stage_size
-            chunks = _stage_chunks(L, pp, vpp, s)
+            chunks = (_stage_chunks(m, a.megatron, s) if a.backend == "megatron"
+                      else [[0, L]])
             e_rank = (idx // etp) % ep
             e_lo, e_hi = e_rank * (E // ep), (e_rank + 1) * (E // ep)
             # "layers": the stage's layers; under a virtual pipeline (not contiguous) null,
@@ -143,6 +145,9 @@ class _Plan(Estimates, Placement):
         out = {"backend": a.backend, "ranks": N,
                "layout": {"tensor_parallel": tp, "expert_parallel": ep,
                           "expert_tensor_parallel": etp, "pipeline_parallel": pp,
+                          # decoder layers per stage (layout.stage_layer_counts)
+                          "pipeline_layers": stage_layer_counts(m, a.megatron)
+                          if a.backend == "megatron" else [L],
                           "virtual_pipeline_parallel": vpp,
                           "data_parallel": dp, "expert_data_parallel": edp},
                "rank_layout": ranks, "memory_per_rank": mem}

@@ -92,13 +92,18 @@ def _gib(b: float) -> float:
 
 
 
-def _stage_chunks(L: int, pp: int, vpp: int, stage: int) -> list[list[int]]:
-    """[lo, hi) decoder layers of each model chunk of pipeline stage `stage` (one chunk
-    without a virtual pipeline; chunk c holds (c * PP + stage) * n .. with n = L / (PP x VPP),
-    megatron-core's interleaved assignment)."""
-    n = max(1, L // (pp * vpp))
-    return [[(c * pp + stage) * n, min(L, (c * pp + stage + 1) * n)] for c in range(vpp)]
+def _stage_chunks(model, opts, stage: int) -> list[list[int]]:
+    """[lo, hi) decoder layers of each model chunk of pipeline stage `stage` of `model` laid
+    out as the MegatronOptions `opts` (`layout.chunk_layers`, the rule the actor builds by:
+    one chunk without a virtual pipeline, uneven stages by `stage_layer_counts`); a chunk a
+    refused layout leaves empty is [lo, lo]."""
+    from lockstep.trainer.megatron.layout import chunk_layers
 
+    out, lo = [], 0
+    for c in chunk_layers(model, opts, stage):
+        lo = c[0] if c else lo
+        out.append([lo, lo + len(c)])
+    return out
 
 
 class Estimates:
@@ -110,10 +115,9 @@ class Estimates:
         a = cfg.actor
         L = m.num_hidden_layers
         megatron = a.backend == "megatron"
-        vpp = a.megatron.vpp if megatron else 1
         best = None
         for s in range(pp if megatron else 1):
-            spans = _stage_chunks(L, pp, vpp, s) if megatron else [[0, L]]
+            spans = _stage_chunks(m, a.megatron, s) if megatron else [[0, L]]
             sharded = sum(sum(pc.layer_tp[lo:hi]) for lo, hi in spans)
             rep = sum(sum(pc.layer_rep[lo:hi]) for lo, hi in spans)
             experts = sum(sum(pc.layer_experts[lo:hi]) for lo, hi in spans)
@@ -168,6 +172,12 @@ class Estimates:
         recompute = a.backend == "megatron" and a.megatron.recompute_activations
         per_layer = H * b / tp if recompute else full  # recompute keeps each layer's input
         layers = L  # L/PP layers x PP micro-batches in flight
+        if a.backend == "megatron" and pp > 1 and a.megatron.vpp == 1:
+            # stage p keeps PP - p micro-batches in flight through its own layers (uneven
+            # stages: `stage_layer_counts`; equal ones give L)
+            from lockstep.trainer.megatron.layout import stage_layer_counts
+            layers = max(n * (pp - p) for p, n in
+                         enumerate(stage_layer_counts(m, a.megatron)))
         vpp = a.megatron.vpp if a.backend == "megatron" else 1
         if vpp > 1:  # interleaved 1F1B keeps (1 + (PP-1)/(PP x VPP)) x that (Narayanan 2021)
             layers = L * (1 + (pp - 1) / (pp * vpp))

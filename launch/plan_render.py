@@ -7,7 +7,7 @@ from typing import Any
 
 
 def _span(lo: int, hi: int) -> str:
-    return f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
+    return "none" if hi <= lo else f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
 
 
 def _size(b: float | None) -> str:
@@ -43,6 +43,8 @@ def render(p: dict[str, Any]) -> str:
     w(f"actor    {a['backend']}, {a['ranks']} rank(s): TP {lay['tensor_parallel']} x EP "
       f"{lay['expert_parallel']} (ETP {lay['expert_tensor_parallel']}) x PP "
       f"{lay['pipeline_parallel']}"
+      + (f" (layers per stage {', '.join(map(str, lay['pipeline_layers']))})"
+         if len(set(lay["pipeline_layers"])) > 1 else "")
       + (f" (VPP {lay['virtual_pipeline_parallel']})" if lay['virtual_pipeline_parallel'] > 1
          else "") + f" x DP {lay['data_parallel']} (expert DP "
       f"{lay['expert_data_parallel']})")

@@ -99,8 +99,13 @@ def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
      r"allgather with actor\.megatron\.expert_parallel=2 x .*expert_tensor_parallel=1 > "),
     (["cluster.actor_ranks=3", "actor.megatron.tensor_parallel=2"],
      r"tensor_parallel=2 x actor\.megatron\.pipeline_parallel=1 does not divide the 3 actor"),
-    (["cluster.actor_ranks=2", "actor.megatron.pipeline_parallel=2"],
-     r"model\.num_hidden_layers=3 is not divisible by actor\.megatron\.pipeline_parallel=2"),
+    # 3 layers on 2 stages run ([2, 1]: stage_layer_counts); more stages than layers do not
+    (["cluster.actor_ranks=4", "actor.megatron.pipeline_parallel=4"],
+     r"actor\.megatron\.pipeline_parallel=4 is more stages than model\.num_hidden_layers=3"),
+    (["cluster.actor_ranks=2", "actor.megatron.pipeline_parallel=2",
+      "actor.megatron.pipeline_layers=[2,2]"],
+     r"actor\.megatron\.pipeline_layers=\[2, 2\] sums to 4 layers, but "
+     r"model\.num_hidden_layers=3"),
 ])
 def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(sets, msg):
     from lockstep.moe.config import ConfigError
@@ -121,6 +126,10 @@ def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(se
      r"virtual_pipeline_parallel=2 needs pipeline_parallel >= 2 \(got 1\)"),
     (["actor.megatron.pipeline_parallel=2", "actor.megatron.virtual_pipeline_parallel=0"],
      r"virtual_pipeline_parallel must be a positive integer or null, got 0"),
+    (["actor.megatron.pipeline_parallel=2", "actor.megatron.pipeline_layers=[3]"],
+     r"pipeline_layers=\[3\] has 1 stages but pipeline_parallel=2: give one layer count per"),
+    (["actor.megatron.pipeline_parallel=2", "actor.megatron.pipeline_layers=[3,0]"],
+     r"pipeline_layers must be a list of positive layer counts .*got \[3, 0\]"),
 ])
 def test_bad_virtual_pipeline_is_refused_when_read(sets, msg):
     with pytest.raises(Exception, match=msg):
@@ -139,3 +148,32 @@ def test_virtual_pipeline_layers_must_split_over_every_chunk():
                        r"virtual_pipeline_parallel=2 \(every model chunk"):
         check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=6"]))
     check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=4"]))  # runs
+
+
+def test_uneven_pipeline_stages_are_accepted_and_laid_out():
+    """3 layers on 2 stages: [2, 1] by default, [1, 2] by pipeline_layers, and megatron-core
+    is given the matching pipeline_model_parallel_layout; with a virtual pipeline the chunks
+    stay equal (pipeline_layers refused, naming both options)."""
+    from lockstep.moe.config import ConfigError
+    from lockstep.trainer.loop import check_megatron_world
+    from lockstep.trainer.megatron.layout import chunk_layers, megatron_args
+    toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
+    sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
+            "actor.megatron.pipeline_parallel=2"]
+    for extra, stages, layout in (([], [[0, 1], [2]], "Ett|tL"),
+                                  (["actor.megatron.pipeline_layers=[1,2]"], [[0], [1, 2]],
+                                   "Et|ttL")):
+        cfg = load_config(toy, [*sets, *extra])
+        check_megatron_world(cfg)
+        m = cfg.actor.megatron
+        assert [chunk_layers(cfg.model, m, p) for p in range(2)] == [[s] for s in stages]
+        args = megatron_args(cfg.model, m, use_te=False, on_gpu=False)
+        assert args["pipeline_model_parallel_layout"] == layout
+    even = load_config(toy, [*sets, "model.num_hidden_layers=4"])
+    assert megatron_args(even.model, even.actor.megatron, use_te=False,
+                         on_gpu=False)["pipeline_model_parallel_layout"] is None
+    with pytest.raises(ConfigError, match=r"pipeline_layers with actor\.megatron\."
+                       r"virtual_pipeline_parallel=2 is not supported"):
+        check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=4",
+                                               "actor.megatron.virtual_pipeline_parallel=2",
+                                               "actor.megatron.pipeline_layers=[2,2]"]))

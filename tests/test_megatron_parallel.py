@@ -92,6 +92,8 @@ ACTOR_LAYOUTS = {"ep2": dict(expert_parallel=2),
                  "tp2_sp": dict(tensor_parallel=2, logprob_chunk_tokens=5),
                  # stage 0: layers 0 (MoE), 1 (dense); stage 1: layers 2, 3 (MoE)
                  "pp2": dict(pipeline_parallel=2),
+                 # uneven stages: stage 0 holds layer 0 (MoE); stage 1 layers 1 (dense), 2, 3
+                 "pp2_uneven": dict(pipeline_parallel=2, pipeline_layers=[1, 3]),
                  # activation recomputation under PP: the backward's recomputed forwards
                  # replay the routes their first pass ran (REPLAY_BACKWARD) on each stage
                  "pp2_recompute": dict(pipeline_parallel=2, recompute_activations=True)}
@@ -183,6 +185,7 @@ def _weights(actor) -> dict:
 
 def _actor_checks(cfg, sd, data):
     """MegatronActor (EP=2, TP=2) on this rank: log-probs and one R3 update."""
+    from lockstep.trainer.megatron import convert
     from lockstep.trainer.megatron.actor import MegatronActor
     from lockstep.trainer.megatron.model import MegatronOptions
     from test_device import collective_devices, lockstep_audited
@@ -201,6 +204,8 @@ def _actor_checks(cfg, sd, data):
             out[layout] = _actor_step(actor, batch, data["adv"])
         out[layout]["collectives"] = [(n, sorted(d), str(actor.device)) for n, d, caller in seen
                                       if caller.startswith("lockstep.")]
+        out[layout]["stage_layers"] = [sorted(convert.stage_layers(m).values())
+                                       for m in actor.chunks]
     return out
 
 
@@ -277,6 +282,11 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
     for layout, kw in ACTOR_CFG.items():
         refs[layout] = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(**kw),
                                               total_updates=2), batch, adv)
+    # the stages megatron-core built: the even split, and pipeline_layers=[1, 3]
+    assert [results[r]["actors"]["pp2"]["stage_layers"] for r in range(2)] == [[[0, 1]],
+                                                                              [[2, 3]]]
+    assert [results[r]["actors"]["pp2_uneven"]["stage_layers"] for r in range(2)] == [
+        [[0]], [[1, 2, 3]]]
     for layout in ACTOR_LAYOUTS:
         ref = refs[layout if layout in ACTOR_CFG else None]
         for rank in range(2):

@@ -401,3 +401,29 @@ def test_virtual_pipeline_chunks_are_megatron_cores(in_root, capsys):
     bad = _plan(CLUSTER, *sets[:2], "actor.megatron.virtual_pipeline_parallel=5")["refusals"]
     assert any("num_hidden_layers=48 is not divisible by actor.megatron.pipeline_parallel=2 x "
                "actor.megatron.virtual_pipeline_parallel=5" in x for x in bad), bad
+
+
+def test_uneven_pipeline_stages_are_megatron_cores(in_root, capsys):
+    """PP=2 with pipeline_layers=[20, 28] of the 48-layer model: each rank's layers (JSON and
+    text) are those megatron-core's pipeline layout builds for its stage, the layout string is
+    among the printed arguments, and the memory estimate picks the 28-layer stage."""
+    pytest.importorskip("megatron.core")
+    from lockstep.trainer.megatron.model import transformer_config
+
+    sets = ["actor.megatron.expert_parallel=4", "actor.megatron.pipeline_parallel=2",
+            "actor.megatron.pipeline_layers=[20,28]"]
+    p = _plan(CLUSTER, *sets)
+    assert p["refusals"] == []
+    cfg = load_config(CLUSTER, sets + ["actor.megatron.use_transformer_engine=false",
+                                       "actor.megatron.grouped_gemm=false"])
+    layout = transformer_config(cfg.model, cfg.actor.megatron).pipeline_model_parallel_layout
+    assert p["actor"]["megatron_args"]["pipeline_model_parallel_layout"] == repr(layout)
+    assert p["actor"]["layout"]["pipeline_layers"] == [20, 28]
+    for r in p["actor"]["rank_layout"]:
+        ids = layout.get_layer_id_list(pp_rank=r["pp"])
+        assert r["layers"] == [ids[0], ids[-1] + 1] and r["chunks"] == [r["layers"]], r
+    assert p["actor"]["memory_per_rank"]["fullest_stage"] == 1
+    code, out, err = _cli(capsys, "plan", CLUSTER.relative_to(ROOT), *[
+        a for s in sets for a in ("--set", s)])
+    assert code == 0, err
+    assert "PP 2 (layers per stage 20, 28)" in out and "layers 20-47" in out, out

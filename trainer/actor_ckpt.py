@@ -189,7 +189,8 @@ def write_in_process(folder: Path, actor, cfg: ModelConfig, tokenizer=None) -> d
 # -- layouts ---------------------------------------------------------------------------------
 LAYOUT_KEYS = ("cluster.actor_ranks", "actor.megatron.tensor_parallel",
                "actor.megatron.expert_parallel", "actor.megatron.expert_tensor_parallel",
-               "actor.megatron.pipeline_parallel", "actor.megatron.virtual_pipeline_parallel")
+               "actor.megatron.pipeline_parallel", "actor.megatron.pipeline_layers",
+               "actor.megatron.virtual_pipeline_parallel")
 """Config keys a checkpoint may be resumed across (left out of the run hash)."""
 
 
@@ -198,7 +199,7 @@ def without_layout(cfg) -> dict:
     import dataclasses
     m = dataclasses.replace(cfg.actor.megatron, tensor_parallel=1, expert_parallel=1,
                             expert_tensor_parallel=None, pipeline_parallel=1,
-                            virtual_pipeline_parallel=None)
+                            pipeline_layers=None, virtual_pipeline_parallel=None)
     return {"cluster": cfg.cluster.model_copy(update={"actor_ranks": 1}),
             "actor": cfg.actor.model_copy(update={"megatron": m})}
 
@@ -206,11 +207,14 @@ def without_layout(cfg) -> dict:
 def layout_state(cfg) -> dict:
     """What a checkpoint records of the layout that wrote it (informational: loading reads
     the slices of the layout it runs on)."""
+    from lockstep.trainer.megatron.layout import stage_layer_counts
     m = cfg.actor.megatron
     return {"format": FORMAT, "backend": cfg.actor.backend,
             "layout": {"actor_ranks": cfg.cluster.actor_ranks,
                        **({"tensor_parallel": m.tensor_parallel,
                            "expert_parallel": m.expert_parallel,
                            "expert_tensor_parallel": m.etp,
-                           "pipeline_parallel": m.pipeline_parallel}
+                           "pipeline_parallel": m.pipeline_parallel,
+                           **({"pipeline_layers": stage_layer_counts(cfg.model, m)}
+                              if m.pipeline_parallel > 1 else {})}
                           if cfg.actor.backend == "megatron" else {})}}

@@ -398,6 +398,8 @@ def _correction_preset(value: Any) -> Any:
 # loss / correction options added later (issue 20); left out at their defaults
 _LATER_KEYS = {"loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
                "correction": (CorrectionConfig, ("m2po_threshold",))}
+# actor.megatron keys added after saved configs were pinned; left out at their defaults
+_LATER_MEGATRON_KEYS = ("pipeline_layers",)
 # rollout keys of the fleet and its fault handling; left out at their defaults
 _FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
@@ -545,6 +547,9 @@ class ExperimentConfig(Section):
         for k in ("gates",):  # replay options at their defaults: as before they existed
             if d["replay"][k] == ReplayConfig.model_fields[k].default:
                 d["replay"].pop(k)
+        for k in _LATER_MEGATRON_KEYS:  # likewise
+            if d["actor"]["megatron"][k] == getattr(MegatronOptions(), k):
+                d["actor"]["megatron"].pop(k)
         return d
 
     def hash(self, *sections: str) -> str:

@@ -43,8 +43,8 @@ from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
 from lockstep.trainer.config import ActorConfig
 from lockstep.trainer.rank import RankActor
 from lockstep.trainer.megatron import convert
-from lockstep.trainer.megatron.layout import (actor_options, ddp_args, optimizer_args,
-                                              precision_problems)
+from lockstep.trainer.megatron.layout import (actor_options, chunk_layers, ddp_args,
+                                              optimizer_args, precision_problems)
 from lockstep.trainer.megatron.model import (MegatronOptions, build_model_chunks,
                                              initialize_parallel, is_last_stage,
                                              transformer_config)
@@ -139,6 +139,12 @@ class MegatronActor(Schedule, RankActor):
         self.pp_group = ps.get_pipeline_model_parallel_group()
         # each chunk's MoE layers, as a slice of the L axis of [B, T, L, K] routes (under a
         # virtual pipeline a stage's chunks are not next to each other)
+        built = [sorted(convert.stage_layers(m).values()) for m in self.chunks]
+        planned = chunk_layers(mcfg, self.opts, ps.get_pipeline_model_parallel_rank())
+        if built != planned:  # what `lockstep plan` prints and checkpoints assume
+            raise RuntimeError(f"megatron-core built decoder layers {built} on pipeline stage "
+                               f"{ps.get_pipeline_model_parallel_rank()}, but the layout "
+                               f"(layout.chunk_layers) says {planned}")
         self.moe_slices = [moe_slice(mcfg, convert.stage_layers(m)) for m in self.chunks]
         # where each chunk's routes run / natural top-k go back: the L index of each router's
         # own decoder layer (its megatron-core layer_number), independent of the slice above

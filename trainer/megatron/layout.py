@@ -29,7 +29,14 @@ class MegatronOptions:
     expert_tensor_parallel: int | None = None
     """Expert TP size (ETP); None = tensor_parallel (megatron-core's default)."""
     pipeline_parallel: int = 1
-    """PP size: the decoder layers are split evenly over this many stages (1F1B schedule)."""
+    """PP size: the decoder layers are split over this many stages (1F1B schedule), as
+    `pipeline_layers` says."""
+    pipeline_layers: list[int] | None = None
+    """Decoder layers of each pipeline stage, first to last (one count per stage, each >= 1,
+    summing to model.num_hidden_layers), e.g. [2, 1]; None = equal counts, or where
+    pipeline_parallel does not divide the layers, the first L % PP stages hold one layer more
+    than the others (`stage_layer_counts`). Uneven counts reach megatron-core as its
+    `pipeline_model_parallel_layout`."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype."""
     router_dtype: Literal["fp32", "fp64"] | None = None
@@ -74,6 +81,17 @@ class MegatronOptions:
                               f"expert_parallel=1 must equal tensor_parallel="
                               f"{self.tensor_parallel}: megatron-core would not sum the "
                               "expert gradients over the ranks that share an expert")
+        pl = self.pipeline_layers
+        if pl is not None:
+            if (not isinstance(pl, (list, tuple)) or not pl
+                    or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in pl)):
+                raise ConfigError(f"megatron.pipeline_layers must be a list of positive layer "
+                                  f"counts (one per pipeline stage) or null, got {pl!r}")
+            if len(pl) != self.pipeline_parallel:
+                raise ConfigError(f"megatron.pipeline_layers={list(pl)} has {len(pl)} stages "
+                                  f"but pipeline_parallel={self.pipeline_parallel}: give one "
+                                  "layer count per stage")
+            self.pipeline_layers = list(pl)
         vpp = self.virtual_pipeline_parallel
         if vpp is not None and (not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1):
             raise ConfigError(f"megatron.virtual_pipeline_parallel must be a positive integer "
@@ -180,13 +198,50 @@ def check_supported(cfg: ModelConfig) -> None:
             "architecture")
 
 
+def stage_layer_counts(cfg: ModelConfig, opts: MegatronOptions) -> list[int]:
+    """Decoder layers of each pipeline stage, first to last: `opts.pipeline_layers`, else
+    equal counts where PP divides the layers, else the first L % PP stages one layer more
+    (3 layers on 2 stages: [2, 1]; 61 on 8: [8, 8, 8, 8, 8, 7, 7, 7]). Not checked against
+    the model (`check_stage_layers`)."""
+    pp, L = opts.pipeline_parallel, cfg.num_hidden_layers
+    if opts.pipeline_layers is not None:
+        return list(opts.pipeline_layers)
+    return [L // pp + (1 if p < L % pp else 0) for p in range(pp)]
+
+
+def is_uneven(cfg: ModelConfig, opts: MegatronOptions) -> bool:
+    """Whether the stages hold different layer counts (megatron-core is then given a
+    `pipeline_model_parallel_layout`; equal stages keep its default split)."""
+    return len(set(stage_layer_counts(cfg, opts))) > 1
+
+
+def pipeline_layout(cfg: ModelConfig, opts: MegatronOptions) -> str | None:
+    """megatron-core's `pipeline_model_parallel_layout` string for uneven stages ("E" the
+    embedding, "t" a decoder layer, "L" the LM head and loss, "|" between stages: 3 layers on
+    2 stages is "Ett|tL"); None for equal stages or PP = 1."""
+    if opts.pipeline_parallel == 1 or not is_uneven(cfg, opts):
+        return None
+    stages = ["t" * n for n in stage_layer_counts(cfg, opts)]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
+
+
 def check_stage_layers(cfg: ModelConfig, opts: MegatronOptions, model: str = "model.",
                        f: str = F) -> None:
-    """The decoder layers must split evenly over PP stages x VPP chunks."""
+    """Every pipeline stage holds at least one decoder layer (`stage_layer_counts`); under a
+    virtual pipeline the layers split evenly over PP stages x VPP chunks."""
     pp, vpp, L = opts.pipeline_parallel, opts.vpp, cfg.num_hidden_layers
-    if vpp == 1 and L % pp:
-        raise ConfigError(f"{model}num_hidden_layers={L} is not divisible by "
-                          f"{f}pipeline_parallel={pp} (stages hold equal layer counts)")
+    pl = opts.pipeline_layers
+    if pl is not None and sum(pl) != L:
+        raise ConfigError(f"{f}pipeline_layers={pl} sums to {sum(pl)} layers, but "
+                          f"{model}num_hidden_layers={L}")
+    if pl is None and pp > L:
+        raise ConfigError(f"{f}pipeline_parallel={pp} is more stages than "
+                          f"{model}num_hidden_layers={L} (every stage needs a decoder layer)")
+    if vpp > 1 and pl is not None:
+        raise ConfigError(f"{f}pipeline_layers with {f}virtual_pipeline_parallel={vpp} is not "
+                          "supported: the model chunks hold equal layer counts (megatron-core's "
+                          "interleaved assignment); drop one of them")
     if vpp > 1 and L % (pp * vpp):
         raise ConfigError(f"{model}num_hidden_layers={L} is not divisible by "
                           f"{f}pipeline_parallel={pp} x {f}virtual_pipeline_parallel={vpp} "
@@ -194,12 +249,17 @@ def check_stage_layers(cfg: ModelConfig, opts: MegatronOptions, model: str = "mo
 
 
 def chunk_layers(cfg: ModelConfig, opts: MegatronOptions, pp_rank: int) -> list[list[int]]:
-    """Global decoder layers of each model chunk of pipeline stage `pp_rank` (megatron-core's
-    interleaved assignment: chunk c of stage p holds layers (c * PP + p) * n + 0 .. n-1)."""
+    """Global decoder layers of each model chunk of pipeline stage `pp_rank`: without a
+    virtual pipeline one chunk, the stage's `stage_layer_counts` layers after the earlier
+    stages'; under one megatron-core's interleaved assignment (chunk c of stage p holds
+    layers (c * PP + p) * n + 0 .. n-1, n = L / (PP x VPP))."""
     pp, vpp = opts.pipeline_parallel, opts.vpp
+    if vpp == 1:
+        counts = stage_layer_counts(cfg, opts)
+        lo = sum(counts[:pp_rank])
+        return [list(range(lo, lo + counts[pp_rank]))]
     n = cfg.num_hidden_layers // (pp * vpp)
     return [list(range((c * pp + pp_rank) * n, (c * pp + pp_rank + 1) * n)) for c in range(vpp)]
-
 
 
 def _world_problems(opts: MegatronOptions, world: int, on_gpu: bool) -> list[str]:
@@ -383,6 +443,8 @@ def megatron_args(cfg: ModelConfig, opts: MegatronOptions, *, use_te: bool | str
         expert_tensor_parallel_size=opts.etp,
         sequence_parallel=opts.tensor_parallel > 1,
         pipeline_model_parallel_size=pp,
+        # uneven stages (stage_layer_counts); None: megatron-core's equal split
+        pipeline_model_parallel_layout=pipeline_layout(cfg, opts),
         virtual_pipeline_model_parallel_size=opts.vpp if opts.vpp > 1 else None,
         pipeline_dtype=params if pp > 1 else None,
         # micro-batches of unequal rows (the last one of a batch) travel between stages
