@@ -14,7 +14,9 @@ Two entry points over the same code:
   `trainer/rollout_corr.py` and are re-exported here (import them from this module).
 
 Beyond verl: the `geometric` IS level (per-sequence exp of the masked *mean* log ratio), the
-IPO/DPPO probability-difference mask, and `is_split_metrics` (mismatch x staleness factorisation).
+IPO/DPPO probability-difference mask, M2PO's second-moment mask (`m2po_threshold`, AReaL's rule)
+and `is_split_metrics` (mismatch x staleness factorisation). verl's named presets
+(`preset: NAME`) are trainer/correction_presets.py.
 
 Speed: every [B, T] input is zero-padded once (`_Mask`), after which masked means are plain
 sums and the log ratio and its exp are shared by the weights, RS and off-policy metrics; about

@@ -5,7 +5,9 @@ valid tokens). Log-probs are named by origin: `logprobs` (pi_theta, with grad), 
 (pi_old, the PPO ratio's denominator), `rollout_logprobs` (mu_old, the engine's), `ref_logprobs`
 (the frozen reference). Definitions and metric names follow verl 0.9.1 `core_algos`
 (`compute_policy_loss_vanilla`, `compute_policy_loss_gspo`, `agg_loss`, `kl_penalty`,
-`compute_grpo_outcome_advantage`) so numbers and dashboards carry over.
+`compute_grpo_outcome_advantage`, `compute_policy_loss_dppo_tv` / `_dppo_kl`) so numbers and
+dashboards carry over; DeepSeek-V3.2's off-policy sequence masking and unbiased KL follow slime
+(`compute_opsm_mask`, `compute_approx_kl` with `--use-unbiased-kl`).
 """
 
 from __future__ import annotations
