@@ -12,8 +12,9 @@ Each cell is one `lockstep train` run (skipped when its summary.json exists, so 
 continues); its exact command is written to OUT/<cell>.cmd and listed in OUT/study.md. A
 replay variant or LR schedule whose options this checkout does not have is refused up front,
 naming it. Prints and writes OUT/study.md: per run the k3 KL, flip rates, the reward of the
-first steps, its peak (moving mean) and its last steps, how far it fell from the peak, the
-largest grad norm, the LR triggers, and whether it degraded; per seed and correction the k3 KL
+first steps, its peak (5-step moving mean) and its last 5 steps, the largest grad norm, the
+LR triggers, and whether it degraded (the last 5-step mean below half the peak and >= 0.05
+under it, or a skipped / NaN step); per seed and correction the k3 KL
 ratio off / R3 (both from the same study); plots OUT/study_reward.png and OUT/study_k3.png.
 """
 
@@ -43,9 +44,10 @@ CORRECTIONS = {  # name -> overrides
     "tis": ["correction.rollout_is=token", "correction.rollout_is_threshold=2.0"],
     "icepop": ["correction.rollout_is=token", "correction.rollout_is_threshold=0.5_2.0"],
 }
-# the triggered decay of the study: cut the LR in half when the k3 KL of a step passes 1e-2
-# (the toy's steps sit at ~1e-3) or the mean length grows > 3%/step over 10 steps
-TRIGGERED = ["actor.lr_schedule=triggered", "actor.lr_trigger.k3_kl=1e-2",
+# the triggered decay of the study: cut the LR in half when the k3 KL of a step passes 3e-3
+# (the toy's later steps sit at ~5e-4..1e-3; its first, from the warm start, at ~6e-3 with
+# replay off) or the mean length grows > 3%/step over 10 steps
+TRIGGERED = ["actor.lr_schedule=triggered", "actor.lr_trigger.k3_kl=3e-3",
              "actor.lr_trigger.length_growth=0.03", "actor.lr_trigger.length_window=10",
              "actor.lr_trigger.cooldown=10", "actor.lr_trigger.min_scale=0.05"]
 SCHEDULES = {"const": [], "trig": TRIGGERED}  # name -> overrides
@@ -60,14 +62,17 @@ REGIMES = {
     "toy_lr3e-3": (TOY, ["actor.lr=3e-3"]),
     "toy_lr3e-3_fp32engine": (TOY, ["actor.lr=3e-3", "rollout.dtype=fp32"]),
     "toy_lr1e-2": (TOY, ["actor.lr=1e-2"]),
+    "toy_fp8engine": (TOY, ["rollout.dtype=fp8"]),
+    "toy_fp8engine_lr1e-3": (TOY, ["rollout.dtype=fp8", "actor.lr=1e-3"]),
     "toy_lr3e-3_small": (TOY, ["actor.lr=3e-3", "rollout.prompts_per_step=8",
                                "actor.mini_batch_size=16", "actor.micro_batch_size=16"]),
     "toy_top1_lr3e-3": (TOY, ["actor.lr=3e-3", "model.num_experts=8",
                               "model.num_experts_per_tok=1"]),
 }
 WINDOW = 5    # steps averaged for "first" reward
-SMOOTH = 10   # steps of the moving mean whose peak and last value say whether reward fell
-DROP = 0.1    # degraded: the last moving mean is this far below its peak (absolute reward)
+SMOOTH = 5    # steps of the moving mean whose peak and last value say whether reward fell
+# degraded: the last moving mean is below FALL x its peak and at least DROP below it (reward)
+FALL, DROP = 0.5, 0.05
 
 
 def run_name(mode: str, corr: str, seed: int, sched: str = "const") -> str:
@@ -114,7 +119,11 @@ def train(config: Path, out: Path, mode: str, corr: str, seed: int, steps: int,
 
 
 def _moving_mean(xs: list[float], n: int) -> list[float]:
-    return [statistics.mean(xs[max(0, i + 1 - n):i + 1]) for i in range(len(xs))]
+    """Means of the full windows of `n` steps (one mean of all when shorter); entry i ends at
+    step i + n (or at the last step)."""
+    if len(xs) < n:
+        return [statistics.mean(xs)]
+    return [statistics.mean(xs[i:i + n]) for i in range(len(xs) - n + 1)]
 
 
 def summarize_run(d: Path) -> dict | None:
@@ -141,11 +150,13 @@ def summarize_run(d: Path) -> dict | None:
             "k3_max": max(k3), "flip_rate": statistics.mean(col("routing/flip_rate")),
             "token_any_flip": statistics.mean(col("routing/token_any_flip")),
             "reward_first": statistics.mean(reward[:WINDOW]), "reward_peak": peak,
-            "peak_step": smooth.index(peak) + 1, "reward_last": smooth[-1],
+            "peak_step": smooth.index(peak) + min(SMOOTH, len(reward)),  # its window's end
+            "reward_last": smooth[-1],
             "grad_norm_max": max(grad), "triggers": triggers,
             "lr_scale_last": rows[-1].get("lr_trigger/scale", 1.0),
             "reward_curve": reward, "k3_curve": k3, "skipped_steps": skipped,
-            "degraded": bool(smooth[-1] < peak - DROP or skipped or nan_steps)}
+            "degraded": bool((smooth[-1] < FALL * peak and smooth[-1] < peak - DROP)
+                             or skipped or nan_steps)}
 
 
 def collect(out: Path, seeds: list[int], modes=MODES, corrections=tuple(CORRECTIONS),
@@ -256,7 +267,8 @@ def plots(out: Path, runs: dict) -> None:
                 for (m, c, sched, s), r in runs.items():
                     if m == mode and c == corr:
                         y = r[key] if log else _moving_mean(r[key], SMOOTH)
-                        ax.plot(range(1, len(y) + 1), y, color=f"C{i}", alpha=0.7,
+                        x0 = 1 if log else min(SMOOTH, len(r[key]))  # a mean at its window's end
+                        ax.plot(range(x0, x0 + len(y)), y, color=f"C{i}", alpha=0.7,
                                 linestyle="-" if sched == "const" else "--",
                                 label=f"{mode} {sched}" if s == seed0 else None)
             ax.set_title(f"correction: {corr}")

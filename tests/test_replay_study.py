@@ -36,17 +36,22 @@ def test_one_cell_runs_and_lands_in_the_table(tmp_path):
     assert study.train(config, tmp_path, "off", "tis", 3, 2, TINY, sched="trig") == d
 
 
-def test_degraded_means_the_moving_mean_fell_from_its_peak(tmp_path):
+def _summary(tmp_path, reward):
     d = tmp_path / "run"
-    d.mkdir()
-    reward = [0.2] * 5 + [0.6] * 10 + [0.45] * 10  # peak 0.6, last 0.45: fell by 0.15
+    d.mkdir(exist_ok=True)
     (d / "metrics.jsonl").write_text("".join(json.dumps(
         {"step": i + 1, "reward/mean": x, "rollout_corr/k3_kl": 1e-3, "routing/flip_rate": 0.0,
          "routing/token_any_flip": 0.0, "actor/grad_norm": 0.5}) + "\n"
         for i, x in enumerate(reward)))
-    r = study.summarize_run(d)
-    assert (r["reward_peak"], r["peak_step"], r["reward_last"]) == pytest.approx((0.6, 15, 0.45))
+    return study.summarize_run(d)
+
+
+def test_degraded_means_the_moving_mean_fell_below_half_its_peak(tmp_path):
+    r = _summary(tmp_path, [0.2] * 5 + [0.6] * 10 + [0.25] * 10)  # peak 0.6 at 10..15, last 0.25
+    assert (r["reward_peak"], r["peak_step"], r["reward_last"]) == pytest.approx((0.6, 10, 0.25))
     assert r["degraded"]
+    assert not _summary(tmp_path, [0.6] * 5 + [0.2] * 5 + [0.5] * 5)["degraded"]  # recovered
+    assert not _summary(tmp_path, [0.06] * 5 + [0.02] * 5)["degraded"]  # too small to count
 
 
 def test_a_variant_this_checkout_lacks_is_refused_up_front(monkeypatch):
