@@ -35,7 +35,8 @@ from lockstep.trainer.backends import colocation_refusal
 # the TransformerConfig arguments (trainer/megatron/layout.megatron_args) the plan prints
 _PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",
               "expert_tensor_parallel_size", "pipeline_model_parallel_size",
-              "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size", "sequence_parallel", "num_layers",
+              "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size",
+              "context_parallel_size", "sequence_parallel", "num_layers",
               "hidden_size", "num_attention_heads", "num_query_groups", "num_moe_experts",
               "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
               "moe_router_dtype", "moe_enable_routing_replay", "moe_router_fusion",
@@ -119,11 +120,11 @@ class _Plan(Estimates, Placement):
         if a.backend == "megatron":
             o = a.megatron
             tp, ep, etp, pp = o.tensor_parallel, o.expert_parallel, o.etp, o.pipeline_parallel
-            vpp = o.vpp
+            vpp, cp = o.vpp, o.context_parallel
         else:
-            tp = ep = etp = pp = vpp = 1
-        self._check_actor_layout(N, tp, ep, etp, pp)
-        dp = max(1, N // (tp * pp))
+            tp = ep = etp = pp = vpp = cp = 1
+        self._check_actor_layout(N, tp, ep, etp, pp, cp)
+        dp = max(1, N // (tp * cp * pp))
         edp = max(1, N // (etp * ep * pp))
         L = m.num_hidden_layers
         E = m.num_experts
@@ -137,7 +138,10 @@ class _Plan(Estimates, Placement):
             e_lo, e_hi = e_rank * (E // ep), (e_rank + 1) * (E // ep)
             # "layers": the stage's layers; under a virtual pipeline (not contiguous) null,
             # and "chunks" lists each model chunk's [lo, hi)
-            ranks.append({"rank": r, "pp": s, "tp": idx % tp, "dp": idx // tp,
+            # megatron-core's order tp-cp-ep-dp-pp: TP fastest, then CP, then DP (the expert
+            # grid has no CP axis: expert DP spans the CP ranks)
+            ranks.append({"rank": r, "pp": s, "tp": idx % tp, "cp": (idx // tp) % cp,
+                          "dp": idx // (tp * cp),
                           "ep": e_rank, "etp": idx % etp, "edp": idx // (etp * ep),
                           "layers": chunks[0] if vpp == 1 else None, "chunks": chunks,
                           "experts": [e_lo, e_hi] if E else None})
@@ -148,7 +152,7 @@ class _Plan(Estimates, Placement):
                           # decoder layers per stage (layout.stage_layer_counts)
                           "pipeline_layers": stage_layer_counts(m, a.megatron)
                           if a.backend == "megatron" else [L],
-                          "virtual_pipeline_parallel": vpp,
+                          "virtual_pipeline_parallel": vpp, "context_parallel": cp,
                           "data_parallel": dp, "expert_data_parallel": edp},
                "rank_layout": ranks, "memory_per_rank": mem}
         if a.backend == "megatron":
@@ -158,14 +162,16 @@ class _Plan(Estimates, Placement):
         out["replay"] = _replay_plan(cfg.replay.mode.value, a.backend)
         return out
 
-    def _check_actor_layout(self, N: int, tp: int, ep: int, etp: int, pp: int) -> None:
+    def _check_actor_layout(self, N: int, tp: int, ep: int, etp: int, pp: int,
+                            cp: int) -> None:
         """The megatron layout rules (trainer/megatron/layout.py, what the actor enforces)."""
         cfg = self.cfg
         if cfg.actor.backend != "megatron":
             return
-        if N == 1 and (tp, ep, etp, pp) != (1, 1, 1, 1):
+        if N == 1 and (tp, ep, etp, pp, cp) != (1, 1, 1, 1, 1):
             f = "actor.megatron."
             self.refuse(f"{f}tensor_parallel={tp}, expert_parallel={ep}, pipeline_parallel={pp} "
+                        + (f"context_parallel={cp} " if cp > 1 else "") +
                         "need cluster.actor_ranks > 1 (the in-process actor is a world of one)")
             return
         from lockstep.trainer.megatron.layout import layout_problems, precision_problems

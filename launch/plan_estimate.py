@@ -165,6 +165,8 @@ class Estimates:
         cfg, m = self.cfg, self.cfg.model
         a = cfg.actor
         tokens = a.max_tokens_per_micro_batch or a.micro_batch_size * self.T
+        if a.backend == "megatron":  # a context-parallel rank holds 1 / CP of each row
+            tokens = tokens / a.megatron.context_parallel
         b = BY_NAME[a.dtype].bytes
         H, K, I = m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size
         full = 17 * H * b / tp + K * (H + 3 * I) * b / etp  # attention/norms (SP) + experts

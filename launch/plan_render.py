@@ -46,13 +46,16 @@ def render(p: dict[str, Any]) -> str:
       + (f" (layers per stage {', '.join(map(str, lay['pipeline_layers']))})"
          if len(set(lay["pipeline_layers"])) > 1 else "")
       + (f" (VPP {lay['virtual_pipeline_parallel']})" if lay['virtual_pipeline_parallel'] > 1
-         else "") + f" x DP {lay['data_parallel']} (expert DP "
+         else "")
+      + (f" x CP {lay['context_parallel']}" if lay["context_parallel"] > 1 else "")
+      + f" x DP {lay['data_parallel']} (expert DP "
       f"{lay['expert_data_parallel']})")
     for r in a["rank_layout"]:
         where = (f"node {r['node']} GPU {r['gpu']}" if r.get("node") is not None
                  else f"bundle {r['bundle']}" if r.get("bundle") is not None else "driver")
         ex = f"  experts {_span(*r['experts'])}" if r["experts"] else ""
-        w(f"  rank {r['rank']:>3}  {where:<16} pp {r['pp']} tp {r['tp']} dp {r['dp']} ep "
+        w(f"  rank {r['rank']:>3}  {where:<16} pp {r['pp']} tp {r['tp']}"
+          + (f" cp {r['cp']}" if lay["context_parallel"] > 1 else "") + f" dp {r['dp']} ep "
           f"{r['ep']} etp {r['etp']}  layers "
           + (" | ".join(_span(*c) for c in r["chunks"]) + " (chunks)"
              if len(r["chunks"]) > 1 else _span(*r["chunks"][0])) + ex)

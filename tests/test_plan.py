@@ -427,3 +427,27 @@ def test_uneven_pipeline_stages_are_megatron_cores(in_root, capsys):
         a for s in sets for a in ("--set", s)])
     assert code == 0, err
     assert "PP 2 (layers per stage 20, 28)" in out and "layers 20-47" in out, out
+
+
+def test_context_parallel_plan_follows_megatron_core_groups(in_root, capsys):
+    """CP=2 on the 8 ranks: DP halves, each rank's (tp, cp, dp, ep) is its position in
+    megatron-core's own groups (RankGenerator, order tp-cp-ep-dp-pp; the expert grid has no CP
+    axis), context_parallel_size is among the printed arguments, and the plan names why the
+    actor does not run it yet."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    p = _plan(CLUSTER, "actor.megatron.context_parallel=2")
+    lay, ranks = p["actor"]["layout"], p["actor"]["rank_layout"]
+    assert (lay["context_parallel"], lay["data_parallel"]) == (2, 2)
+    assert p["actor"]["megatron_args"]["context_parallel_size"] == 2
+    dense = RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=2, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=1, ep=8, dp=1, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    for axis, gen in (("tp", dense), ("cp", dense), ("dp", dense), ("ep", expert)):
+        for group in gen.get_ranks(axis):
+            assert [ranks[r][axis] for r in group] == list(range(len(group))), axis
+    assert any("context_parallel=2: the megatron actor does not split its passes" in x
+               for x in p["refusals"]), p["refusals"]
+    code, out, err = _cli(capsys, "plan", CLUSTER.relative_to(ROOT), "--set",
+                          "actor.megatron.context_parallel=2")
+    assert "x PP 1 x CP 2 x DP 2" in out and "pp 0 tp 1 cp 1 dp 1 ep 7" in out, out

@@ -190,7 +190,7 @@ def write_in_process(folder: Path, actor, cfg: ModelConfig, tokenizer=None) -> d
 LAYOUT_KEYS = ("cluster.actor_ranks", "actor.megatron.tensor_parallel",
                "actor.megatron.expert_parallel", "actor.megatron.expert_tensor_parallel",
                "actor.megatron.pipeline_parallel", "actor.megatron.pipeline_layers",
-               "actor.megatron.virtual_pipeline_parallel")
+               "actor.megatron.virtual_pipeline_parallel", "actor.megatron.context_parallel")
 """Config keys a checkpoint may be resumed across (left out of the run hash)."""
 
 
@@ -199,7 +199,8 @@ def without_layout(cfg) -> dict:
     import dataclasses
     m = dataclasses.replace(cfg.actor.megatron, tensor_parallel=1, expert_parallel=1,
                             expert_tensor_parallel=None, pipeline_parallel=1,
-                            pipeline_layers=None, virtual_pipeline_parallel=None)
+                            pipeline_layers=None, virtual_pipeline_parallel=None,
+                            context_parallel=1)
     return {"cluster": cfg.cluster.model_copy(update={"actor_ranks": 1}),
             "actor": cfg.actor.model_copy(update={"megatron": m})}
 
@@ -216,5 +217,7 @@ def layout_state(cfg) -> dict:
                            "expert_tensor_parallel": m.etp,
                            "pipeline_parallel": m.pipeline_parallel,
                            **({"pipeline_layers": stage_layer_counts(cfg.model, m)}
-                              if m.pipeline_parallel > 1 else {})}
+                              if m.pipeline_parallel > 1 else {}),
+                           **({"context_parallel": m.context_parallel}
+                              if m.context_parallel > 1 else {})}
                           if cfg.actor.backend == "megatron" else {})}}

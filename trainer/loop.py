@@ -83,7 +83,8 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
     big = {k: v for k, v in (("tensor_parallel", m.tensor_parallel),
                              ("expert_parallel", m.expert_parallel),
                              ("expert_tensor_parallel", m.etp),
-                             ("pipeline_parallel", m.pipeline_parallel)) if v != 1}
+                             ("pipeline_parallel", m.pipeline_parallel),
+                             ("context_parallel", m.context_parallel)) if v != 1}
     if big:
         raise ValueError(
             f"{', '.join(f'actor.megatron.{k}={v}' for k, v in big.items())}: the RL loop runs "

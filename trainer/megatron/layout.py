@@ -53,6 +53,13 @@ class MegatronOptions:
     """Weight of the load-balancing loss (the torch model's, see replay.py); 0 = none."""
     seed: int = 1234
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
+    context_parallel: int = 1
+    """CP size: each row's tokens are split over this many ranks in megatron-core's
+    load-balanced layout (2 x CP chunks, rank r holding chunks r and 2 x CP - 1 - r:
+    context_parallel.py); megatron-core runs it with Transformer Engine's attention only (GPU).
+    The ranks of a CP group share their rows, as TP ranks do; DP is what TP x CP x PP leave.
+    > 1 is refused for now (`context_parallel_problems`): the actor's passes do not apply the
+    layout yet."""
     virtual_pipeline_parallel: int | None = None
     """Virtual pipeline stages (model chunks) per PP stage, megatron-core's interleaved 1F1B
     schedule; None / 1 = one chunk per stage. Stage p's chunk c holds the layers
@@ -67,7 +74,7 @@ class MegatronOptions:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel", "expert_tensor_parallel",
-                     "pipeline_parallel", "logprob_chunk_tokens"):
+                     "pipeline_parallel", "context_parallel", "logprob_chunk_tokens"):
             v = getattr(self, name)
             if v is None and name == "expert_tensor_parallel":
                 continue
@@ -266,10 +273,14 @@ def _world_problems(opts: MegatronOptions, world: int, on_gpu: bool) -> list[str
     """What a group of `world` ranks cannot run (or gloo cannot carry). DP = the rest."""
     tp, ep, etp, pp = (opts.tensor_parallel, opts.expert_parallel, opts.etp,
                        opts.pipeline_parallel)
-    f, out = F, []
+    f, out, cp = F, [], opts.context_parallel
     if world % (tp * pp):
         out.append(f"{f}tensor_parallel={tp} x {f}pipeline_parallel={pp} does not divide "
                    f"the {world} actor ranks (cluster.actor_ranks)")
+    elif cp > 1 and world % (tp * cp * pp):
+        out.append(f"{f}tensor_parallel={tp} x {f}context_parallel={cp} x "
+                   f"{f}pipeline_parallel={pp} does not divide the {world} actor ranks "
+                   "(cluster.actor_ranks)")
     if world % (etp * ep * pp):
         out.append(f"{f}expert_tensor_parallel={etp} x {f}expert_parallel={ep} x "
                    f"{f}pipeline_parallel={pp} does not divide the {world} actor ranks")
@@ -289,6 +300,26 @@ def _world_problems(opts: MegatronOptions, world: int, on_gpu: bool) -> list[str
                    f"differ; use {f}token_dispatcher=alltoall (with "
                    f"{f}expert_tensor_parallel=1 on CPU)")
     return out
+
+
+def context_parallel_problems(opts: MegatronOptions, on_gpu: bool,
+                              use_te: bool | None = None) -> list[str]:
+    """Why `context_parallel` > 1 does not run (empty for CP = 1); `use_te`: whether the
+    Transformer Engine spec is in use, None = not known yet (the plan's "auto")."""
+    cp, f = opts.context_parallel, F
+    if cp == 1:
+        return []
+    if not on_gpu or False in (opts.use_transformer_engine, use_te):
+        where = "on CPU" if not on_gpu else "without Transformer Engine"
+        return [f"{f}context_parallel={cp} {where}: megatron-core runs context parallelism "
+                "only in Transformer Engine's attention (TEDotProductAttention, GPU); its "
+                "local DotProductAttention, the CPU path, supports context_parallel_size 1 "
+                "only"]
+    # the layout and its route slicing exist (context_parallel.py, tested against
+    # megatron-core's get_batch_on_this_cp_rank); the actor's passes do not apply them yet
+    return [f"{f}context_parallel={cp}: the megatron actor does not split its passes over "
+            "context-parallel ranks yet (ids, labels, routes and log-probs by "
+            "trainer/megatron/context_parallel.py's layout; not run on a GPU here)"]
 
 
 def _shape_problems(cfg: ModelConfig, opts: MegatronOptions) -> list[str]:
@@ -328,6 +359,7 @@ def layout_problems(opts: MegatronOptions, cfg: ModelConfig | None = None,
                 out.append(str(e))
     if world is not None:
         out += _world_problems(opts, world, on_gpu)
+    out += context_parallel_problems(opts, on_gpu)
     if cfg is not None:
         out += _shape_problems(cfg, opts)
     return out
@@ -442,6 +474,7 @@ def megatron_args(cfg: ModelConfig, opts: MegatronOptions, *, use_te: bool | str
         expert_model_parallel_size=opts.expert_parallel,
         expert_tensor_parallel_size=opts.etp,
         sequence_parallel=opts.tensor_parallel > 1,
+        context_parallel_size=opts.context_parallel,
         pipeline_model_parallel_size=pp,
         # uneven stages (stage_layer_counts); None: megatron-core's equal split
         pipeline_model_parallel_layout=pipeline_layout(cfg, opts),

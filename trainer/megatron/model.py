@@ -26,7 +26,8 @@ from lockstep.moe.config import ConfigError, ModelConfig
 # the options and the layout rules need no megatron-core import (trainer/config.py, the plan)
 from lockstep.trainer.megatron.layout import (MegatronOptions, check_layout,  # noqa: F401
                                               check_stage_layers, check_supported,
-                                              chunk_layers, megatron_args)
+                                              chunk_layers, context_parallel_problems,
+                                              megatron_args)
 
 
 class ReplayBypassError(ValueError):
@@ -50,9 +51,12 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
     checks of what this machine has (Transformer Engine, a GPU)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(opts, None, on_gpu=False, cfg=cfg)
     on_gpu = torch.cuda.is_available()
     use_te = te_available() if opts.use_transformer_engine is None else opts.use_transformer_engine
+    cp_problems = context_parallel_problems(opts, on_gpu, use_te)  # the TE reason first
+    if cp_problems:
+        raise ConfigError(cp_problems[0])
+    check_layout(opts, None, on_gpu=on_gpu, cfg=cfg)
     if use_te and not te_available():
         raise ConfigError("megatron.use_transformer_engine=True needs a CUDA GPU and the "
                           "transformer_engine package")
@@ -199,6 +203,7 @@ def initialize_parallel(opts: MegatronOptions) -> None:
         expert_model_parallel_size=opts.expert_parallel,
         expert_tensor_parallel_size=opts.etp,
         pipeline_model_parallel_size=opts.pipeline_parallel,
+        context_parallel_size=opts.context_parallel,
         virtual_pipeline_model_parallel_size=opts.vpp if opts.vpp > 1 else None,
     )
     model_parallel_cuda_manual_seed(opts.seed)
