@@ -180,8 +180,9 @@ class MegatronActor(Schedule, RankActor):
         return self._only("ddps")
 
     @property
-    def replay(self) -> RouteReplay:
-        """The replay adapter (one chunk; else `self.replays`)."""
+    def route_replay(self) -> RouteReplay:
+        """The replay adapter (one chunk; else `self.replays`). Not `replay`: that is the
+        experiment's replay options (`RankActor.replay`)."""
         return self._only("replays")
 
     @property
