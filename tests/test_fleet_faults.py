@@ -10,6 +10,8 @@ Ray cluster (2 CPUs, 2 engines each):
 kill -9 mid-generate: every sample comes back exactly once, equal to the in-process engine's, and
 the engine is back (relaunched in its bundle, or rejoined) with the pushed weights. A hung engine
 (SIGSTOP) is timed out, killed and replaced. An engine past its restarts is named in the error.
+Multi-turn trajectories over `serve` with an engine killed -9 in their second turn: the
+victim's trajectories start again from their first turn once, every trajectory comes back once.
 Real SGLang (`rollout.backend: sglang`) joins BACKENDS once it runs on CPU.
 """
 
@@ -189,6 +191,62 @@ def test_kill9_mid_generate_every_sample_once_and_engine_back(fleet, model):
     got = fleet.generate(reqs())
     same(got, Engine.from_model(new, LOCAL).generate(reqs()))
     assert {r.weight_version for r in got} == {"1"} and set(fleet.placement.values()) == {0, 1}
+
+
+def test_trajectories_over_a_kill9_come_back_once(fleet, model, tmp_path):
+    """Multi-turn trajectories (rollout/agent.py) with an engine killed -9 during their second
+    turn: its trajectories start again from their first turn, once, the others go on, and
+    every trajectory comes back exactly once, equal to the in-process run's (fp32, the same
+    per-turn seeds)."""
+    if fleet.kind != "serve":
+        pytest.skip("run over lockstep serve servers on local Ray (the pins are the same code "
+                    "for every backend: tests/test_fleet_trajectories.py)")
+    from types import SimpleNamespace
+
+    from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
+    from lockstep.rollout.env import EnvConfig, EnvPool
+    from lockstep.rollout.tasks import build_tokenizer
+    from test_agent import FIXED, _env_file, _requests
+    from test_agent_fleet import _same
+    weights = _perturbed(model, 3)
+    fleet.update_weights(weights, "t")
+    cfg = EnvConfig(file=_env_file(tmp_path, FIXED), max_turns=3, num_workers=1)
+    calls, first = [], {}
+
+    def run(generate):
+        with EnvPool(cfg, log=lambda s: None) as env:
+            return TrajectoryRunner(generate, env, ObservationCodec(build_tokenizer()),
+                                    ENGINE.max_len, model.cfg.num_experts, eos_id=2,
+                                    vocab_size=model.cfg.vocab_size,
+                                    release=fleet.release_trajectories).run(
+                _requests(n_prompts=4, n=2), [{"k": i} for i in range(4)])
+
+    def generate(reqs):
+        calls.append(reqs)
+        try:
+            return fleet.generate(reqs)
+        finally:
+            if len(calls) == 1:
+                first.update(fleet.placement)
+    want = run(Engine.from_model(weights, LOCAL).generate)
+    victim = fleet.slots[0]
+    pid, lost_before = victim.pid, fleet.stats.trajectories_lost
+
+    def ready():  # in the second turn, with work in flight and one sample answered
+        return len(calls) == 2 and victim.load > 0 and 0 in fleet.placement.values()
+
+    def act():
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    got = generate_then(SimpleNamespace(generate=lambda _: run(generate)), None, ready, act,
+                        wait_s=60, join_s=240)
+    _same(got, want)  # every trajectory once, each as the in-process run samples it
+    restarted = {(r.rid, r.index) for r in got if r.trajectory.restarts}
+    on_victim = {k for k, e in first.items() if e == 0}
+    assert restarted == on_victim  # every one left on it mid-trajectory (3 turns each)
+    assert fleet.stats.trajectories_lost - lost_before == len(restarted)
+    assert all(r.trajectory.error is None for r in got) and not fleet.pins.held
+    assert wait_gone(pid) and victim.pid != pid  # relaunched in its bundle
 
 
 def test_hung_engine_times_out_is_killed_and_replaced(fleet, model):
