@@ -14,7 +14,7 @@ from lockstep.kernels.threads import set_wait_policy
 
 set_wait_policy()  # first, before any import loads torch: OpenMP reads it once (kernels/threads.py)
 
-from lockstep.launch import compare, diagnose, example, plan, serve, train  # noqa: E402
+from lockstep.launch import compare, diagnose, example, export, plan, serve, train  # noqa: E402
 
 # Optional packages -> the extra that installs them.
 EXTRAS = {"ray": "ray", "megatron": "megatron", "transformer_engine": "gpu", "sglang": "gpu",
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_parser(sub)
     example.add_parser(sub)
     plan.add_parser(sub)
+    export.add_parser(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show Python tracebacks instead of one-line errors")

@@ -107,3 +107,57 @@ def test_tp_parts_of_an_fp8_weight_are_slices_of_the_dequantised_one(tmp_path):
     assert hf.nbytes("x.weight") == 260 * 136 + 4 * 3 * 2
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert f.get_slice("x.weight").get_dtype() == "F8_E4M3"
+
+
+@pytest.mark.slow
+def test_train_on_an_fp8_folder_and_export_it_back(tmp_path):
+    """An FP8 folder written by our code is model.path of a run (fp8 engine, fp8 actor); the
+    run's checkpoint exports back to block FP8, which an fp8 engine serves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lockstep.moe.tokenizer import load_tokenizer
+    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.tasks import Task
+    from lockstep.rollout.types import GenerateRequest, SamplingParams
+    from lockstep.trainer.config import load_config
+
+    toy = Path(__file__).resolve().parents[1] / "configs" / "toy_r3.yaml"
+    cfg = load_config(toy)
+    torch.manual_seed(0)
+    src = save_hf(MoEModel(cfg.model), tmp_path / "src", fp8=True,
+                  tokenizer=Task(cfg.task).tokenizer)
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "lockstep.launch.cli", *args],
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r
+    # an untrained policy earns no reward (no advantage): the entropy bonus moves it
+    sets = [f"model.path={src}", "warmstart.enabled=false", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "actor.mini_batch_size=4", "loss.entropy_coef=0.01",
+            "actor.micro_batch_size=4", "loop.steps=1", "loop.checkpoint_every=1",
+            "loop.plots=false", "loop.tensorboard=false", "rollout.dtype=fp8", "actor.fp8=true"]
+    cli("train", str(toy), "--out", str(tmp_path / "run"), "--no-progress",
+        *[a for s in sets for a in ("--set", s)])
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    for k in ("routing/flip_rate", "rollout_corr/k3_kl", "replay/mismatch"):
+        assert k in row, k
+    assert row["replay/mismatch"] == 0.0  # R3 ran the fp8 engine's routes
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1" / "hf"
+    trained = load_hf(ckpt)
+    assert any(not torch.equal(a, b) for a, b in
+               zip(trained.parameters(), load_hf(src).parameters()))
+    cli("export", str(ckpt), "--out", str(tmp_path / "out"), "--dtype", "fp8")
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    name = "model.layers.2.mlp.experts.1.up_proj.weight"
+    assert stored[name].dtype == torch.float8_e4m3fn
+    assert torch.equal(stored[name].float(), quantize_weight(
+        hf_state_dict(trained)[name])[0].float())
+    assert load_tokenizer(tmp_path / "out").get_vocab_size() == 16
+    eng = Engine.from_hf(tmp_path / "out", EngineConfig(dtype="fp8", max_running=4, max_len=32))
+    res = eng.generate([GenerateRequest([1, 3, 4, 12], SamplingParams(max_new_tokens=3))])
+    assert len(res[0].output_ids) >= 1 and res[0].routes_NLK.shape[1:] == (3, 2)

@@ -1,0 +1,58 @@
+"""`lockstep export SRC --out DIR --dtype fp8`: write an HF folder in the form an engine loads.
+
+    lockstep export runs/x/checkpoints/step_200/hf --out runs/x/fp8 --dtype fp8
+    python -m sglang.launch_server --model-path runs/x/fp8 ...     # block FP8, from config.json
+
+SRC is any HF folder lockstep reads (a run's `checkpoints/step_N/hf` with its fp32 master
+weights, a block-FP8 folder, one written by transformers). `--dtype fp8` writes block FP8 in
+DeepSeek-V3's layout (every attention/MLP/expert projection as float8_e4m3fn plus an fp32
+`weight_scale_inv` per 128x128 block, the rest bf16, `quantization_config` in config.json;
+docs/precision.md); bf16 / fp16 / fp32 write plain weights in that dtype. The tokenizer and
+generation files of SRC are copied along. DIR must not exist yet (nothing is overwritten).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from lockstep.kernels.dtypes import ENGINE_PRECISIONS, FP8
+
+_WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json")
+
+
+class ExportError(ValueError):
+    """A bad SRC or --out, one line."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="write an HF folder in block FP8 (or another dtype)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="HF folder to read")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (must not exist)")
+    p.add_argument("--dtype", required=True, choices=list(ENGINE_PRECISIONS),
+                   help="fp8: block FP8 (DeepSeek-V3 layout); bf16, fp16, fp32: plain")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from lockstep.kernels.dtypes import torch_dtype
+    from lockstep.moe.checkpoint import load_hf, save_hf
+
+    src, out = Path(args.src), Path(args.out)
+    if not (src / "config.json").is_file():
+        raise ExportError(f"{src} is not an HF folder (no config.json)")
+    if out.exists() or out.is_symlink():
+        raise ExportError(f"--out {out} exists; export writes a new folder")
+    model = load_hf(src)  # block-FP8 folders come back dequantised, fp32
+    fp8 = args.dtype == FP8
+    save_hf(model, out, dtype=torch.bfloat16 if fp8 else torch_dtype(args.dtype), fp8=fp8)
+    for f in sorted(src.iterdir()):  # tokenizer, chat template, generation config
+        if f.is_file() and not any(f.match(p) for p in _WEIGHT_FILES):
+            shutil.copyfile(f, out / f.name)
+    print(f"lockstep export: {src} -> {out} ({args.dtype})")
+    return 0
