@@ -109,6 +109,26 @@ def test_tp_parts_of_an_fp8_weight_are_slices_of_the_dequantised_one(tmp_path):
         assert f.get_slice("x.weight").get_dtype() == "F8_E4M3"
 
 
+def test_export_command_writes_fp8_and_refuses_by_name(tmp_path, capsys):
+    from lockstep.launch.cli import main
+
+    src = save_hf(MoEModel(tiny_config()), tmp_path / "src")
+    (src / "tokenizer.json").write_text("{}")
+    assert main(["export", str(src), "--out", str(tmp_path / "fp8"), "--dtype", "fp8"]) == 0
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    assert stored["model.layers.1.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    assert (tmp_path / "fp8" / "tokenizer.json").read_text() == "{}"
+    assert main(["export", str(tmp_path / "fp8"), "--out", str(tmp_path / "b"),
+                 "--dtype", "bf16"]) == 0
+    assert load_file(tmp_path / "b" / "model.safetensors")[
+        "model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    capsys.readouterr()
+    assert main(["export", str(src), "--out", str(tmp_path / "fp8"), "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.strip().endswith("exists; export writes a new folder")
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "c"), "--dtype", "fp8"]) == 2
+    assert "is not an HF folder (no config.json)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_train_on_an_fp8_folder_and_export_it_back(tmp_path):
     """An FP8 folder written by our code is model.path of a run (fp8 engine, fp8 actor); the
