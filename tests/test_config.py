@@ -61,7 +61,7 @@ def test_types_bounds_and_choices():
         "actor.mini_batch_size=192": r"mini_batch_size=192 must divide the rollout batch",
         "model.vocab_size=8": r"vocab_size=8 is smaller than the task tokenizer's 16",
         "model.num_experts_per_tok=9": r"model: num_experts_per_tok must be in",
-        "task.name=multiply": r"task\.name='multiply' is not one of",
+        "task.name=divide": r"task\.name='divide' is not one of",
     }
     for override, msg in cases.items():
         with pytest.raises(ExperimentConfigError, match=msg):

@@ -399,7 +399,7 @@ def _correction_preset(value: Any) -> Any:
 _LATER_KEYS = {"loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
                "correction": (CorrectionConfig, ("m2po_threshold",))}
 # actor.megatron keys added after saved configs were pinned; left out at their defaults
-_LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel")
+_LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel", "fp8")
 # rollout keys of the fleet and its fault handling; left out at their defaults
 _FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
@@ -562,7 +562,7 @@ class ExperimentConfig(Section):
         if self.actor.megatron == MegatronOptions():
             d["actor"].pop("megatron")
         else:  # megatron options added later are left out at their defaults, likewise
-            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel", "fp8"):
+            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel"):
                 if getattr(self.actor.megatron, k) == getattr(MegatronOptions(), k):
                     d["actor"]["megatron"].pop(k)
         if self.rollout.sampling_mask_replay is None:
