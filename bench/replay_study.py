@@ -247,7 +247,33 @@ def regime_table(out: Path) -> str:
                          f"{'YES' if r['degraded'] else 'no'} |")
     text = "\n".join(lines)
     (out / "regimes.md").write_text(text + "\n")
+    regime_plot(out)
     return text
+
+
+def regime_plot(out: Path) -> None:
+    """OUT/regimes.png: the off / none / constant-LR reward (5-step mean) of each regime."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bases = list(dict.fromkeys(n.replace("_fp32engine", "") for n in REGIMES))
+    for name in REGIMES:
+        i = bases.index(name.replace("_fp32engine", ""))  # a regime and its fp32-engine twin
+        r = summarize_run(out / name / run_name("off", "none", 0))
+        if r is not None:
+            y = _moving_mean(r["reward_curve"], SMOOTH)
+            x0 = min(SMOOTH, len(r["reward_curve"]))
+            ax.plot(range(x0, x0 + len(y)), y, color=f"C{i % 10}",
+                    linestyle="--" if "fp32engine" in name else "-", label=name)
+    ax.set_xlabel("step")
+    ax.set_xlim(0, 60)
+    ax.set_ylabel(f"reward/mean ({SMOOTH}-step mean), off / none, seed 0")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "regimes.png", dpi=80)
+    plt.close(fig)
 
 
 def plots(out: Path, runs: dict) -> None:
