@@ -135,7 +135,7 @@ class TorchActor(RankActor):
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
         self.cfg, self.temperature = cfg, temperature
-        self.replay = replay or ReplayOptions()
+        self.replay_options = replay or ReplayOptions()
         self.device = torch.device(device)
         self.master = model.to(self.device)
         self.model_cfg = model.cfg

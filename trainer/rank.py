@@ -179,7 +179,7 @@ class RankActor:
     dp_rank: int = 0
     dp_size: int = 1
     reference = None  # a ReferencePolicy once set_reference was called (loss.kl_coef > 0)
-    replay = ReplayOptions()  # the experiment's replay options (gates, ...), set at construction
+    replay_options = ReplayOptions()  # replay beyond the mode (gates), set at construction
 
     def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False,
                        gates_BTLK=None):
@@ -191,7 +191,7 @@ class RankActor:
 
     def _rollout_gates(self, batch: Batch, mode: ReplayMode):
         """The engine's gate weights to replay under R3 with replay.gates=engine, else None."""
-        if not self.replay.replays_gates or ReplayMode.parse(mode) is not ReplayMode.R3:
+        if not self.replay_options.replays_gates or ReplayMode.parse(mode) is not ReplayMode.R3:
             return None
         if batch.rollout_gates_BTLK is None:
             raise ValueError("replay.gates=engine under R3 needs the engine's gate weights, but "
@@ -212,7 +212,7 @@ class RankActor:
         kept = self._kept_routes()
         kept.clear()  # a step never updated (a failed run) leaves nothing behind
         kept[step] = (res.routes_BTLK, res.natural_BTLK,
-                      res.gates_BTLK if self.replay.replays_gates else None)
+                      res.gates_BTLK if self.replay_options.replays_gates else None)
         stats: Stats = {}
         if batch.rollout_routes_BTLK is not None:
             stats = route_stats(batch.rollout_routes_BTLK, res.natural_BTLK,
