@@ -167,13 +167,24 @@ class MoEModel(nn.Module):
         """Cast for inference/training: everything to dtype, router and LM head optionally
         kept in a wider dtype (they then compute in it). With tied embeddings a wider LM head
         keeps the shared matrix wide; lookups are cast to dtype. `fp8`: the attention, MLP and
-        expert matmuls run in block FP8 (moe/layers.py fp8_linear; weights stay in dtype); the
-        routers, the shared-expert gate, embeddings and LM head do not (as SGLang and
-        DeepSeek-V3's FP8 checkpoints leave them)."""
-        self.to(dtype)
-        for m in self.modules():
-            if isinstance(m, (Attention, MLAttention, DenseMLP, Experts)):
-                m.fp8 = fp8
+        expert matmuls run in block FP8 (moe/layers.py fp8_linear); the routers, the
+        shared-expert gate, embeddings and LM head do not (as SGLang and DeepSeek-V3's FP8
+        checkpoints leave them). The weights it quantises stay fp32 (not rounded to dtype
+        first): they quantise to what an FP8 export of the fp32 weights holds, the weights a
+        trainer pushes to an FP8 engine (docs/precision.md)."""
+        quantised = [m for m in self.modules()
+                     if isinstance(m, (Attention, MLAttention, DenseMLP, Experts))]
+        if fp8:
+            keep = {id(p) for m in quantised for p in m.parameters() if p.dim() >= 2}
+            for p in self.parameters():
+                p.data = p.data.float() if id(p) in keep else p.data.to(dtype)
+            for b in self.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(dtype)
+        else:
+            self.to(dtype)
+        for m in quantised:
+            m.fp8 = fp8
         self.fp8 = fp8
         for layer in self.layers:  # the selection bias stays fp32 (as HF keeps it)
             if layer.is_moe and layer.mlp.e_score_correction_bias is not None:

@@ -66,6 +66,11 @@ def test_fp8_engine_records_what_one_fp8_forward_gives():
     model = _model()
     eng = Engine.from_model(model, EngineConfig(dtype="fp8", max_running=8, max_len=48))
     assert eng.model.embed_tokens.weight.dtype == torch.bfloat16 and eng.model.fp8
+    m = eng.model.layers[1]
+    assert m.mlp.gate.weight.dtype == m.input_layernorm.weight.dtype == torch.bfloat16
+    # the weights it quantises stay fp32: the q and scales of the actor's own fp32 weights
+    assert torch.equal(m.mlp.experts.gate_up_proj, model.layers[1].mlp.experts.gate_up_proj)
+    assert torch.equal(m.self_attn.q_proj.weight, model.layers[1].self_attn.q_proj.weight)
     assert eng._decode_weights is None  # decodes through the model's own (fp8) forward
     res = eng.generate(_reqs(6))
     ref = copy.deepcopy(model).set_precision(torch.bfloat16, fp8=True)
