@@ -126,6 +126,11 @@ def _moving_mean(xs: list[float], n: int) -> list[float]:
     return [statistics.mean(xs[i:i + n]) for i in range(len(xs) - n + 1)]
 
 
+def _trailing_mean(xs: list[float], n: int) -> list[float]:
+    """For plots: entry i is the mean of steps max(1, i - n + 2)..i + 1 (starts at step 1)."""
+    return [statistics.mean(xs[max(0, i + 1 - n):i + 1]) for i in range(len(xs))]
+
+
 def summarize_run(d: Path) -> dict | None:
     path = d / "metrics.jsonl"
     if not path.exists():
@@ -174,14 +179,15 @@ def collect(out: Path, seeds: list[int], modes=MODES, corrections=tuple(CORRECTI
 
 def run_table(runs: dict, out: Path | None = None) -> list[str]:
     lines = ["| replay | correction | LR | seed | steps | k3 KL mean | k3 KL max | flip rate | "
-             "reward first | peak (step) | last | max grad norm | LR triggers | degraded | "
-             "command |", "|" + "---|" * 15]
+             "reward step 1 | first 5 | peak (step) | last | max grad norm | LR triggers | "
+             "degraded | command |", "|" + "---|" * 16]
     for (mode, corr, sched, s), r in runs.items():
         trig = ("-" if sched == "const" else
                 f"{len(r['triggers'])} (x{r['lr_scale_last']:.3g})")
         cmd = f"`{run_name(mode, corr, s, sched)}.cmd`" if out else ""
         lines.append(f"| {mode} | {corr} | {sched} | {s} | {r['steps']} | {r['k3_mean']:.2e} | "
-                     f"{r['k3_max']:.2e} | {r['flip_rate']:.4f} | {r['reward_first']:.3f} | "
+                     f"{r['k3_max']:.2e} | {r['flip_rate']:.4f} | {r['reward_curve'][0]:.3f} | "
+                     f"{r['reward_first']:.3f} | "
                      f"{r['reward_peak']:.3f} ({r['peak_step']}) | {r['reward_last']:.3f} | "
                      f"{r['grad_norm_max']:.3g} | {trig} | "
                      f"{'YES' if r['degraded'] else 'no'} | {cmd} |")
@@ -235,13 +241,15 @@ def report(out: Path, seeds: list[int]) -> str:
 def regime_table(out: Path) -> str:
     """One row per regime under OUT (each OUT/<regime>/ a study): its config, overrides and
     the off / none / constant-LR runs' outcome."""
-    lines = ["| regime | config | overrides | seed | steps | reward first | peak (step) | "
-             "last | k3 KL mean | k3 KL max | max grad norm | degraded |", "|" + "---|" * 12]
+    lines = ["| regime | config | overrides | seed | steps | reward step 1 | first 5 | "
+             "peak (step) | last | k3 KL mean | k3 KL max | max grad norm | degraded |",
+             "|" + "---|" * 13]
     for name, (config, sets) in REGIMES.items():
         for (mode, corr, sched, s), r in collect(out / name, list(range(10)), ("off",),
                                                  ("none",), ("const",)).items():
             lines.append(f"| {name} | `{config}` | {' '.join(f'`{x}`' for x in sets) or '-'} | "
-                         f"{s} | {r['steps']} | {r['reward_first']:.3f} | "
+                         f"{s} | {r['steps']} | {r['reward_curve'][0]:.3f} | "
+                         f"{r['reward_first']:.3f} | "
                          f"{r['reward_peak']:.3f} ({r['peak_step']}) | {r['reward_last']:.3f} | "
                          f"{r['k3_mean']:.2e} | {r['k3_max']:.2e} | {r['grad_norm_max']:.3g} | "
                          f"{'YES' if r['degraded'] else 'no'} |")
@@ -263,13 +271,13 @@ def regime_plot(out: Path) -> None:
         i = bases.index(name.replace("_fp32engine", ""))  # a regime and its fp32-engine twin
         r = summarize_run(out / name / run_name("off", "none", 0))
         if r is not None:
-            y = _moving_mean(r["reward_curve"], SMOOTH)
-            x0 = min(SMOOTH, len(r["reward_curve"]))
-            ax.plot(range(x0, x0 + len(y)), y, color=f"C{i % 10}",
+            y = _trailing_mean(r["reward_curve"], SMOOTH)
+            ax.plot(range(1, len(y) + 1), y, color=f"C{i % 10}",
                     linestyle="--" if "fp32engine" in name else "-", label=name)
     ax.set_xlabel("step")
     ax.set_xlim(0, 60)
-    ax.set_ylabel(f"reward/mean ({SMOOTH}-step mean), off / none, seed 0")
+    ax.set_ylabel(f"reward/mean (trailing {SMOOTH}-step mean)")
+    ax.set_title("replay off, no correction, constant LR, seed 0")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "regimes.png", dpi=80)
@@ -292,9 +300,8 @@ def plots(out: Path, runs: dict) -> None:
             for i, mode in enumerate(MODES):
                 for (m, c, sched, s), r in runs.items():
                     if m == mode and c == corr:
-                        y = r[key] if log else _moving_mean(r[key], SMOOTH)
-                        x0 = 1 if log else min(SMOOTH, len(r[key]))  # a mean at its window's end
-                        ax.plot(range(x0, x0 + len(y)), y, color=f"C{i}", alpha=0.7,
+                        y = r[key] if log else _trailing_mean(r[key], SMOOTH)
+                        ax.plot(range(1, len(y) + 1), y, color=f"C{i}", alpha=0.7,
                                 linestyle="-" if sched == "const" else "--",
                                 label=f"{mode} {sched}" if s == seed0 else None)
             ax.set_title(f"correction: {corr}")
@@ -302,7 +309,7 @@ def plots(out: Path, runs: dict) -> None:
             if log:
                 ax.set_yscale("log")
             ax.legend(fontsize=7)
-        axes[0].set_ylabel(ylabel if log else f"{ylabel} ({SMOOTH}-step mean)")
+        axes[0].set_ylabel(ylabel if log else f"{ylabel} (trailing {SMOOTH}-step mean)")
         fig.tight_layout()
         fig.savefig(out / name, dpi=80)
         plt.close(fig)
