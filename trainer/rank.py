@@ -69,7 +69,7 @@ from lockstep.replay.route_divergence import compare_routes
 from lockstep.trainer.batch import Batch, minibatch_schedule, trim_batch
 from lockstep.trainer.correction import CorrectionConfig
 from lockstep.trainer.losses import LossConfig, policy_loss
-from lockstep.trainer.versions import KeptVersions, stale_versions
+from lockstep.trainer.versions import KeptVersions, positions, stale_versions, versions_of
 
 Stats = dict[str, tuple[float, float]]
 """metric name -> (sum, count) of one rank, or added over ranks."""
@@ -259,11 +259,12 @@ class RankActor:
         return UpdateResult(current_BT.cpu(), stats)
 
     @torch.no_grad()
-    def gen_logprobs(self, batch: Batch, versions: list[str], mode: ReplayMode, step: int,
+    def gen_logprobs(self, batch: Batch, versions: list, mode: ReplayMode, step: int,
                      max_staleness: int, stale: list[str] | None = None) -> torch.Tensor | None:
         """pi_gen [b, t] fp32 of this shard's rows whose weight version (`versions`, one per
-        row) is in `stale` (the batch's stale versions, the same list on every rank; default:
-        this shard's own), 0 on the other rows, None when nothing is stale: each row under
+        row, or its spans by position for a trajectory that spans pushes: `versions.Spans`) is
+        in `stale` (the batch's stale versions, the same list on every rank; default: this
+        shard's own), 0 on the other rows, None when nothing is stale: each token under
         this rank's kept copy of its own tensors for its version, with pi_old's replay plan.
         Then keeps the current version (step - 1) for the coming steps, at most
         `max_staleness` versions (`trainer/versions.py`). Call it between `old_logprobs` and
@@ -276,7 +277,7 @@ class RankActor:
         host = torch.device("cpu")  # results and row bookkeeping
         out_bT = torch.zeros(batch.input_ids_BT.shape, device=host) if stale else None
         for v in stale:
-            mine = torch.tensor([i for i, x in enumerate(versions) if str(x) == v],
+            mine = torch.tensor([i for i, x in enumerate(versions) if v in versions_of(x)],
                                 dtype=torch.long, device=host)
             rows = torch.arange(batch.size, device=host) if self._gen_all_rows() else mine
             if not len(rows):
@@ -289,7 +290,9 @@ class RankActor:
                 lp = self.shard_logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT,
                                          gates_BTLK=plan.gates_BTLK).logprobs_BT
             keep = torch.isin(rows, mine)
-            out_bT[rows[keep], :lp.shape[1]] = lp[keep]
+            t = lp.shape[1]  # a row's tokens of version v only (a trajectory may span pushes)
+            at_mT = torch.stack([positions(versions[i], v, t) for i in mine.tolist()])
+            out_bT[mine, :t] = torch.where(at_mT, lp[keep].to(host), out_bT[mine, :t])
         store.advance(step, live)
         return out_bT
 

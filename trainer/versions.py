@@ -17,6 +17,12 @@ with itself: the megatron actor's pi_gen is megatron's, never the torch model's.
 Driver side (`VersionSplit`): decides which rows are stale (version != step - 1, the weights
 the actor holds), asks the actor for their pi_gen and takes pi_old for every other row, so
 `is_split/version_*` is exactly 1 on rows of the current weights. It holds no weights.
+
+Multi-turn trajectories may span a weight push (rollout/agent.py records each turn's version):
+a row's version is then per position (`Spans`: each turn's sampled tokens and the observation
+after it carry the turn's version; `row_versions`), and pi_gen of each token is under the
+version that sampled it. `stale_turn_mask` marks the sampled tokens of turns older than their
+trajectory's newest turn (`rollout.env.mask_stale_turns` drops them from the loss).
 """
 
 from __future__ import annotations
@@ -29,11 +35,58 @@ import torch
 from lockstep.trainer.batch import Batch
 
 
-def stale_versions(versions: list[str], step: int) -> list[str]:
+Spans = tuple[tuple[str, int, int], ...]
+"""A row's weight versions by position: (version, begin, end) over absolute token positions
+[begin, end); positions outside every span are not trained (the first prompt)."""
+RowVersion = str | Spans
+"""One version for the whole row, or its spans."""
+
+
+def row_versions(results) -> list[RowVersion]:
+    """Each sample's weight version; a trajectory whose turns were sampled by several
+    versions gets the spans of its turns (its sampled tokens and the observation after)."""
+    out: list[RowVersion] = []
+    for r in results:
+        turns = r.trajectory.turns if r.trajectory is not None else []
+        if len({t.weight_version for t in turns}) > 1:
+            out.append(tuple((str(t.weight_version), t.start, t.start + t.sampled + t.observation)
+                             for t in turns))
+        else:
+            out.append(str(r.weight_version))
+    return out
+
+
+def versions_of(entry: RowVersion) -> set[str]:
+    return {v for v, _, _ in entry} if isinstance(entry, tuple) else {str(entry)}
+
+
+def positions(entry: RowVersion, version: str, T: int) -> torch.Tensor:
+    """[T] bool (host): the positions of a row that `version` generated."""
+    if not isinstance(entry, tuple):
+        return torch.full((T,), str(entry) == version, device="cpu")
+    out = torch.zeros(T, dtype=torch.bool, device="cpu")
+    for v, begin, end in entry:
+        if v == version:
+            out[begin:end] = True
+    return out
+
+
+def stale_versions(versions: list[RowVersion], step: int) -> list[str]:
     """The versions of `versions` other than step `step`'s current one (step - 1), oldest
     first."""
     current = str(step - 1)
-    return sorted({str(v) for v in versions if str(v) != current}, key=int)
+    return sorted({v for e in versions for v in versions_of(e) if v != current}, key=int)
+
+
+def stale_turn_mask(versions: list[RowVersion], T: int) -> torch.Tensor:
+    """[B, T] bool: positions of turns sampled by a version older than their row's newest."""
+    out = torch.zeros(len(versions), T, dtype=torch.bool, device="cpu")
+    for b, e in enumerate(versions):
+        if isinstance(e, tuple):
+            newest = max(versions_of(e), key=int)
+            for v in versions_of(e) - {newest}:
+                out[b] |= positions(e, v, T)
+    return out
 
 
 class KeptVersions:
@@ -107,15 +160,20 @@ class VersionSplit:
     def __init__(self, max_staleness: int):
         self.k = max_staleness
 
-    def gen_logprobs(self, actor, batch: Batch, versions: list[str], old_logprobs_BT, mode,
-                     step: int) -> torch.Tensor:
-        """pi_gen of step `step`'s batch (its rows' `versions`); call it between the
-        old-log-prob forward and the update (the actor keeps the current version then)."""
+    def gen_logprobs(self, actor, batch: Batch, versions: list[RowVersion], old_logprobs_BT,
+                     mode, step: int) -> torch.Tensor:
+        """pi_gen of step `step`'s batch (its rows' `versions`, `row_versions`); call it
+        between the old-log-prob forward and the update (the actor keeps the current version
+        then)."""
         if self.k == 0:
             return old_logprobs_BT
         stale = stale_versions(versions, step)
         got_BT = actor.gen_logprobs(batch, versions, mode, step, self.k, stale)
         if not stale:
             return old_logprobs_BT
-        rows_B = torch.tensor([str(v) in stale for v in versions], device="cpu")
-        return torch.where(rows_B[:, None], got_BT, old_logprobs_BT)
+        T = old_logprobs_BT.shape[1]
+        stale_BT = torch.zeros(len(versions), T, dtype=torch.bool, device="cpu")
+        for b, e in enumerate(versions):
+            for v in stale:
+                stale_BT[b] |= positions(e, v, T)
+        return torch.where(stale_BT.to(got_BT.device), got_BT, old_logprobs_BT)
