@@ -178,9 +178,9 @@ def test_max_tokens_per_micro_batch_is_validated():
 class _GradRecordingActor(TorchActor):
     """The real actor, keeping each optimiser step's gradients before it steps."""
 
-    def _optimizer_step(self):
+    def _optimizer_step(self, lr_scale: float = 1.0):
         self.grads.append([p.grad.clone() for p in self.master.parameters()])
-        return super()._optimizer_step()
+        return super()._optimizer_step(lr_scale)
 
 
 def test_token_budget_micro_batches_give_the_fixed_size_gradients_and_logprobs():
