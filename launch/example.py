@@ -6,9 +6,12 @@
     DIR/train.jsonl  arithmetic word problems in verl's columns (prompt as chat messages)
     DIR/val.jsonl    held-out problems
     DIR/reward.py    a compute_score(data_source, solution_str, ground_truth, extra_info)
+    DIR/env.py       a multi-turn environment (rollout.env): a wrong first answer gets a
+                     second try after a hint, sent as a user message through the chat template
 
     lockstep example-data runs/example
     lockstep train configs/dataset_example.yaml --out runs/example/run
+    lockstep train configs/dataset_agent_example.yaml --out runs/example/agent   # multi-turn
 
 Needs the extra 'data' (transformers for the tokenizer folder).
 """
@@ -36,6 +39,24 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if not numbers:
         return 0.0
     return {"score": 1.0 if numbers[-1] == str(ground_truth) else 0.1, "n": len(numbers)}
+'''
+
+ENV_FILE = '''"""A multi-turn environment for the word problems (lockstep's rollout.env protocol):
+a wrong first answer gets one more try after a hint; the reward function scores the last turn."""
+import re
+
+
+def reset(problem):
+    return {"answer": str(problem["ground_truth"]), "tries": 0}
+
+
+def step(state, turn):
+    numbers = re.findall(r"-?\\d+", turn["text"])
+    if (numbers and numbers[-1] == state["answer"]) or state["tries"] >= 1:
+        return {"done": True}
+    hint = "Not quite: add the two numbers and answer with one number."
+    return {"observation": [{"role": "user", "content": hint}],
+            "state": {**state, "tries": state["tries"] + 1}}
 '''
 
 
@@ -105,6 +126,7 @@ def write_example(root: str | Path, n_train: int = 64, n_val: int = 16, seed: in
     write_jsonl(root / "train.jsonl", train)
     write_jsonl(root / "val.jsonl", val)
     (root / "reward.py").write_text(REWARD_FILE)
+    (root / "env.py").write_text(ENV_FILE)
     return root
 
 
@@ -112,12 +134,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("example-data", help="write a tiny model folder, prompt set and reward "
                        "file to try data.train_files", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", help="where to write policy/, train.jsonl, val.jsonl, reward.py")
+    p.add_argument("dir", help="where to write policy/, train.jsonl, val.jsonl, reward.py, "
+                   "env.py")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     root = write_example(args.dir)
-    print(f"wrote {root}/policy, {root}/train.jsonl, {root}/val.jsonl, {root}/reward.py")
+    print(f"wrote {root}/policy, {root}/train.jsonl, {root}/val.jsonl, {root}/reward.py, "
+          f"{root}/env.py")
     return 0

@@ -142,3 +142,15 @@ def test_env_file_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="max_turns"):
         EnvConfig(max_turns=0)
     assert math.isfinite(EnvConfig().error_score)
+
+
+def test_the_multiply_task_needs_an_env():
+    from pathlib import Path
+
+    from lockstep.trainer.config import load_config
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    with pytest.raises(ValueError, match="task.name=multiply calls a calculator .* needs "
+                                         "rollout.env"):
+        load_config(configs / "toy_agent_r3.yaml", ["rollout.env=null"])
+    cfg = load_config(configs / "toy_agent_r3.yaml")
+    assert cfg.rollout.env.stop == [">"] and cfg.rollout.env.file == "calculator"

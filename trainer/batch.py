@@ -46,6 +46,9 @@ class Batch:
     # a row of all -1 = whole vocabulary (prompt, padding, untruncated tokens)
     rollout_gates_BTLK: torch.Tensor | None = None  # the engine's gate weights of its routes
     # (its compute dtype, 0 where no route): replay.gates=engine
+    turn_BT: torch.Tensor | None = None  # int8, multi-turn trajectories only: the turn index of
+    # the token at t (an observation carries the index of the turn it answers), -1 at the first
+    # prompt and padding; observation tokens = turn_BT >= 0 and not response_mask_BT
 
     @property
     def size(self) -> int:
@@ -84,6 +87,8 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
     resp_BT = torch.zeros(B, T, dtype=torch.bool)
     rollout_lp_BT = torch.zeros(B, T, dtype=torch.float32)
     traces = []
+    multi = any(r.sampled_mask is not None for r in results)
+    turn_BT = torch.full((B, T), -1, dtype=torch.int8) if multi else None
     for b, r in enumerate(results):
         P, R = r.prompt_tokens, r.completion_tokens
         if R < 1:
@@ -92,7 +97,9 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
             raise ValueError(f"sample {b}: {tuple(r.output_logprobs.shape)} output log-probs for "
                              f"{R} output tokens")
         ids_BT[b, :P + R] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
-        resp_BT[b, P:P + R] = True
+        resp_BT[b, P:P + R] = True if r.sampled_mask is None else _sampled(r, b)
+        if multi:
+            turn_BT[b, P:P + R] = _turns(r, b)
         if sampling_mask:
             if r.sampling_logprobs is None or r.sampling_logprobs.shape != (R,):
                 got = None if r.sampling_logprobs is None else tuple(r.sampling_logprobs.shape)
@@ -102,7 +109,7 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
         else:
             rollout_lp_BT[b, P:P + R] = r.output_logprobs.float()
         if r.routes_NLK is not None:
-            trace = RoutingTrace(r.routes_NLK, num_experts, sample=b)
+            trace = RoutingTrace(r.routes_NLK, num_experts, start=r.routes_start, sample=b)
             trace.check(P, R, num_layers, top_k, num_experts, sample=b)
             traces.append(trace)
     if traces and len(traces) != B:
@@ -111,7 +118,7 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
     cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
     gates = _gates(results, T, routes) if any(r.gates_NLK is not None for r in results) else None
     return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS,
-                 gates)
+                 gates, turn_BT=turn_BT)
 
 
 def _gates(results: Sequence[GenerationResult], T: int, routes_BTLK) -> torch.Tensor:
@@ -131,6 +138,28 @@ def _gates(results: Sequence[GenerationResult], T: int, routes_BTLK) -> torch.Te
     out = torch.zeros(routes_BTLK.shape, dtype=dtype)
     for b, g in enumerate(got):
         out[b, :len(g)] = g
+    return out
+
+
+def _sampled(r: GenerationResult, b: int) -> torch.Tensor:
+    """A trajectory's loss mask over its output tokens (True = sampled by the policy)."""
+    m = r.sampled_mask
+    if m.dtype != torch.bool or m.shape != (r.completion_tokens,):
+        raise ValueError(f"sample {b}: sampled_mask {m.dtype} {tuple(m.shape)} for "
+                         f"{r.completion_tokens} output tokens (need bool [R])")
+    if not bool(m.any()):
+        raise ValueError(f"sample {b}: no sampled token (nothing to train on)")
+    return m
+
+
+def _turns(r: GenerationResult, b: int) -> torch.Tensor:
+    """Turn index of each output token ([R] int8; a single-turn sample is turn 0)."""
+    out = torch.zeros(r.completion_tokens, dtype=torch.int8)
+    if r.trajectory is None:
+        return out
+    P = r.prompt_tokens
+    for i, t in enumerate(r.trajectory.turns):
+        out[t.start - P:t.start - P + t.sampled + t.observation] = min(i, 127)
     return out
 
 

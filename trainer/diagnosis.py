@@ -103,6 +103,13 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
     cmp = compare_routes(t["rollout_routes"], t["actor_routes"], valid_BT)
     metrics: dict[str, Any] = {"step": h["step"], "replay/mode": h["replay_mode"]}
     metrics.update(cmp.metrics("routing", layers))
+    if "turns" in t:  # multi-turn: observation tokens are routed (and replayed), not trained
+        obs_BT = (t["turns"] >= 0) & ~resp_BT
+        metrics["diagnose/num_observation_tokens"] = int(obs_BT.sum())
+        metrics["diagnose/num_turns_max"] = int(t["turns"].max()) + 1
+        for name, m_BT in (("sampled", resp_BT), ("observation", obs_BT)):
+            part = compare_routes(t["rollout_routes"], t["actor_routes"], valid_BT & m_BT)
+            metrics[f"routing/{name}/flip_rate"] = part.metrics("r", layers)["r/flip_rate"]
     corr_cfg = CorrectionConfig.from_dict(h["correction"])
     mask_f = resp_BT.float()
     metrics.update(correct(corr_cfg, t["old_logprobs"], t["rollout_logprobs"], mask_f).metrics)

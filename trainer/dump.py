@@ -18,6 +18,10 @@ A dump holds, per sample b (all per-token tensors aligned with `input_ids`, as i
                               `routing/flip_rate` compares the engine's routes with)
   router_margin [B, T, L]     in that forward: router prob of the k-th minus the (k+1)-th expert
   candidates [B, T, S]        kept candidate ids (-1 padded), only with sampling-mask replay
+  sampled_mask [B, T] bool    multi-turn trajectories only (rollout.env): the tokens the policy
+                              sampled (the trained ones); the others after the prompt are
+                              observations, which have routes but no rollout log-prob
+  turns [B, T] int8           multi-turn only: each token's turn index (-1 at the prompt)
   rewards [B] fp32
 and the header (safetensors metadata key `lockstep`, JSON): format, version, step,
 weight_version, replay_mode, model shape, task, engine (`rollout` section), actor, correction.
@@ -73,7 +77,9 @@ class StepRecord:
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """bool [B, T]: response positions."""
+        """bool [B, T]: response positions (of a multi-turn dump: the sampled tokens)."""
+        if "sampled_mask" in self.tensors:
+            return self.tensors["sampled_mask"]
         t_T = torch.arange(self.input_ids.shape[1])
         return (t_T[None] >= self.prompt_lens[:, None]) & (t_T[None] < self.seq_lens[:, None])
 
@@ -162,13 +168,15 @@ def record_step(actor, batch, rewards_B: torch.Tensor, header: dict[str, Any],
         a = actor.dump_fields(batch, mode, int(header["step"]))
     else:
         a = actor_fields(actor, batch, mode, old)
-    prompt_lens = (batch.seq_lens_B - batch.response_mask_BT.sum(1)).long()
+    prompt_lens = batch.response_mask_BT.int().argmax(1).long()  # the first response token
     t = {"input_ids": batch.input_ids_BT.long(), "seq_lens": batch.seq_lens_B.long(),
          "prompt_lens": prompt_lens, "rollout_logprobs": batch.rollout_logprobs_BT.float(),
          **a, "rollout_routes": batch.rollout_routes_BTLK,
          "rollout_routes_valid": batch.rollout_routes_valid_BT, "rewards": rewards_B.float()}
     if batch.candidates_BTS is not None:
         t["candidates"] = batch.candidates_BTS
+    if batch.turn_BT is not None:
+        t["sampled_mask"], t["turns"] = batch.response_mask_BT, batch.turn_BT
     return StepRecord(header, {k: v.detach().cpu().clone() for k, v in t.items()})
 
 
@@ -276,6 +284,8 @@ def validate(rec: StepRecord, where: str = "dump") -> None:
         if not t[k].dtype.is_floating_point:
             _fail(where, f"field '{k}' must be floating point, got {t[k].dtype}")
     seq, prompt = t["seq_lens"].tolist(), t["prompt_lens"].tolist()
+    if "sampled_mask" in t:
+        _check_multi_turn(t, B, T, where)
     resp = rec.response_mask
     for b in range(B):
         s = f"{where}: sample {b}"
@@ -325,3 +335,27 @@ def validate(rec: StepRecord, where: str = "dump") -> None:
             b, p, j = (int(x) for x in bad[0])
             raise DumpError(f"{where}: sample {b}, field 'candidates': id {int(c[b, p, j])} at "
                             f"position {p} is outside [-1, {V})")
+
+
+def _check_multi_turn(t: dict[str, torch.Tensor], B: int, T: int, where: str) -> None:
+    """sampled_mask / turns of a multi-turn dump: shapes, dtypes, sampled tokens only after
+    the prompt and within the sequence, turns -1 exactly at the prompt and padding."""
+    m = t["sampled_mask"]
+    if m.dtype != torch.bool or tuple(m.shape) != (B, T):
+        _fail(where, f"field 'sampled_mask' must be bool [B={B}, T={T}], got {m.dtype} "
+                     f"{tuple(m.shape)}")
+    turns = t.get("turns")
+    if turns is None or turns.dtype != torch.int8 or tuple(turns.shape) != (B, T):
+        _fail(where, f"field 'turns' must be int8 [B={B}, T={T}] with sampled_mask, got "
+                     f"{None if turns is None else (turns.dtype, tuple(turns.shape))}")
+    t_T = torch.arange(T)
+    after_BT = (t_T[None] >= t["prompt_lens"][:, None]) & (t_T[None] < t["seq_lens"][:, None])
+    bad = (m & ~after_BT).nonzero()
+    if len(bad):
+        b, p = (int(x) for x in bad[0])
+        _fail(where, f"sample {b}, field 'sampled_mask': position {p} is outside the response")
+    bad = ((turns >= 0) != after_BT).nonzero()
+    if len(bad):
+        b, p = (int(x) for x in bad[0])
+        _fail(where, f"sample {b}, field 'turns': {int(turns[b, p])} at position {p} (-1 exactly "
+                     f"at the prompt and padding)")

@@ -23,10 +23,13 @@ import torch
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
+from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
 from lockstep.rollout.client import RolloutBackend
+from lockstep.rollout.env import EnvPool
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor import Batch, collate
+from lockstep.trainer.agent import env_problem, trajectory_rewards, turn_k3
 from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
                                          save_actor_checkpoint, set_rng_state)
 from lockstep.trainer.backends import (colocates_fleet, make_actor, make_rollout,
@@ -148,9 +151,11 @@ class Trainer:
         reference = run_reference(cfg, self.out, None if resume or lean else model,
                                   in_driver=not lean)
         self._make_backends(model, self.state.weight_version)
+        self.runner = self._make_runner()  # rollout.env: multi-turn trajectories
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
         self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
-                                        cfg.loop.steps, first_version=int(self.state.weight_version))
+                                        cfg.loop.steps, first_version=int(self.state.weight_version),
+                                        generate=None if self.runner is None else self.trajectories)
         # pi_gen of samples of older versions: the actor's ranks keep their own old shards
         self.versions = VersionSplit(cfg.loop.max_staleness)
         if lean and needs_initial_push(cfg):  # the servers' weights are not the policy's
@@ -245,10 +250,38 @@ class Trainer:
     def make_backend(self, model: MoEModel | Path, weight_version: str) -> RolloutBackend:
         """The rollout backend (trainer/backends.py `make_rollout`), holding `model`'s
         weights at `weight_version`; colocated servers join the actor group's bundles."""
-        return make_rollout(self.cfg, model, weight_version,
-                            max_len=self.source.max_prompt_len + self.max_new_tokens,
+        return make_rollout(self.cfg, model, weight_version, max_len=self.engine_max_len,
                             run_dir=self.out, log=self.log,
                             actor_pg=getattr(self.actor, "placement_group", None))
+
+    @property
+    def engine_max_len(self) -> int:
+        """The engines' context: prompt + response, or a whole trajectory (rollout.env)."""
+        if self.cfg.rollout.env is not None:
+            return self.cfg.model.max_position_embeddings
+        return self.source.max_prompt_len + self.max_new_tokens
+
+    def _make_runner(self) -> TrajectoryRunner | None:
+        """rollout.env's workers and the trajectory runner over the rollout backend."""
+        env = self.cfg.rollout.env
+        if env is None:
+            return None
+        c = self.cfg.model
+        return TrajectoryRunner(self.rollout.generate, EnvPool(env, self.log),
+                                ObservationCodec(self.source.tokenizer, env.observation_role),
+                                self.engine_max_len, c.num_experts, c.eos_token_id,
+                                c.vocab_size)
+
+    def trajectories(self, prompts, requests: list[GenerateRequest]) -> list:
+        """A step's multi-turn trajectories (rollout/agent.py), one per sample."""
+        return self.runner.run(requests, [env_problem(p) for p in prompts])
+
+    def rewards(self, prompts, results) -> tuple[torch.Tensor, dict]:
+        """(rewards [B], metrics) of sample b of prompt `prompts[b]`: the source's reward, or
+        with rollout.env a trajectory's (trainer/agent.py)."""
+        if self.runner is None:
+            return self.source.rewards(prompts, results)
+        return trajectory_rewards(self.source, prompts, results, self.cfg.rollout.env)
 
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -257,7 +290,7 @@ class Trainer:
         versions, lag_m = self.pipeline.check_versions(results, step)  # in {step-1-k..step-1}
         batch = collate(results, self.source.pad_id, *self._route_shape(),
                         sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
-        rewards_B, reward_m = self.source.rewards(                                     # rewards
+        rewards_B, reward_m = self.rewards(                                            # rewards
             [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
         t.lap("generate")
         old = self.actor.old_logprobs(batch, self.mode, step)  # pi_old; R2 routes stay on ranks
@@ -271,6 +304,9 @@ class Trainer:
                                  norm_by_std=cfg.advantage.norm_by_std)
         corr = correct(cfg.correction, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)  # IS/RS
         lr_m = self.trigger_lr(step, batch, corr, old)  # actor.lr_schedule=triggered: maybe cut
+        if batch.turn_BT is not None:  # multi-turn: the train/infer k3 of each turn
+            reward_m.update(turn_k3(batch.turn_BT, batch.response_mask_BT, old.logprobs_BT,
+                                    batch.rollout_logprobs_BT))
         upd = self.actor.policy_update(batch, self.update_inputs(batch, old, adv_BT, corr, step),
                                        self.mode, step)                                # update
         t.lap("update")
@@ -387,6 +423,8 @@ class Trainer:
             self.rollout.close()
             self.actor.close()
             self.source.close()
+            if self.runner is not None:
+                self.runner.env.close()
         if cfg.plots:
             self._plots(step)
         summary = summarize(read_metrics(self.out / "metrics.jsonl"))

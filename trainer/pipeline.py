@@ -63,27 +63,34 @@ class RolloutPipeline:
     `check_versions`; generates ahead by up to `max_staleness` steps (module docstring)."""
 
     def __init__(self, backend: RolloutBackend, make_requests: MakeRequests, max_staleness: int,
-                 last_step: int, first_version: int = 0):
+                 last_step: int, first_version: int = 0,
+                 generate: Callable[[list, list[GenerateRequest]], list[GenerationResult]]
+                 | None = None):
+        """`generate(prompts, requests)`: how a step's requests become results (default: the
+        backend's `generate`; multi-turn runs pass their trajectory runner's)."""
         self.backend, self.make_requests = backend, make_requests
+        self.generate = generate or (lambda prompts, requests: backend.generate(requests))
         self.k, self.last_step, self.first_version = max_staleness, last_step, first_version
         self._pending: OrderedDict[int, tuple[list, Future]] = OrderedDict()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="lockstep-rollout")
                       if max_staleness > 0 else None)
 
-    def _generate(self, requests: list[GenerateRequest]) -> tuple[list[GenerationResult], float]:
+    def _generate(self, prompts: list, requests: list[GenerateRequest]
+                  ) -> tuple[list[GenerationResult], float]:
         t0 = time.perf_counter()
-        results = self.backend.generate(requests)
+        results = self.generate(prompts, requests)
         return results, time.perf_counter() - t0
 
     def take(self, step: int) -> tuple[list, list[GenerationResult], float]:
         """Step `step`'s (prompts, results, seconds the backend spent generating them)."""
         if self._pool is None:
             prompts, requests = self.make_requests(step)
-            return (prompts, *self._generate(requests))
+            return (prompts, *self._generate(prompts, requests))
         for s in range(step, min(step + self.k, self.last_step) + 1):
             if s not in self._pending:
                 prompts, requests = self.make_requests(s)
-                self._pending[s] = (prompts, self._pool.submit(self._generate, requests))
+                self._pending[s] = (prompts, self._pool.submit(self._generate, prompts,
+                                                                requests))
         if step not in self._pending:
             raise RuntimeError(f"rollout pipeline: step {step} was never submitted "
                                f"(pending: {list(self._pending)})")

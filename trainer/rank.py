@@ -113,6 +113,28 @@ def route_stats(a_BTLK: torch.Tensor, b_BTLK: torch.Tensor, valid_BT: torch.Tens
     return out
 
 
+def split_route_stats(batch: Batch, natural_BTLK: torch.Tensor, layer_names, first: bool,
+                      max_turns: int = 8) -> Stats:
+    """routing/{sampled,observation,turn_<t>}/{flip_rate,token_any_flip} of a multi-turn
+    batch: the rollout-vs-trainer flip rate over sampled tokens, observation tokens, and each
+    turn's tokens (its sampled ones and the observation answering it), t < `max_turns`."""
+    valid_BT = batch.rollout_routes_valid_BT
+    turn_BT = batch.turn_BT.to(valid_BT.device)
+    resp_BT = batch.response_mask_BT.to(valid_BT.device)
+    parts = {"sampled": resp_BT, "observation": (turn_BT >= 0) & ~resp_BT}
+    parts.update({f"turn_{t}": turn_BT == t
+                  for t in range(min(int(turn_BT.max()) + 1, max_turns))})
+    out: Stats = {}
+    for name, m_BT in parts.items():
+        if not bool((valid_BT & m_BT).any()):  # nothing of that kind on this rank: no NaN
+            continue
+        st = route_stats(batch.rollout_routes_BTLK, natural_BTLK, valid_BT & m_BT,
+                         f"routing/{name}", layer_names, first)
+        out.update({k: v for k, v in st.items() if k.rsplit("/", 1)[1] in
+                    ("flip_rate", "token_any_flip")})
+    return out
+
+
 @dataclass
 class OldLogprobs:
     """`old_logprobs`' answer for a shard (or, from the group, the whole batch)."""
@@ -218,6 +240,9 @@ class RankActor:
             stats = route_stats(batch.rollout_routes_BTLK, res.natural_BTLK,
                                 batch.rollout_routes_valid_BT, "routing", self._layer_names(),
                                 self.dp_rank == 0)
+            if batch.turn_BT is not None:  # multi-turn: by sampled / observation token, by turn
+                stats.update(split_route_stats(batch, res.natural_BTLK, self._layer_names(),
+                                               self.dp_rank == 0))
         return OldLogprobs(res.logprobs_BT, stats)
 
     def policy_update(self, batch: Batch, inputs: UpdateInputs, mode: ReplayMode, step: int,

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
 from lockstep.replay import ReplayMode, ReplayOptions
+from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
@@ -116,6 +117,9 @@ class RolloutConfig(Section):
     distributed (a gloo/NCCL group the server joins; no disk), tensor (safetensors over HTTP),
     disk (`weights_dir` + /update_weights_from_disk) or auto (distributed, else disk); ray takes
     object_store (= auto); embedded copies in process (auto)."""
+    env: dataclass_section(EnvConfig) | None = None
+    """Multi-turn trajectories: the environment (or tool) file that answers each policy turn
+    (lockstep.rollout.env; docs/agent.md); null = one response per sample."""
     sglang: dataclass_section(SGLangOptions) = Field(default_factory=SGLangOptions)
     """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
@@ -459,6 +463,10 @@ class ExperimentConfig(Section):
              f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
         need(self.loop.val_every == 0 or bool(self.data.val_files),
              f"loop.val_every={self.loop.val_every} needs data.val_files")
+        need(self.loop.val_every == 0 or self.rollout.env is None,
+             f"loop.val_every={self.loop.val_every} with rollout.env: validation runs single "
+             "turns, not the environment's trajectories (not supported yet); set "
+             "loop.val_every=0")
         self._check_replay()
         if self.data.enabled:
             self._check_data()
@@ -467,6 +475,9 @@ class ExperimentConfig(Section):
              "the reward section applies to data sets (data.train_files); the synthetic task "
              "keeps its own exact-match reward")
         task = Task(self.task)
+        need(not task.uses_tool or self.rollout.env is not None,
+             f"task.name={self.task.name} calls a calculator between turns: it needs "
+             "rollout.env (e.g. {file: calculator, stop: ['>']}; configs/toy_agent_r3.yaml)")
         need(self.model.vocab_size >= task.vocab_size,
              f"model.vocab_size={self.model.vocab_size} is smaller than the task tokenizer's "
              f"{task.vocab_size} tokens")
@@ -537,6 +548,8 @@ class ExperimentConfig(Section):
             d["reward"].pop("import_timeout_s")
         if self.loop.wandb is None:  # likewise
             d["loop"].pop("wandb")
+        if self.rollout.env is None:  # likewise
+            d["rollout"].pop("env")
         d["correction"].pop("preset")  # always None here: a preset is saved as its fields
         for section, (cls, keys) in _LATER_KEYS.items():  # at defaults: saved as before they existed
             for k in keys:

@@ -66,6 +66,8 @@ def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
 @torch.no_grad()
 def greedy_accuracy(model: MoEModel, task: Task, problems: list[Problem]) -> float:
     """Exact-match rate of greedy decoding (full forwards; prompts of a task share a length)."""
+    if task.uses_tool:
+        return _greedy_with_tool(model, task, problems)
     ids_BT = torch.tensor([task.prompt_ids(p) for p in problems])
     done_B = torch.zeros(len(problems), dtype=torch.bool)
     out: list[list[int]] = [[] for _ in problems]
@@ -80,14 +82,45 @@ def greedy_accuracy(model: MoEModel, task: Task, problems: list[Problem]) -> flo
     return sum(task.reward(p, o) for p, o in zip(problems, out)) / len(problems)
 
 
+def _greedy_with_tool(model: MoEModel, task: Task, problems: list[Problem],
+                      max_turns: int = 4) -> float:
+    """greedy_accuracy of a multi-turn task: a turn ending in a call gets the calculator's
+    answer appended (`Task.observe`, as the env workers give it); the final turn is scored.
+    Rows grow unevenly, so the batch is right-padded and read at each row's last token."""
+    rows = [task.prompt_ids(p) for p in problems]
+    turn_start = [len(r) for r in rows]
+    turns = [1] * len(rows)
+    done = [False] * len(rows)
+    for _ in range(max_turns * task.max_new_tokens):
+        live = [b for b in range(len(rows)) if not done[b]]
+        if not live:
+            break
+        ids_BT = _pad([rows[b] for b in live], task.pad_id)
+        last_B = torch.tensor([len(rows[b]) - 1 for b in live])
+        nxt_B = model(ids_BT).logits_BTV[torch.arange(len(live)), last_B].argmax(-1).tolist()
+        for b, tok in zip(live, nxt_B):
+            rows[b].append(tok)
+            turn = rows[b][turn_start[b]:]
+            obs = task.observe(turn)
+            if tok == task.eos_id or turns[b] == max_turns and obs is not None:
+                done[b] = True
+            elif obs is not None:
+                rows[b] += obs
+                turn_start[b], turns[b] = len(rows[b]), turns[b] + 1
+            elif len(turn) >= task.max_new_tokens:
+                done[b] = True
+    return sum(task.reward(p, r[s:]) for p, r, s in zip(problems, rows, turn_start)) / len(rows)
+
+
 def _answer_logprobs(model: MoEModel, task: Task, problems: list[Problem]):
-    """(sum of answer-token log-probs per row [B], answer-token count [B], mean CE loss)."""
+    """(sum of answer-token log-probs per row [B], answer-token count [B], mean CE loss).
+    A multi-turn task's demonstration holds observations: they are context, not trained."""
     prompts = [task.prompt_ids(p) for p in problems]
-    answers = [task.answer_ids(p) for p in problems]
-    ids_BT = _pad([a + b for a, b in zip(prompts, answers)], task.pad_id)
+    demos = [task.demonstration(p) for p in problems]
+    ids_BT = _pad([a + d[0] for a, d in zip(prompts, demos)], task.pad_id)
     mask_BT = torch.zeros_like(ids_BT, dtype=torch.bool)
-    for b, (p, a) in enumerate(zip(prompts, answers)):
-        mask_BT[b, len(p):len(p) + len(a)] = True
+    for b, (p, (a, m)) in enumerate(zip(prompts, demos)):
+        mask_BT[b, len(p):len(p) + len(a)] = torch.tensor(m)
     logits_BTV = model(ids_BT).logits_BTV[:, :-1].float()
     tgt_BT, m_BT = ids_BT[:, 1:], mask_BT[:, 1:]
     lp_BT = -F.cross_entropy(logits_BTV.transpose(1, 2), tgt_BT, reduction="none") * m_BT
