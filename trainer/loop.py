@@ -270,7 +270,7 @@ class Trainer:
         return TrajectoryRunner(self.rollout.generate, EnvPool(env, self.log),
                                 ObservationCodec(self.source.tokenizer, env.observation_role),
                                 self.engine_max_len, c.num_experts, c.eos_token_id,
-                                c.vocab_size)
+                                c.vocab_size, release=self.rollout.release_trajectories)
 
     def trajectories(self, prompts, requests: list[GenerateRequest]) -> list:
         """A step's multi-turn trajectories (rollout/agent.py), one per sample."""
