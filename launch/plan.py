@@ -254,7 +254,8 @@ class _Plan(Estimates, Placement):
                 "rollout.dtype=fp8: --dtype bfloat16 --quantization fp8; SGLang runs the block "
                 "recipe (128x128 weight blocks, 1x128 activation groups) when model.path is a "
                 "block-FP8 folder (quantization_config.weight_block_size, `*.weight_scale_inv`: "
-                "moe/checkpoint.py save_hf_fp8), else per-tensor online FP8")
+                "`lockstep export HF --out DIR --dtype fp8` writes one), else per-tensor "
+                "online FP8")
         if ro.mask_replay:
             cap = sg.sampling_mask_max_tokens or 4096
             if ro.top_k == -1 or ro.top_k > cap:

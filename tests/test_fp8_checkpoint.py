@@ -26,7 +26,8 @@ def _deepseek(seed=0):
 
 @pytest.mark.parametrize("make", [lambda: MoEModel(tiny_config(mlp_only_layers=[0])),
                                   _deepseek,
-                                  lambda: MoEModel(tiny_config(model_type="mixtral", intermediate_size=16))],
+                                  lambda: MoEModel(tiny_config(model_type="mixtral",
+                                                               intermediate_size=16))],
                          ids=["qwen3_moe", "deepseek_v3", "mixtral"])
 def test_fp8_names_are_the_matmuls_the_model_quantises(make):
     model = make().set_precision(torch.float32, fp8=True)
@@ -164,7 +165,8 @@ def test_train_on_an_fp8_folder_and_export_it_back(tmp_path):
     cli("train", str(toy), "--out", str(tmp_path / "run"), "--no-progress",
         *[a for s in sets for a in ("--set", s)])
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    for k in ("routing/flip_rate", "rollout_corr/k3_kl", "replay/mismatch"):
+    for k in ("routing/flip_rate", "rollout_corr/k3_kl", "replay/mismatch",
+              "is_split/mismatch_mean"):
         assert k in row, k
     assert row["replay/mismatch"] == 0.0  # R3 ran the fp8 engine's routes
     ckpt = tmp_path / "run" / "checkpoints" / "step_1" / "hf"
