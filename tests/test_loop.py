@@ -132,6 +132,17 @@ def test_bypass_mode_step(tmp_path):
     assert m["actor/grad_norm"] == 0.0  # a random policy earns no reward: nothing to learn yet
 
 
+def test_issue20_loss_and_correction_options_reach_the_step(tmp_path):
+    """loss.loss_mode / loss.opsm_delta reach the actor's loss and correction.m2po_threshold the
+    loop's correction (their numbers: tests/test_losses_trust.py, tests/test_correction_m2po.py)."""
+    tr = _trainer(tmp_path, "R3", "loss.loss_mode=dppo_kl", "loss.opsm_delta=0.0",
+                  "correction.m2po_threshold=1e-9")
+    m = tr.step(1)
+    assert {"actor/opsm_masked_fraction", "actor/opsm_kl", "actor/pg_clipfrac"} <= set(m)
+    assert m["rollout_corr/m2po_masked_fraction"] > 0  # bf16 engine vs fp32 actor: m2 > 1e-9 somewhere
+    assert m["rollout_corr/m2po_m2_mean_kept"] < m["rollout_corr/m2po_m2_mean"]
+
+
 def test_layer_flip_matrix_orders_layers_and_marks_missing_steps():
     from lockstep.trainer.metrics import layer_flip_matrix
 
