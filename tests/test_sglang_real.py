@@ -12,6 +12,8 @@ code) serves the whole module.
 - weight_sync=tensor is refused before anything is sent (SGLang would unpickle the payload).
 - The differential wire suite (tests/sglang_wire.py) against `lockstep serve` over the
   server's folder, which generates the table in docs/rollout.md.
+- Greedy 3-turn trajectories (rollout/agent.py) asking each later turn's new route rows only
+  equal the in-process fp32 engine's (tokens, stitched routes, log-probs).
 """
 
 import copy
@@ -65,6 +67,47 @@ def test_wire_lockstep_serve_answers_like_sglang(sgl, toy_folder):
         theirs = sglang_wire.run(sgl, toy_folder)
         mine = sglang_wire.run(ours, toy_folder)
     sglang_wire.check_docs(theirs, mine)
+
+
+def test_multi_turn_trajectories_stitch_routes_like_the_engine(sgl, toy_folder, tmp_path):
+    """Still on the folder's weights: greedy 3-turn trajectories (rollout/agent.py) over real
+    SGLang, each later turn asking only its new route rows (routed_experts_start_len on a
+    prefix-cache hit), equal the in-process fp32 engine's: tokens, stitched routes (P+R-1
+    rows) and log-probs."""
+    from lockstep.moe.checkpoint import load_hf
+    from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
+    from lockstep.rollout.env import EnvConfig, EnvPool
+    from lockstep.rollout.tasks import build_tokenizer
+    from test_agent import FIXED, _env_file
+    cfg = _config(sgl).model
+    env = EnvConfig(file=_env_file(tmp_path, FIXED), max_turns=3, num_workers=1)
+    asked = []
+
+    def run(generate):
+        reqs = [GenerateRequest([1, 3 + i, 4, 13], SamplingParams(
+            temperature=0.0, max_new_tokens=3, ignore_eos=True), rid=f"p{i}") for i in range(3)]
+        with EnvPool(env, log=lambda s: None) as pool:
+            return TrajectoryRunner(generate, pool, ObservationCodec(build_tokenizer()), 32,
+                                    cfg.num_experts, eos_id=2, vocab_size=cfg.vocab_size).run(
+                reqs, [{"k": i} for i in range(3)])
+    client = HTTPBackend(sgl, cfg)
+
+    def over_sglang(reqs):
+        results = client.generate(reqs)
+        asked.extend((r.routes_start, res.routes_NLK.shape[0], res.prompt_tokens
+                      + res.completion_tokens - 1) for r, res in zip(reqs, results))
+        return results
+    theirs = run(over_sglang)
+    ours = run(Engine.from_model(load_hf(toy_folder), EngineConfig(dtype="fp32", max_len=32))
+               .generate)
+    for a, b in zip(theirs, ours):
+        assert len(a.trajectory.turns) == 3 and a.trajectory.error is None
+        assert a.prompt_ids + a.output_ids == b.prompt_ids + b.output_ids
+        assert torch.equal(a.routes_NLK, b.routes_NLK) and a.routes_NLK.shape[0] == len(
+            a.prompt_ids) + len(a.output_ids) - 1
+        assert torch.allclose(a.output_logprobs, b.output_logprobs, atol=1e-5, rtol=0)
+    later = [x for x in asked if x[0] > 0]
+    assert len(later) == 6 and all(rows == end - start for start, rows, end in later)
 
 
 def _config(url: str, *extra: str):
