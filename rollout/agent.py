@@ -174,6 +174,7 @@ class _Live:
     sampling_logprobs: list[torch.Tensor] = field(default_factory=list)
     sampling_mask: list | None = None
     trace: RoutingTrace | None = None
+    gates: list[torch.Tensor] = field(default_factory=list)  # per turn, rows as the trace's
     first: GenerationResult | None = None
     info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
     done: bool = False
@@ -320,6 +321,11 @@ class TrajectoryRunner:
             part = RoutingTrace(res.routes_NLK, self.num_experts, start=res.routes_start,
                                 sample=None)
             t.trace = part if t.trace is None else t.trace.extend(part)
+            if res.gates_NLK is not None:  # replay.gates=engine: the same rows as the routes
+                if res.gates_NLK.shape != res.routes_NLK.shape:
+                    raise ValueError(f"{t.label}: gate weights {tuple(res.gates_NLK.shape)} "
+                                     f"for routes {tuple(res.routes_NLK.shape)}")
+                t.gates.append(res.gates_NLK)
         if finish == "abort":
             self._error(t, "aborted", f"{t.label}: the engine aborted turn "
                                       f"{len(t.info.turns) - 1}")
@@ -405,5 +411,6 @@ class TrajectoryRunner:
             {"type": "trajectory", "end": t.info.end},
             weight_version=first.weight_version,
             routes_NLK=None if t.trace is None else t.trace.ids_NLK, routes_start=0,
+            gates_NLK=torch.cat(t.gates) if t.gates and len(t.gates) == len(t.info.turns) else None,
             sampling_mask=t.sampling_mask, sampled_mask=torch.tensor(t.sampled, dtype=torch.bool),
             trajectory=t.info)

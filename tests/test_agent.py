@@ -43,10 +43,10 @@ def _engine(max_len=64, seed=0):
     return Engine.from_model(model, EngineConfig(dtype="fp32", max_len=max_len)), model
 
 
-def _requests(n_prompts=3, n=2, max_new=5):
+def _requests(n_prompts=3, n=2, max_new=5, gates=False):
     return [GenerateRequest([1, 3 + i, 4, 13], SamplingParams(max_new_tokens=max_new, n=n,
                                                               seed=100 + 7 * i, ignore_eos=True),
-                            rid=f"p{i}") for i in range(n_prompts)]
+                            rid=f"p{i}", return_gates=gates) for i in range(n_prompts)]
 
 
 def _run(env_cfg, engine, requests, max_len=64):
@@ -59,7 +59,7 @@ def _run(env_cfg, engine, requests, max_len=64):
 def test_three_turns_stitched_routes_equal_one_prefill(tmp_path):
     engine, _ = _engine()
     cfg = EnvConfig(file=_env_file(tmp_path, FIXED), max_turns=3, num_workers=1)
-    results = _run(cfg, engine, _requests())
+    results = _run(cfg, engine, _requests(gates=True))
     assert len(results) == 6
     for r in results:
         info = r.trajectory
@@ -76,9 +76,10 @@ def test_three_turns_stitched_routes_equal_one_prefill(tmp_path):
         assert torch.all(r.output_logprobs[~r.sampled_mask] == 0)
         # one prefill of the final trajectory: its routes and its log-probs of the sampled ids
         ref = engine.generate([GenerateRequest(full, SamplingParams(max_new_tokens=0),
-                                               return_input_logprobs=True)])[0]
+                                               return_input_logprobs=True, return_gates=True)])[0]
         assert r.routes_NLK.shape[0] == len(full) - 1  # P+R-1 rows
         assert torch.equal(r.routes_NLK, ref.routes_NLK)
+        torch.testing.assert_close(r.gates_NLK, ref.gates_NLK, atol=1e-5, rtol=0)  # stitched too
         P = len(r.prompt_ids)
         sampled = r.sampled_mask.nonzero().flatten()
         torch.testing.assert_close(r.output_logprobs[sampled], ref.input_logprobs[P + sampled],
