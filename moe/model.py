@@ -22,6 +22,7 @@ from ..kernels.routes import RouteError, check_gates_BTLK, check_routes_BTLK
 from .config import ModelConfig
 from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, grouped_linear, linear,
                      rope_cos_sin)
+from .replay_check import RouteCheck
 from .router import bias_update, expert_load, route, router_probs
 
 
@@ -148,6 +149,8 @@ class MoEModel(nn.Module):
         self.lm_head_dtype = torch.float32
         self.fp8 = False
         """Block-FP8 matmuls (set_precision)."""
+        for i, block in enumerate(self.moe_blocks):
+            block.moe_index = i  # what the router reports to a RouteCheck as its layer
         self.reset_parameters()
 
     @torch.no_grad()
@@ -217,11 +220,14 @@ class MoEModel(nn.Module):
                 replay_mask_BT: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, cache_slots_B: torch.Tensor | None = None,
                 compute_logits: bool = True,
-                routed_gates_BTLK: torch.Tensor | None = None) -> ModelOutput:
+                routed_gates_BTLK: torch.Tensor | None = None,
+                replay_check: RouteCheck | None = None) -> ModelOutput:
         """`routed_experts_BTLK` (+ `replay_mask_BT`, default all True) replays expert ids;
         `routed_gates_BTLK` (any float dtype, same shape) replays their gate weights too, where
         the mask is set (straight-through: the forward uses them, the router's gradient is that
-        of its own gates at those ids)."""
+        of its own gates at those ids). `replay_check` (with `routed_experts_BTLK`): every MoE
+        router reports the ids it ran to it, and it is finished after the last layer
+        (moe/replay_check.py)."""
         cfg = self.cfg
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -260,12 +266,16 @@ class MoEModel(nn.Module):
                 y, ids_NK, nat_NK, logits_NE, gates_NK = layer.mlp(
                     h, replay_ids_LNK[l], replay_mask_N, replay_gates_LNK[l])
                 gates.append(gates_NK)
+                if replay_check is not None:
+                    replay_check.ran(layer.mlp.moe_index, ids_NK, nat_NK)
                 routes.append(ids_NK)
                 natural.append(nat_NK)
                 router_logits.append(logits_NE)
             else:
                 y = layer.mlp(h)
             x = x + y
+        if replay_check is not None:
+            replay_check.finish()
         hidden = self.norm(x)
         K = cfg.num_experts_per_tok
         empty = torch.empty(B, T, 0, K, dtype=torch.long, device=x.device)

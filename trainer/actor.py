@@ -38,6 +38,7 @@ from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import CheckpointError, hf_state_dict
 from lockstep.moe.model import MoEModel
+from lockstep.moe.replay_check import ReplayCheck, RouteCheck, sample_slice
 from lockstep.replay import ReplayOptions, compact_dtype
 from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
                                     micro_batches, minibatch_schedule, trim, trim_batch)
@@ -66,6 +67,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 loss must be this micro-batch's share of the mini-batch loss (the shares are summed into one
 gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens."""
 
+
+LOGPROB_FORWARD, UPDATE_FORWARD = "log-prob forward", "update forward"  # replay-check messages
 
 OPTIMIZER_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_step")
 """Metrics of the optimiser step itself: every DP rank has the same value."""
@@ -131,11 +134,14 @@ class TorchActor(RankActor):
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
                  temperature: float = 1.0, dp_group=None, device: str | torch.device = "cpu",
-                 replay: ReplayOptions | None = None):
+                 replay: ReplayOptions | None = None,
+                 replay_check: ReplayCheck = ReplayCheck.OFF, min_overlap: float | None = None):
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
         self.cfg, self.temperature = cfg, temperature
         self.replay_options = replay or ReplayOptions()
+        self.replay_check, self.min_overlap = ReplayCheck(replay_check), min_overlap
+        self._checked_forwards = 0  # moves `sample`'s offset (moe/replay_check.py)
         self.device = torch.device(device)
         self.master = model.to(self.device)
         self.model_cfg = model.cfg
@@ -163,16 +169,19 @@ class TorchActor(RankActor):
             self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
 
     # -- forward -------------------------------------------------------------------------
-    def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT, gates_BTLK=None):
-        """One forward of `batch` -> (logprobs_BT, entropy_BT, ModelOutput)."""
+    def _forward(self, batch: Batch, routes_BTLK, replay_mask_BT, gates_BTLK,
+                 rows: torch.Tensor, what: str):
+        """One forward of `batch` (rows `rows` of the step's batch; `what` forward, for the
+        replay check's messages) -> (logprobs_BT, entropy_BT, ModelOutput)."""
         model, dev = self.compute, self.device
         ids = batch.input_ids_BT.to(dev)  # the micro-batch goes to the actor's device once
-        out = model(ids,
-                    routed_experts_BTLK=None if routes_BTLK is None else routes_BTLK.to(dev),
-                    replay_mask_BT=(replay_mask_BT.to(dev) if routes_BTLK is not None
-                                    and replay_mask_BT is not None else None),
-                    compute_logits=False,
-                    routed_gates_BTLK=None if gates_BTLK is None else gates_BTLK.to(dev))
+        routes = None if routes_BTLK is None else routes_BTLK.to(dev)
+        mask = (replay_mask_BT.to(dev) if routes_BTLK is not None
+                and replay_mask_BT is not None else None)
+        out = model(ids, routed_experts_BTLK=routes, replay_mask_BT=mask, compute_logits=False,
+                    routed_gates_BTLK=None if gates_BTLK is None else gates_BTLK.to(dev),
+                    replay_check=None if routes is None else self._route_check(
+                        routes, mask, batch.token_mask_BT.to(dev), rows, what))
         # position t-1's hidden state predicts the token at t
         cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:].to(dev)
         lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
@@ -180,6 +189,22 @@ class TorchActor(RankActor):
                                    candidates_NS=cand, chunk_size=self.cfg.logprob_chunk)
         zero = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
+
+    def _route_check(self, routes_BTLK, mask_BT, tokens_BT, rows, what) -> RouteCheck | None:
+        """The replay validator's ledger of one forward (`replay.check`; None when off)."""
+        if self.replay_check is ReplayCheck.OFF:
+            return None
+        B, T, L, K = routes_BTLK.shape
+        checked_BT = tokens_BT if mask_BT is None else tokens_BT & mask_BT
+        self._checked_forwards += 1
+        # the overlap floor only where the weights are those the routes were made with: an
+        # update's forwards run moved weights (a fresh router can move a lot in one step)
+        return RouteCheck(routes_BTLK.reshape(B * T, L, K), checked_BT.reshape(-1),
+                          sample_slice(self.replay_check, self._checked_forwards),
+                          self.model_cfg.moe_layer_ids, lambda n: (int(rows[n // T]), n % T),
+                          num_experts=self.model_cfg.num_experts,
+                          min_overlap=self.min_overlap if what == LOGPROB_FORWARD else 0.0,
+                          what=what)
 
     @staticmethod
     def _replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK=None):
@@ -214,7 +239,7 @@ class TorchActor(RankActor):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
             r, m, g = self._replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK)
-            lp, ent, out = self._forward(mb, r, m, g)
+            lp, ent, out = self._forward(mb, r, m, g, idx, LOGPROB_FORWARD)
             lp_BT[idx, :t], ent_BT[idx, :t] = lp.float().cpu(), ent.float().cpu()
             nat_BTLK[idx, :t] = out.natural_BTLK.to(self._route_store).cpu()
             if record:
@@ -299,7 +324,7 @@ class TorchActor(RankActor):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
             r, m, g = self._replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK)
-            lp, ent, out = self._forward(mb, r, m, g)
+            lp, ent, out = self._forward(mb, r, m, g, idx, UPDATE_FORWARD)
             lp, ent = (torch.nn.functional.pad(x, (0, T - t)) for x in (lp, ent))  # LossFn: [b, T]
             loss, metrics = loss_fn(lp, ent, idx, mini)
             if cfg.aux_loss_coef > 0:

@@ -45,6 +45,12 @@ def check_policy_fits(cfg: ExperimentConfig) -> None:
 
 
 # -- the actor -------------------------------------------------------------------------------
+def replay_min_overlap(cfg: ExperimentConfig) -> float | None:
+    """The validator's overlap floor (`replay.min_overlap`); 0 (off) when rollouts may come
+    from older weights (`loop.max_staleness` > 0), whose routes a moved router may not share."""
+    return 0.0 if cfg.loop.max_staleness > 0 else cfg.replay.min_overlap
+
+
 def make_actor(cfg: ExperimentConfig, weights: MoEModel | Mapping[str, torch.Tensor],
                total_updates: int, dp_group: Any = None):
     """The actor `actor.backend` names, from `weights`: an `MoEModel` (in the driver) or
@@ -64,7 +70,8 @@ def make_actor(cfg: ExperimentConfig, weights: MoEModel | Mapping[str, torch.Ten
         weights = model
     return TorchActor(weights, cfg.actor, total_updates, temperature=temperature,
                       dp_group=dp_group, device=resolve_device(cfg.cluster.device),
-                      replay=cfg.replay.options())
+                      replay=cfg.replay.options(), replay_check=cfg.replay.check,
+                      min_overlap=replay_min_overlap(cfg))
 
 
 # -- the KL reference ------------------------------------------------------------------------

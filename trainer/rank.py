@@ -56,6 +56,7 @@ Shapes: B global batch rows, b this rank's rows, t its padded time, L MoE layers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from lockstep.moe.buckets import Bucket, bucketize
+from lockstep.moe.replay_check import ReplayCheckError
 from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.replay import ReplayMode, ReplayOptions, old_logprob_plan, update_plan
 from lockstep.replay.route_divergence import compare_routes
@@ -192,6 +194,15 @@ def shuffle_seed(loop_seed: int, step: int) -> int:
     return loop_seed * 1_000_003 + step
 
 
+@contextlib.contextmanager
+def _step_context(step: int, what: str):
+    """A replay-check failure names the RL step and pass it happened in."""
+    try:
+        yield
+    except ReplayCheckError as e:
+        raise ReplayCheckError(f"step {step} ({what}): {e}") from None
+
+
 class RankActor:
     """The rank-side interface (module docstring) on top of an actor that has
     `logprobs(batch, routes, mask, record)`, `model_cfg`, `cfg`, `state_dict`/`load_state_dict`
@@ -229,8 +240,9 @@ class RankActor:
     def old_logprobs(self, batch: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
         plan = old_logprob_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
                                 self._rollout_gates(batch, mode))
-        res = self.shard_logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True,
-                                  gates_BTLK=plan.gates_BTLK)
+        with _step_context(step, "pi_old"):
+            res = self.shard_logprobs(batch, plan.routes_BTLK, plan.replay_mask_BT, record=True,
+                                      gates_BTLK=plan.gates_BTLK)
         kept = self._kept_routes()
         kept.clear()  # a step never updated (a failed run) leaves nothing behind
         kept[step] = (res.routes_BTLK, res.natural_BTLK,
@@ -264,9 +276,10 @@ class RankActor:
                                        inputs.shuffle_seed)
         inputs = inputs.to(self._device())  # once per update, not per micro-batch
         current_BT = torch.zeros_like(inputs.old_logprobs_BT)
-        stats, used_BTLK, natural_BTLK = self._train_steps(
-            batch, Objective(batch, inputs, current_BT), steps, up.routes_BTLK,
-            up.replay_mask_BT, gates_BTLK=up.gates_BTLK)
+        with _step_context(step, "update"):
+            stats, used_BTLK, natural_BTLK = self._train_steps(
+                batch, Objective(batch, inputs, current_BT), steps, up.routes_BTLK,
+                up.replay_mask_BT, gates_BTLK=up.gates_BTLK)
         first = 1.0 if self.dp_rank == 0 else 0.0
         token_BT = batch.token_mask_BT
         stats.update(route_stats(old_natural_BTLK, natural_BTLK, token_BT, "routing_stale",

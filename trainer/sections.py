@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.replay_check import ReplayCheck
 from lockstep.replay import ReplayMode, ReplayOptions
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.rewards import RewardConfig
@@ -258,6 +259,13 @@ class ReplayConfig(Section):
     mode: ReplayMode = Field(ReplayMode.R3, strict=False)
     """off: actor routes freely; R2: updates replay the actor's own old-logprob routes;
     R3: old-logprob and update forwards replay the rollout engine's routes."""
+    check: ReplayCheck = Field(ReplayCheck.SAMPLE, strict=False)
+    """Replay validator in every replayed forward (moe/replay_check.py): each MoE layer got
+    ids, ran them, none left over; `sample` checks every 8th token, `full` all, `off` none."""
+    min_overlap: Float | None = Field(None, ge=0.0, le=1.0)
+    """Validator, pi_old forwards of synchronous runs: least share of replayed expert slots
+    the router's own top-k must agree with (null: halfway between chance K/E and 1; 0: off)."""
+
     gates: Literal["recompute", "engine"] = "recompute"
     """Gate weights of the replayed experts: recompute (from the actor's router) or engine
     (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
@@ -557,7 +565,8 @@ class ExperimentConfig(Section):
                     d[section].pop(k)
         if not self.actor.fp8:  # likewise
             d["actor"].pop("fp8")
-        for k in ("gates",):  # replay options at their defaults: as before they existed
+        # replay options at their defaults: as before they existed
+        for k in ("gates", "check", "min_overlap"):
             if d["replay"][k] == ReplayConfig.model_fields[k].default:
                 d["replay"].pop(k)
         for k in _LATER_MEGATRON_KEYS:  # likewise
@@ -588,6 +597,8 @@ class ExperimentConfig(Section):
         for k in ("weight_sync", "request_timeout_s", "max_engine_restarts"):  # not the numbers
             d["rollout"].pop(k, None)
         d["rollout"]["api_key"] = None
+        for k in ("check", "min_overlap"):  # the validator checks; it changes no numbers
+            d["replay"].pop(k, None)
         if self.model.path is None:
             d["model"].pop("path")
         for name, default in (("data", DataConfig()), ("reward", RewardConfig())):

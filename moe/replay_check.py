@@ -1,0 +1,146 @@
+"""The replay validator (`replay.check`): a per-forward ledger the routers report to.
+
+Replay that silently does nothing looks like a healthy run (verl #7340: routers registered
+twice on a new model family, replay was a no-op in production). A `RouteCheck` is made for one
+forward that replays routes, from the routes it was *planned* to replay; every MoE router
+reports to it, under its own MoE-layer index, the ids it ran and its natural top-k. `finish()`
+after the forward then checks, naming the layer (and the sample and position):
+- every MoE layer reported exactly once: a layer that received no replayed ids, or a router
+  that ran for two layers (registered twice), stops the run; so does a buffer left
+  unconsumed (a layer whose given ids no router ran);
+- the ids each router ran equal the given ones on the checked tokens (`full`: every replayed
+  real token; `sample`: every SAMPLE_EVERY-th token, at an offset that moves by one with
+  every checked forward);
+- the given ids overlap the router's own top-k well above chance on the checked tokens
+  (at least `min_overlap` of the expert slots; default halfway between chance K/E and 1; only
+  where MIN_OVERLAP_TOKENS tokens were checked): routes of another step or sample, which a
+  router would run faithfully, agree with its own choice only by chance, while the engine's
+  (or the recorded old policy's) routes agree on ~99% of slots (`routing/topk_overlap`).
+
+The reports keep tensors on the routers' device; `finish()` reads them back once.
+
+Shapes: N tokens the routers see (in their order), K top-k, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..kernels.routes import RouteError
+
+SAMPLE_EVERY = 8
+"""`sample`: every 8th replayed token is checked (all of them under `full`)."""
+MIN_OVERLAP_TOKENS = 32
+"""The overlap floor applies to a layer once this many tokens were checked in a forward."""
+
+
+class ReplayCheck(str, enum.Enum):
+    """`replay.check`: how much of every replayed forward the validator checks."""
+
+    OFF = "off"
+    SAMPLE = "sample"
+    FULL = "full"
+
+
+class ReplayCheckError(RouteError):
+    """Replay did not happen as planned (names the layer, and the sample and position)."""
+
+
+def overlap_floor(num_experts: int, top_k: int, min_overlap: float | None) -> float:
+    """The overlap floor: `min_overlap`, or halfway between chance (K/E) and 1."""
+    return (1.0 + top_k / num_experts) / 2 if min_overlap is None else min_overlap
+
+
+def sample_slice(mode: ReplayCheck, calls: int) -> slice:
+    """The tokens (in the routers' flattened order) a forward checks: all under `full`; under
+    `sample` every SAMPLE_EVERY-th, starting at `calls % SAMPLE_EVERY` (`calls`: forwards
+    checked so far), so successive forwards cover every offset."""
+    if mode is ReplayCheck.FULL:
+        return slice(0, None, 1)
+    return slice(calls % SAMPLE_EVERY, None, SAMPLE_EVERY)
+
+
+class RouteCheck:
+    """One replayed forward's ledger (module doc).
+
+    `given_NLK`: the ids the plan replays, in the routers' token order; `checked_N`: bool,
+    the tokens that count (replayed and real); `tokens`: the slice of them checked
+    (`sample_slice`); `layer_names`: decoder layer id of each MoE layer (messages);
+    `where(n) -> (sample, position)` names token n; `what`: which forward (messages);
+    `any_order`: the routers report their ids in another order than given (compared as
+    sets). Reports are kept as they come (views); `finish` compares all layers at once."""
+
+    def __init__(self, given_NLK: torch.Tensor, checked_N: torch.Tensor, tokens: slice,
+                 layer_names: Sequence[int], where: Callable[[int], tuple[int, int]], *,
+                 num_experts: int, min_overlap: float | None = None, what: str = "forward",
+                 any_order: bool = False):
+        self.given_nLK, self.checked_n = given_NLK[tokens], checked_N[tokens]
+        self.tokens, self.layer_names, self.where, self.what = tokens, layer_names, where, what
+        self.num_experts, self.any_order = num_experts, any_order
+        self.floor = overlap_floor(num_experts, given_NLK.shape[-1], min_overlap)
+        L = given_NLK.shape[1]
+        self.counts = [0] * L
+        self._ids: list[torch.Tensor | None] = [None] * L
+        self._natural: list[torch.Tensor | None] = [None] * L
+
+    def ran(self, layer: int, ids_NK: torch.Tensor, natural_NK: torch.Tensor) -> None:
+        """Router of MoE layer `layer` ran `ids_NK`; its own top-k was `natural_NK`."""
+        if not 0 <= layer < len(self.counts):
+            raise ReplayCheckError(f"replay check ({self.what}): a router reported MoE layer "
+                                   f"index {layer}, but the plan replays {len(self.counts)} "
+                                   f"MoE layers")
+        self.counts[layer] += 1
+        if self.counts[layer] == 1:
+            self._ids[layer] = ids_NK[self.tokens]
+            self._natural[layer] = natural_NK[self.tokens]
+
+    def _name(self, layer: int) -> str:
+        return f"MoE layer {layer} (decoder layer {self.layer_names[layer]})"
+
+    def finish(self) -> None:
+        """Raise `ReplayCheckError` for the first thing that did not happen as planned."""
+        head = f"replay check ({self.what})"
+        twice = [l for l, c in enumerate(self.counts) if c > 1]
+        none = [l for l, c in enumerate(self.counts) if c == 0]
+        if twice or none:
+            parts = []
+            if none:
+                parts.append(f"{', '.join(self._name(l) for l in none)} received no replayed "
+                             f"ids (its replay buffer was left unconsumed)")
+            if twice:
+                parts.append(f"the router of {', '.join(self._name(l) for l in twice)} ran "
+                             f"{max(self.counts)} times in one forward (registered for "
+                             f"more than one layer?)")
+            raise ReplayCheckError(f"{head}: {'; '.join(parts)}")
+        ran = torch.stack(self._ids, 1)  # [n, L, K]
+        L, K = ran.shape[1:]
+        given = self.given_nLK.to(ran.device)
+        checked = self.checked_n.to(ran.device)[:, None]
+        if self.any_order:
+            ran, given = ran.sort(-1).values, given.sort(-1).values
+        bad_nL = (ran != given).any(-1) & checked
+        natural = torch.stack(self._natural, 1)
+        agree_nL = (given[..., :, None] == natural[..., None, :]).sum((-1, -2)) * checked
+        sums = torch.cat([bad_nL.sum(0), agree_nL.sum(0), checked.sum(0)]).tolist()  # one sync
+        n = int(sums[-1])
+        for l, bad in enumerate(sums[:L]):
+            if bad:
+                i = int(bad_nL[:, l].nonzero()[0])
+                sample, pos = self.where(self.tokens.start + i * self.tokens.step)
+                raise ReplayCheckError(
+                    f"{head}: {self._name(l)}: the router did not run the replayed ids: at "
+                    f"sample {sample}, position {pos} it was given experts "
+                    f"{self.given_nLK[i, l].tolist()} and ran {self._ids[l][i].tolist()}; "
+                    f"{int(bad)} of {n} checked tokens differ (a router that ignores the "
+                    f"given ids?)")
+        for l, agree in enumerate(sums[L:2 * L]):
+            overlap = agree / max(n * K, 1)
+            if n >= MIN_OVERLAP_TOKENS and overlap < self.floor:
+                raise ReplayCheckError(
+                    f"{head}: {self._name(l)}: the replayed routes agree with the router's "
+                    f"own top-k on only {overlap:.1%} of {n * K} expert slots (chance "
+                    f"{K / self.num_experts:.1%}, floor {self.floor:.1%}): routes of "
+                    f"another step or sample? (replay.min_overlap sets the floor)")
