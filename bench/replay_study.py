@@ -12,7 +12,7 @@ Each cell is one `lockstep train` run (skipped when its summary.json exists, so 
 continues); its exact command is written to OUT/<cell>.cmd and listed in OUT/study.md. A
 replay variant or LR schedule whose options this checkout does not have is refused up front,
 naming it. Prints and writes OUT/study.md: per run the k3 KL, flip rates, the reward of the
-first steps, its peak (5-step moving mean) and its last 5 steps, the largest grad norm, the
+first steps, its peak (trailing mean over up to 5 steps, from step 1) and its last 5 steps, the largest grad norm, the
 LR triggers, and whether it degraded (the last 5-step mean below half the peak and >= 0.05
 under it, or a skipped / NaN step); per seed and correction the k3 KL
 ratio off / R3 (both from the same study); plots OUT/study_reward.png and OUT/study_k3.png.
@@ -70,8 +70,8 @@ REGIMES = {
                               "model.num_experts_per_tok=1"]),
 }
 WINDOW = 5    # steps averaged for "first" reward
-SMOOTH = 5    # steps of the moving mean whose peak and last value say whether reward fell
-# degraded: the last moving mean is below FALL x its peak and at least DROP below it (reward)
+SMOOTH = 5    # steps of the trailing mean whose peak and last value say whether reward fell
+# degraded: the last trailing mean is below FALL x its peak and at least DROP below it (reward)
 FALL, DROP = 0.5, 0.05
 
 
@@ -118,14 +118,6 @@ def train(config: Path, out: Path, mode: str, corr: str, seed: int, steps: int,
     return d
 
 
-def _moving_mean(xs: list[float], n: int) -> list[float]:
-    """Means of the full windows of `n` steps (one mean of all when shorter); entry i ends at
-    step i + n (or at the last step)."""
-    if len(xs) < n:
-        return [statistics.mean(xs)]
-    return [statistics.mean(xs[i:i + n]) for i in range(len(xs) - n + 1)]
-
-
 def _trailing_mean(xs: list[float], n: int) -> list[float]:
     """For plots: entry i is the mean of steps max(1, i - n + 2)..i + 1 (starts at step 1)."""
     return [statistics.mean(xs[max(0, i + 1 - n):i + 1]) for i in range(len(xs))]
@@ -144,7 +136,7 @@ def summarize_run(d: Path) -> dict | None:
 
     k3 = col("rollout_corr/k3_kl")
     reward = col("reward/mean")
-    smooth = _moving_mean(reward, SMOOTH)
+    smooth = _trailing_mean(reward, SMOOTH)  # from step 1: a collapse right after it counts
     peak = max(smooth)
     grad = col("actor/grad_norm")
     skipped = sum(r.get("actor/skipped_step", 0) for r in rows)
@@ -155,7 +147,7 @@ def summarize_run(d: Path) -> dict | None:
             "k3_max": max(k3), "flip_rate": statistics.mean(col("routing/flip_rate")),
             "token_any_flip": statistics.mean(col("routing/token_any_flip")),
             "reward_first": statistics.mean(reward[:WINDOW]), "reward_peak": peak,
-            "peak_step": smooth.index(peak) + min(SMOOTH, len(reward)),  # its window's end
+            "peak_step": smooth.index(peak) + 1,  # the last step of its window
             "reward_last": smooth[-1],
             "grad_norm_max": max(grad), "triggers": triggers,
             "lr_scale_last": rows[-1].get("lr_trigger/scale", 1.0),
