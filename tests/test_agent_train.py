@@ -137,7 +137,8 @@ def test_user_style_env_example_trains_and_resumes_exactly(tmp_path):
     f.write_text(text)
     sets = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
             "actor.mini_batch_size=8", "actor.micro_batch_size=8", "loop.checkpoint_every=1",
-            "loop.plots=false", "loop.tensorboard=false"]
+            "loop.plots=false", "loop.tensorboard=false", f"data.val_files=[{root}/val.jsonl]",
+            "loop.val_every=2"]
 
     def run(out, steps, resume=False):
         cfg = load_config(f, sets + [f"loop.steps={steps}"])
@@ -148,6 +149,8 @@ def test_user_style_env_example_trains_and_resumes_exactly(tmp_path):
     run(tmp_path / "b", 1)
     resumed = run(tmp_path / "b", 2, resume=True)
     assert straight[0]["agent/turns_mean"] > 1  # the env's second try happened
+    assert straight[1]["val/agent/turns_mean"] > 1  # validation runs the env's trajectories
+    assert "val/reward_mean" in straight[1] and "val/errors" in straight[1]
     for a, b in zip(straight, resumed):
         assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
             {k: v for k, v in b.items() if not k.startswith("time/")}

@@ -51,19 +51,22 @@ def final_turn(r: GenerationResult) -> GenerationResult:
                                output_ids=full[last.start:last.start + last.sampled])
 
 
-def trajectory_rewards(source, prompts: Sequence, results: Sequence[GenerationResult],
-                       cfg: EnvConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """(rewards [B], metrics): the module docstring's rule, for sample b of `prompts[b]`."""
-    src_B, m = source.rewards(prompts, [final_turn(r) for r in results])
+def trajectory_rewards(score, prompts: Sequence, results: Sequence[GenerationResult],
+                       cfg: EnvConfig, prefix: str = "agent") -> tuple[torch.Tensor, dict]:
+    """(rewards [B], metrics): the module docstring's rule, for sample b of `prompts[b]`;
+    `score(prompts, results)` is the source's reward (its `rewards`, or validation's
+    scoring); the trajectory metrics are named `<prefix>/...`."""
+    src_B, m = score(prompts, [final_turn(r) for r in results])
     infos = [r.trajectory for r in results]
     env_B = torch.tensor([i.env_reward for i in infos], dtype=torch.float32)
     err_B = torch.tensor([i.error is not None for i in infos])
     rewards_B = torch.where(err_B, torch.tensor(cfg.error_score, dtype=torch.float32),
                             src_B.float() + env_B)
-    return rewards_B, {**m, **trajectory_metrics(results)}
+    return rewards_B, {**m, **trajectory_metrics(results, prefix)}
 
 
-def trajectory_metrics(results: Sequence[GenerationResult]) -> dict[str, float]:
+def trajectory_metrics(results: Sequence[GenerationResult], prefix: str = "agent"
+                       ) -> dict[str, float]:
     infos = [r.trajectory for r in results]
     n = len(infos)
     errors = Counter(i.error for i in infos if i.error is not None)
@@ -79,7 +82,7 @@ def trajectory_metrics(results: Sequence[GenerationResult]) -> dict[str, float]:
          "agent/observation_tokens_mean": (total - sampled) / n,
          "agent/env_reward_mean": sum(i.env_reward for i in infos) / n}
     m.update({f"agent/end_{k}": ends[k] / n for k in ("done", "max_turns", "context", "error")})
-    return m
+    return {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in m.items()}
 
 
 def turn_k3(turn_BT: torch.Tensor, response_mask_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,

@@ -245,16 +245,23 @@ class DatasetSource:
         """(rewards [B], reward/errors metrics) for sample b of prompt `prompts[b]`."""
         return self.score(prompts, results)
 
-    def validate(self, rollout, params: Sequence[SamplingParams]) -> dict[str, float]:
+    def validate(self, rollout, params: Sequence[SamplingParams], generate=None,
+                 score=None) -> dict[str, float]:
         """val/... metrics: every validation prompt generated with its `params` (routes not
-        recorded) and scored."""
+        recorded) and scored. Multi-turn runs pass `generate(prompts, requests)` (their
+        trajectories) and `score(prompts_per_sample, results)` (a trajectory's reward, with
+        val/ metrics), which default to `rollout.generate` and `score(..., prefix="val")`."""
         reqs = [GenerateRequest(list(p.ids), sp, rid=f"val{i}", return_routes=False)
                 for i, (p, sp) in enumerate(zip(self.val, params))]
-        results = rollout.generate(reqs)
+        results = rollout.generate(reqs) if generate is None else generate(self.val, reqs)
         n = params[0].n
-        scores_B, errors = self.score([self.val[i // n] for i in range(len(results))], results,
-                                      prefix="val")
-        return validation_metrics(self.val, scores_B, n, errors)
+        prompts = [self.val[i // n] for i in range(len(results))]
+        scores_B, errors = (self.score(prompts, results, prefix="val") if score is None
+                            else score(prompts, results))
+        out = validation_metrics(self.val, scores_B, n, errors)
+        if score is not None:  # the trajectory metrics beside them
+            out.update({k: v for k, v in errors.items() if k not in out})
+        return out
 
     def fingerprints(self) -> dict[str, str]:
         return {"train": fingerprint(self.train), "val": fingerprint(self.val)}

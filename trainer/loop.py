@@ -281,7 +281,7 @@ class Trainer:
         with rollout.env a trajectory's (trainer/agent.py)."""
         if self.runner is None:
             return self.source.rewards(prompts, results)
-        return trajectory_rewards(self.source, prompts, results, self.cfg.rollout.env)
+        return trajectory_rewards(self.source.rewards, prompts, results, self.cfg.rollout.env)
 
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -451,7 +451,13 @@ class Trainer:
         params = [SamplingParams(temperature=0.0 if n == 1 else ro.temperature,
                                  max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n)
                   for i in range(len(self.source.val))]
-        return self.source.validate(self.rollout, params)
+        if self.runner is None:
+            return self.source.validate(self.rollout, params)
+        env = self.cfg.rollout.env  # trajectories, scored like training's (val/agent/...)
+        return self.source.validate(self.rollout, params, generate=self.trajectories,
+                                    score=lambda prompts, results: trajectory_rewards(
+                                        lambda p, r: self.source.score(p, r, prefix="val"),
+                                        prompts, results, env, prefix="val/agent"))
 
     def save(self) -> Path:
         """The actor writes `hf/` and its HF-named optimiser state (a group: each rank its

@@ -471,10 +471,6 @@ class ExperimentConfig(Section):
              f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
         need(self.loop.val_every == 0 or bool(self.data.val_files),
              f"loop.val_every={self.loop.val_every} needs data.val_files")
-        need(self.loop.val_every == 0 or self.rollout.env is None,
-             f"loop.val_every={self.loop.val_every} with rollout.env: validation runs single "
-             "turns, not the environment's trajectories (not supported yet); set "
-             "loop.val_every=0")
         self._check_replay()
         if self.data.enabled:
             self._check_data()
