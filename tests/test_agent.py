@@ -155,3 +155,21 @@ def test_the_multiply_task_needs_an_env():
         load_config(configs / "toy_agent_r3.yaml", ["rollout.env=null"])
     cfg = load_config(configs / "toy_agent_r3.yaml")
     assert cfg.rollout.env.stop == [">"] and cfg.rollout.env.file == "calculator"
+
+
+def test_observation_messages_go_through_the_chat_template_once(tmp_path):
+    """Messages are rendered as they follow an assistant turn (generation prompt included),
+    text with observation_role becomes one message of that role, ids stay ids."""
+    from lockstep.launch.example import build_tokenizer as build_hf_tokenizer
+
+    tok = build_hf_tokenizer(tmp_path / "tok", ["tool user assistant 7 hi"] * 4)
+    codec = ObservationCodec(tok, role="tool")
+    want = "<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(codec.encode("7")) == want
+    msgs = [{"role": "user", "content": "hi"}]
+    assert codec.encode(msgs) == tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)["input_ids"]
+    assert codec.encode([5, 6]) == [5, 6]
+    assert ObservationCodec(tok).encode("7") == tok("7", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        ObservationCodec(TOK, role="tool")
