@@ -45,15 +45,17 @@ def _config(tmp_path, env: dict, *overrides):
     return load_config(f, small + list(overrides))
 
 
-def test_fp32_three_turn_trajectories_match_the_actor(tmp_path):
+@pytest.mark.parametrize("mode", ["R3", pytest.param("R2", marks=pytest.mark.slow)])
+def test_fp32_three_turn_trajectories_match_the_actor(tmp_path, mode):
     """The actor's natural routes over each final trajectory (one prefill) equal the engine's
     routes stitched across its 3 turns, and its log-probs of the sampled tokens equal the
-    rollout's; observation tokens are routed but not trained."""
+    rollout's; observation tokens are routed (R3 replays them, R2 records them) but not
+    trained."""
     env_file = tmp_path / "env.py"
     env_file.write_text(textwrap.dedent(THREE_TURNS))
     cfg = _config(tmp_path, {"file": str(env_file), "max_turns": 3, "num_workers": 1},
                   "rollout.dtype=fp32", "actor.dtype=fp32", "loop.steps=1",
-                  "loop.dump_every=1", "rollout.max_new_tokens=4")
+                  "loop.dump_every=1", "rollout.max_new_tokens=4", f"replay.mode={mode}")
     tr = Trainer(cfg, tmp_path / "run", progress=False, log=lambda s: None)
     m = tr.run()
     rec = read_dump(tmp_path / "run" / "dumps" / "step_1.safetensors")
@@ -69,6 +71,12 @@ def test_fp32_three_turn_trajectories_match_the_actor(tmp_path):
     assert metrics["agent/turns_mean"] == 3 and metrics["agent/tool_calls_mean"] == 2
     assert metrics["routing/flip_rate"] == 0 and metrics["routing/observation/flip_rate"] == 0
     assert metrics["agent/k3_kl/turn_2"] < 1e-6
+    # the update forwards replayed every routed row (R3: the engine's, all but each sample's
+    # last token) or every token (R2: the recorded ones), observation tokens included
+    seq = rec.seq_lens.double()
+    assert metrics["replay/mismatch"] == 0
+    want = float((seq - 1).sum() / seq.sum()) if mode == "R3" else 1.0
+    assert abs(metrics["replay/replayed_fraction"] - want) < 1e-9
     assert m["steps"] == 1
     report = analyze(rec)  # lockstep diagnose reads multi-turn dumps
     assert report["metrics"]["diagnose/num_response_tokens"] == int(sampled.sum())
