@@ -17,6 +17,7 @@ PLOTS = {  # file -> caption
     "margin_hist.png": "Router margin (k-th minus (k+1)-th expert probability) of flipped vs kept routes",
     "is_weights.png": "IS weights pi_old / mu_old of response tokens (log scale), TIS cap and IcePop bounds",
     "confusion.png": "Expert confusion: expert the engine used (row) vs the actor's router (column)",
+    "expert_load.png": "Share of the routed (token, k) slots per expert and MoE layer: the engine's routes vs the actor's router",
 }
 HEADLINE = (
     ("routing/flip_rate", "flip rate, (token, layer) pairs"),
@@ -35,6 +36,9 @@ HEADLINE = (
     ("diagnose/flipped_token_k3_share", "share of the k3 KL on those tokens"),
     ("diagnose/tis_clip_fraction", "tokens token-TIS would clip"),
     ("diagnose/icepop_mask_fraction", "tokens IcePop would mask"),
+    ("rollout/moe/max_vio/max", "expert load max/mean - 1, engine, worst layer"),
+    ("actor/moe/max_vio/max", "expert load max/mean - 1, actor, worst layer"),
+    ("rollout/moe/dead_experts/max", "dead experts, engine, worst layer"),
 )
 
 
@@ -146,6 +150,24 @@ def write_plots(report: dict, out: Path) -> list[Path]:
         ax.set_ylabel("engine's expert")
         fig.colorbar(im, ax=ax, fraction=0.046)
     save(fig, "confusion.png")
+
+    load = report["expert_load"]
+    cols = min(3, len(load["layers"]))
+    nrows = -(-len(load["layers"]) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.4 * nrows + 0.4),
+                             squeeze=False)
+    for ax, i, eng, act in zip(axes.flat, load["layers"], load["rollout"], load["actor"]):
+        x = np.arange(len(eng))
+        for off, (who, c) in ((-0.2, ("engine", eng)), (0.2, ("actor", act))):
+            total = max(sum(c), 1)
+            ax.bar(x + off, [v / total for v in c], 0.4, label=who)
+        ax.axhline(1 / len(eng), color="k", lw=0.6, ls=":")  # an even load
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.set_xlabel("expert", fontsize=8)
+    for ax in axes.flat[len(load["layers"]):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    save(fig, "expert_load.png")
     return paths
 
 

@@ -52,11 +52,14 @@ def test_dump_of_a_step_equals_live_diagnose_of_its_checkpoint(run_dir):
     live = diagnose_checkpoint(run_dir / "checkpoints" / "step_1", [])
     assert offline["header"]["source"] == "train" and live["header"]["source"] == "engine"
     _same(offline["metrics"], live["metrics"])
-    for part in ("per_layer", "by_position", "confusion", "margin", "is_weights", "top_tokens"):
+    for part in ("per_layer", "by_position", "confusion", "margin", "is_weights", "top_tokens",
+                 "expert_load"):
         assert offline[part] == live[part], part
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shared = [k for k in logged[1] if k.startswith(("routing/", "rollout_corr/"))]
+    shared = [k for k in logged[1] if k.startswith(("routing/", "rollout_corr/", "rollout/moe/",
+                                                    "actor/moe/"))]
     assert "routing/flip_rate/layer_1" in shared and "rollout_corr/k3_kl" in shared
+    assert "rollout/moe/max_vio/layer_1" in shared and "actor/moe/cv/layer_2" in shared
     _same(logged[1], offline["metrics"], shared)
     # bf16 engine vs fp32 actor: the toy flips routes
     m = live["metrics"]
@@ -141,7 +144,7 @@ def test_cli_writes_report_and_rejects_bad_input(run_dir, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["metrics"]["step"] == 1
     for name in ("flip_heatmap", "flip_layers", "by_position", "margin_hist", "is_weights",
-                 "confusion"):
+                 "confusion", "expert_load"):
         assert (out / f"{name}.png").stat().st_size > 2000, name
     assert (out / "report.html").stat().st_size > 10000
     bad = tmp_path / "bad.safetensors"

@@ -7,6 +7,8 @@ metrics.jsonl compare line by line:
   routing/*        `replay.route_divergence.routing_divergence(rollout routes, actor natural top-k,
                    rollout_routes_valid)`: every routed row, prompt rows included
   rollout_corr/*   `trainer.correction.correct(run's correction config, pi_old, mu_old)`
+  rollout/moe/*, actor/moe/*   expert load per MoE layer of the engine's routes and of the
+                   actor's natural top-k (`trainer.expert_load`): response tokens with a route
 What only a diagnosis has is under `diagnose/`:
   k3_kl_natural / k3_kl_replayed   k3 of mu_old vs the actor routing on its own / replaying
                    the engine's routes (R3's forward); the difference is what routing adds
@@ -18,7 +20,7 @@ What only a diagnosis has is under `diagnose/`:
                    layer, and their share of the summed per-token k3
   tis_clip_fraction / icepop_mask_fraction   response tokens token-level TIS would clip
                    (w > C) / IcePop would mask (w outside [lo, hi]), w = exp(pi_old - mu_old)
-plus per-layer tables, flips and k3 by position, per-layer expert confusion, router margins
+plus per-layer tables, tokens per expert and MoE layer (`expert_load`), flips and k3 by position, per-layer expert confusion, router margins
 of flipped vs kept routes, the IS-weight distribution and the most divergent tokens.
 
 Shapes: B samples, T time, L MoE layers, K top-k, E experts, N selected entries.
@@ -35,6 +37,8 @@ from lockstep.replay import compare_routes
 from lockstep.trainer.correction import (SAFETY_BOUND, CorrectionConfig, compute_offpolicy_metrics,
                                          correct, parse_is_threshold)
 from lockstep.trainer.dump import StepRecord
+from lockstep.trainer.expert_load import (ACTOR_PREFIX, ROLLOUT_PREFIX, counted_tokens,
+                                          load_counts, load_metrics)
 
 DEFAULT_TIS = 2.0
 DEFAULT_ICEPOP = "0.5_2.0"
@@ -192,7 +196,15 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
         "edges": w_edges.tolist(), "counts": torch.histogram(logw, w_edges)[0].long().tolist()}}
 
     conf = confusion(t["rollout_routes"][valid_BT], t["actor_routes"][valid_BT], E)
+    # -- expert load, as training logs it: response tokens that have a route ---------------
+    load_BT = counted_tokens(resp_BT, rec.seq_lens) & valid_BT
+    loads = {who: load_counts(t[key], load_BT, E) for who, key in
+             (("rollout", "rollout_routes"), ("actor", "actor_routes"))}
+    metrics.update(load_metrics(loads["rollout"], layers, ROLLOUT_PREFIX))
+    metrics.update(load_metrics(loads["actor"], layers, ACTOR_PREFIX))
     return {"header": h, "metrics": metrics, "per_layer": per_layer,
+            "expert_load": {"layers": [int(x) for x in layers],
+                            **{who: c.tolist() for who, c in loads.items()}},
             "by_position": by_position,
             "flip_heatmap": {"layers": [int(x) for x in layers],
                              "rows": [[None if math.isnan(x) else x for x in row]

@@ -40,6 +40,7 @@ from lockstep.trainer.correction import (CorrectionResult, correct, is_split_met
                                          version_split_metrics)
 from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.dump import maybe_dump
+from lockstep.trainer.expert_load import step_load_metrics
 from lockstep.trainer.losses import grpo_advantages
 from lockstep.trainer.lr_trigger import LRTrigger
 from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history, summarize,
@@ -317,10 +318,11 @@ class Trainer:
                                  mask_BT)
         split.update(version_split_metrics(old.logprobs_BT, gen_BT, batch.rollout_logprobs_BT,
                                            mask_BT))  # pi_old/mu = version lag x engine
+        moe_load = step_load_metrics(batch, old.stats, *self._load_shape())  # rollout/, actor/moe
         return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **reward_m,
-                **corr.metrics, **split, "replay/mode": self.mode.value, **stats_values(old.stats),
-                **stats_values(upd.stats), **lr_m, **lag_m, **self.rollout.counters(),
-                "time/rollout_s": gen_s, **t.metrics()}
+                **corr.metrics, **split, **moe_load, "replay/mode": self.mode.value,
+                **stats_values(old.stats), **stats_values(upd.stats), **lr_m, **lag_m,
+                **self.rollout.counters(), "time/rollout_s": gen_s, **t.metrics()}
 
     # -- pieces of the step ----------------------------------------------------------------
     def step_requests(self, step: int) -> tuple[list, list[GenerateRequest]]:
@@ -386,6 +388,9 @@ class Trainer:
                 "reward/group_all_equal": float((per_group.std(1) == 0).float().mean()),
                 "response/length_mean": float(resp_len.mean()),
                 "response/length_max": float(resp_len.max())}
+
+    def _load_shape(self) -> tuple[list[int], int]:
+        return self.cfg.model.moe_layer_ids, self.cfg.model.num_experts
 
     def _route_shape(self) -> tuple[int, int, int]:
         c = self.cfg.model

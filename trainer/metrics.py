@@ -277,7 +277,62 @@ def write_plots(out_dir: str | Path, runs: dict[str, list[dict[str, Any]]] | Non
         path = write_flip_heatmap(plt, rows, out_dir, label)
         if path is not None:
             written.append(path)
+    path = write_expert_load_plot(plt, runs, out_dir, window)
+    if path is not None:
+        written.append(path)
     return written
+
+
+LOAD_SOURCES = (("rollout/moe", "engine", "-"), ("actor/moe", "actor", "--"))
+LOAD_PLOT = "expert_load_layers.png"
+
+
+def load_layers(rows: list[dict[str, Any]]) -> list[int]:
+    """Decoder layer ids that have expert-load metrics (`<source>/max_vio/layer_<i>`)."""
+    found = set()
+    for prefix, _, _ in LOAD_SOURCES:
+        head = f"{prefix}/max_vio/layer_"
+        found |= {int(k[len(head):]) for r in rows for k in r if k.startswith(head)}
+    return sorted(found)
+
+
+def write_expert_load_plot(plt, runs: dict[str, list[dict[str, Any]]], out_dir: Path,
+                           window: int = 10):
+    """One panel per MoE layer: max load / mean load - 1 (verl's `max_vio`) per step of the
+    engine's routes (solid) and the actor's own (dashed), smoothed, for every run; the
+    panels' titles are also written into the PNG's `Description` text (what the figure
+    holds). None when no run has expert-load metrics."""
+    layers = sorted({i for rows in runs.values() for i in load_layers(rows)})
+    if not layers:
+        return None
+    cols = min(3, len(layers))
+    nrows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.4 * nrows + 0.6),
+                             squeeze=False, sharex=True)
+    titles = []
+    for ax, i in zip(axes.flat, layers):
+        for c, (label, rows) in enumerate(runs.items()):
+            steps = [r["step"] for r in rows]
+            for prefix, who, style in LOAD_SOURCES:
+                ys = [r.get(f"{prefix}/max_vio/layer_{i}") for r in rows]
+                if all(y is None for y in ys):
+                    continue
+                tag = " ".join(x for x in (label, who) if x)
+                ax.plot(steps, smooth(ys, window), style, color=f"C{c}", label=tag)
+        titles.append(f"layer {i}")
+        ax.set_title(titles[-1], fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(layers):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("expert load per MoE layer: max / mean - 1 (max_vio)", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / LOAD_PLOT
+    fig.savefig(path, dpi=110, metadata={"Description": "panels: " + ", ".join(titles)})
+    plt.close(fig)
+    return path
 
 
 def layer_flip_matrix(rows: list[dict[str, Any]]) -> tuple[list[int], list[int], list[list[float]]]:

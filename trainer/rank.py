@@ -13,8 +13,9 @@ implement natively for multi-rank layouts.
       natural top-k stay on the rank, keyed by `step`, for `policy_update` (R2 replays them,
       the staleness metrics compare against them); they never travel back. Returns the
       shard's log-probs [b, t] fp32 (the driver's rollout correction needs batch-wide
-      statistics of them: max, std, batch-normalised IS) and the `routing/*` divergence stats
-      (rollout routes vs the trainer's natural top-k).
+      statistics of them: max, std, batch-normalised IS), the `routing/*` divergence stats
+      (rollout routes vs the trainer's natural top-k) and the natural top-k's expert-load
+      counts (trainer/expert_load.py: `moe_load_count/*`, the driver's `actor/moe/*`).
   policy_update(batch, inputs, mode, step, steps=None) -> UpdateResult
       One optimiser step per entry of `steps`: this shard's local rows of each global
       mini-batch (maybe none; None = a world of one, the whole `minibatch_schedule`), in
@@ -70,6 +71,7 @@ from lockstep.replay import ReplayMode, ReplayOptions, old_logprob_plan, update_
 from lockstep.replay.route_divergence import compare_routes
 from lockstep.trainer.batch import Batch, minibatch_schedule, trim_batch
 from lockstep.trainer.correction import CorrectionConfig
+from lockstep.trainer.expert_load import counted_tokens, load_count_stats
 from lockstep.trainer.losses import LossConfig, policy_loss
 from lockstep.trainer.versions import KeptVersions, positions, stale_versions, versions_of
 
@@ -255,6 +257,10 @@ class RankActor:
             if batch.turn_BT is not None:  # multi-turn: by sampled / observation token, by turn
                 stats.update(split_route_stats(batch, res.natural_BTLK, self._layer_names(),
                                                self.dp_rank == 0))
+        # the actor's own expert load (its natural top-k), summed over ranks by the driver
+        stats.update(load_count_stats(res.natural_BTLK, counted_tokens(
+            batch.response_mask_BT, batch.seq_lens_B), self._layer_names(),
+            self.model_cfg.num_experts, self.dp_rank == 0))
         return OldLogprobs(res.logprobs_BT, stats)
 
     def policy_update(self, batch: Batch, inputs: UpdateInputs, mode: ReplayMode, step: int,
