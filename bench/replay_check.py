@@ -10,6 +10,7 @@ to `sample` only while that share is below 1% of a step.
 
     OMP_NUM_THREADS=1 python bench/replay_check.py
     OMP_NUM_THREADS=1 python bench/replay_check.py --config configs/study_routing.yaml --repeats 9
+    OMP_NUM_THREADS=1 python bench/replay_check.py --set actor.backend=megatron   # megatron-core
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ class OwnTime:
         setattr(owner, name, timed)
 
 
+def set_check(actor, mode: ReplayCheck) -> None:
+    """The validator's setting on either actor (the megatron actor keeps it per replay
+    adapter); the overlap floor off: the one batch is replayed after updates moved the weights
+    (routes of an older step, by design), so only its raise is skipped, not its work."""
+    if hasattr(actor, "replays"):  # MegatronActor: its RouteReplay adapters
+        for r in actor.replays:
+            r.check, r.min_overlap = mode, 0.0
+    else:
+        actor.replay_check, actor.min_overlap = mode, 0.0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "toy_r3.yaml"))
@@ -75,8 +87,9 @@ def main() -> None:
     cfg = load_config(a.config, ["warmstart.enabled=false", "loop.tensorboard=false",
                                  "loop.plots=false", "replay.mode=R3", *a.overrides])
     own = OwnTime()
-    for owner, name in ((TorchActor, "_route_check"), (replay_check.RouteCheck, "ran"),
-                        (replay_check.RouteCheck, "finish")):
+    from lockstep.trainer.megatron.replay import RouteReplay  # no megatron-core import
+    for owner, name in ((TorchActor, "_route_check"), (RouteReplay, "_route_check"),
+                        (replay_check.RouteCheck, "ran"), (replay_check.RouteCheck, "finish")):
         own.wrap(owner, name)
     own_s: dict[ReplayCheck, list[float]] = {m: [] for m in ReplayCheck}
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,15 +99,12 @@ def main() -> None:
             batch = collate(tr.rollout.generate(tr.requests(prompts, 1)), tr.source.pad_id,
                             *tr._route_shape())
             modes = list(ReplayCheck)
-            # the one batch is replayed after updates moved the weights (routes of an older
-            # step, by design): the overlap is still computed, only its floor is off
-            tr.actor.min_overlap = 0.0
             cpu: dict[ReplayCheck, list[float]] = {m: [] for m in modes}
             wall: dict[ReplayCheck, list[float]] = {m: [] for m in modes}
             step = 0
             for r in range(a.repeats + 1):  # the first round warms up
                 for m in (modes if r % 2 else modes[::-1]):
-                    tr.actor.replay_check = m
+                    set_check(tr.actor, m)
                     step += 1
                     own.seconds = 0.0
                     t0, c0 = time.perf_counter(), time.thread_time()
@@ -103,7 +113,7 @@ def main() -> None:
                         cpu[m].append(time.thread_time() - c0)
                         wall[m].append(time.perf_counter() - t0)
                         own_s[m].append(own.seconds)
-            tr.actor.replay_check = ReplayCheck.OFF
+            set_check(tr.actor, ReplayCheck.OFF)
             steps = []
             for s in range(1, 4):  # whole RL steps (generation + actor + sync), check off
                 c0 = time.thread_time()
@@ -115,7 +125,7 @@ def main() -> None:
             tr.actor.close()
     med = {m: statistics.median(cpu[m]) for m in modes}
     rl_step = statistics.median(steps)
-    print(f"config {a.config}: {batch.size} rows x {batch.input_ids_BT.shape[1]} tokens, "
+    print(f"config {a.config} ({cfg.actor.backend} actor): {batch.size} rows x {batch.input_ids_BT.shape[1]} tokens, "
           f"{cfg.model.num_moe_layers} MoE layers, {a.repeats} repeats (CPU thread time)")
     print(f"{'check':8s} {'actor step s':>12s} {'wall s':>8s} {'x off':>7s} {'of RL step':>10s}"
           f" {'own s':>8s} {'own/actor':>9s} {'own/RL step':>11s}")

@@ -31,6 +31,8 @@ import torch
 
 from ..kernels.routes import RouteError
 
+LOGPROB_FORWARD, UPDATE_FORWARD = "log-prob forward", "update forward"
+"""The two kinds of replayed forward (messages; the overlap floor applies to the first only)."""
 SAMPLE_EVERY = 8
 """`sample`: every 8th replayed token is checked (all of them under `full`)."""
 MIN_OVERLAP_TOKENS = 32
@@ -70,18 +72,20 @@ class RouteCheck:
     the tokens that count (replayed and real); `tokens`: the slice of them checked
     (`sample_slice`); `layer_names`: decoder layer id of each MoE layer (messages);
     `where(n) -> (sample, position)` names token n; `what`: which forward (messages);
-    `any_order`: the routers report their ids in another order than given (compared as
+    `moe_ids`: the model's MoE-layer index of each reported layer (default 0..L-1; a pipeline
+    stage reports its own layers only); `any_order`: the routers report their ids in another order than given (compared as
     sets). Reports are kept as they come (views); `finish` compares all layers at once."""
 
     def __init__(self, given_NLK: torch.Tensor, checked_N: torch.Tensor, tokens: slice,
                  layer_names: Sequence[int], where: Callable[[int], tuple[int, int]], *,
                  num_experts: int, min_overlap: float | None = None, what: str = "forward",
-                 any_order: bool = False):
+                 moe_ids: Sequence[int] | None = None, any_order: bool = False):
         self.given_nLK, self.checked_n = given_NLK[tokens], checked_N[tokens]
         self.tokens, self.layer_names, self.where, self.what = tokens, layer_names, where, what
         self.num_experts, self.any_order = num_experts, any_order
         self.floor = overlap_floor(num_experts, given_NLK.shape[-1], min_overlap)
         L = given_NLK.shape[1]
+        self.moe_ids = list(range(L)) if moe_ids is None else list(moe_ids)
         self.counts = [0] * L
         self._ids: list[torch.Tensor | None] = [None] * L
         self._natural: list[torch.Tensor | None] = [None] * L
@@ -98,7 +102,7 @@ class RouteCheck:
             self._natural[layer] = natural_NK[self.tokens]
 
     def _name(self, layer: int) -> str:
-        return f"MoE layer {layer} (decoder layer {self.layer_names[layer]})"
+        return f"MoE layer {self.moe_ids[layer]} (decoder layer {self.layer_names[layer]})"
 
     def finish(self) -> None:
         """Raise `ReplayCheckError` for the first thing that did not happen as planned."""

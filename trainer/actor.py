@@ -38,7 +38,8 @@ from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import CheckpointError, hf_state_dict
 from lockstep.moe.model import MoEModel
-from lockstep.moe.replay_check import ReplayCheck, RouteCheck, sample_slice
+from lockstep.moe.replay_check import (LOGPROB_FORWARD, UPDATE_FORWARD, ReplayCheck, RouteCheck,
+                                       sample_slice)
 from lockstep.replay import ReplayOptions, compact_dtype
 from lockstep.trainer.batch import (Batch, _candidates, collate,  # noqa: F401  (re-exported)
                                     micro_batches, minibatch_schedule, trim, trim_batch)
@@ -67,8 +68,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 loss must be this micro-batch's share of the mini-batch loss (the shares are summed into one
 gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens."""
 
-
-LOGPROB_FORWARD, UPDATE_FORWARD = "log-prob forward", "update forward"  # replay-check messages
 
 OPTIMIZER_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_step")
 """Metrics of the optimiser step itself: every DP rank has the same value."""

@@ -61,7 +61,8 @@ def make_actor(cfg: ExperimentConfig, weights: MoEModel | Mapping[str, torch.Ten
     if cfg.actor.backend == "megatron":  # same interface, megatron-core underneath
         from lockstep.trainer.megatron.actor import MegatronActor
         return MegatronActor(weights, cfg.actor, total_updates, temperature=temperature,
-                             options=cfg.actor.megatron, model_cfg=cfg.model)
+                             options=cfg.actor.megatron, model_cfg=cfg.model,
+                             replay_check=cfg.replay.check, min_overlap=replay_min_overlap(cfg))
     from lockstep.trainer.actor import TorchActor
     if not isinstance(weights, MoEModel):
         from lockstep.moe.checkpoint import load_hf_state_dict

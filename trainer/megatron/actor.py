@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
+from lockstep.moe.replay_check import ReplayCheck
 from lockstep.replay import ReplayMode, compact_dtype, old_logprob_plan
 from lockstep.trainer.actor import (Batch, LogprobResult, LossFn, lr_lambda,
                                     run_minibatches)
@@ -91,11 +92,13 @@ class MegatronActor(Schedule, RankActor):
 
     def __init__(self, source: MoEModel | Mapping[str, torch.Tensor], cfg: ActorConfig,
                  total_updates: int, temperature: float = 1.0,
-                 options: MegatronOptions | None = None, model_cfg: ModelConfig | None = None):
+                 options: MegatronOptions | None = None, model_cfg: ModelConfig | None = None,
+                 replay_check: ReplayCheck = ReplayCheck.OFF, min_overlap: float | None = None):
         """`source`: the initial weights, a torch `MoEModel` (not kept) or a mapping of HF
         names (a `LazyHF` over an HF folder; then `model_cfg` gives the architecture), of
         which this rank reads only its shard: its pipeline stage's layers, its EP rank's
-        experts, its TP / ETP slices (`convert.load_hf_into_megatron`)."""
+        experts, its TP / ETP slices (`convert.load_hf_into_megatron`). `replay_check` /
+        `min_overlap`: the replay validator (`replay.check`, moe/replay_check.py)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -128,7 +131,8 @@ class MegatronActor(Schedule, RankActor):
         self.aux_coef, self.num_moe_layers = self.opts.aux_loss_coef, mcfg.num_moe_layers
         # one replay adapter per chunk: each sees exactly its chunk's routers
         self.replays = [RouteReplay(m, mcfg.num_experts, aux_loss_coef=self.aux_coef,
-                                    num_moe_layers=mcfg.num_moe_layers) for m in self.chunks]
+                                    num_moe_layers=mcfg.num_moe_layers, check=replay_check,
+                                    min_overlap=min_overlap) for m in self.chunks]
         self.device = next(self.chunks[0].parameters()).device
         self.route_dtype = compact_dtype(mcfg.num_experts)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -152,6 +156,8 @@ class MegatronActor(Schedule, RankActor):
         self.moe_written = [torch.tensor([moe_index[i] for i in r.decoder_layers],
                                          dtype=torch.long, device=self.device)
                             for r in self.replays]
+        for r in self.replays:  # the validator names the model's MoE layers
+            r.moe_ids = [moe_index[i] for i in r.decoder_layers]
         self.last_chunk = self.chunks[-1]  # holds the LM head on the last stage
         self._update_lp = torch.zeros(0, device=self.device)
         # MoE layers exchange tokens over EP x ETP ranks; more than TP of them = other DP ranks

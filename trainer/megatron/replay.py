@@ -30,6 +30,13 @@ P the mean router softmax, both over real tokens, averaged over MoE layers) and 
 each router's output with megatron-core's `MoEAuxLossAutoScaler`, so it is backpropagated
 inside the layer (also under activation recomputation).
 
+Replay validator (`replay.check`, moe/replay_check.py): with `check` on, `set_routes` also
+makes the forward's `RouteCheck` (in router order); the wrapper of each `TopKRouter.routing`
+reports the experts in the routing map the router returned (what the dispatcher runs, read
+after megatron-core, so a bypassed replay shows) with the natural top-k, and `finish_forward`
+checks after the forward. A router in REPLAY_FORWARD with no routes set for its forward (the
+last micro-batch's would be replayed), and routes set for a forward that never ran, stop it too.
+
 Router margins (rollout dumps): a session opened with `margins=fn` also applies `fn` to each
 router's logits in every forward (`moe.router.router_margin`: the torch model's definition)
 and returns them per layer in [B, T] order, like the routes (`margins()`).
@@ -44,6 +51,8 @@ from collections.abc import Iterator
 import torch
 
 from lockstep.kernels.routes import RouteError, check_routes_BTLK
+from lockstep.moe.replay_check import (LOGPROB_FORWARD, ReplayCheck, ReplayCheckError,
+                                       RouteCheck, sample_slice)
 
 Tensor = torch.Tensor
 
@@ -130,7 +139,10 @@ class RouteReplay:
     (default: the routers found here)."""
 
     def __init__(self, model, num_experts: int, aux_loss_coef: float = 0.0,
-                 num_moe_layers: int | None = None):
+                 num_moe_layers: int | None = None, check: ReplayCheck = ReplayCheck.OFF,
+                 min_overlap: float | None = None, moe_ids: list[int] | None = None):
+        """`check` / `min_overlap`: the replay validator (module doc); `moe_ids`: the
+        model's MoE-layer index of each router here (messages; default 0..)."""
         self.model = model
         self.num_experts = num_experts
         self.router_modules = _router_modules(model)
@@ -148,6 +160,9 @@ class RouteReplay:
         self._aux: list[Tensor | None] = [None] * len(self.routers)
         self._margin_fn = None                  # session(margins=...): logits_NE -> [N]
         self._margin: list[Tensor | None] = [None] * len(self.routers)
+        self.check, self.min_overlap, self.moe_ids = ReplayCheck(check), min_overlap, moe_ids
+        self._check: RouteCheck | None = None   # the forward's ledger, set by set_routes
+        self._checked_forwards = 0
         for layer, (m, r) in enumerate(zip(self.router_modules, self.routers)):
             r.get_replay_topk = self._replay_topk(layer, r, r.get_replay_topk)
             m.routing = self._routing(layer, m, m.routing)
@@ -188,6 +203,10 @@ class RouteReplay:
                     hooks.append(m.register_forward_pre_hook(_check_token_count(layer, r)))
             self._mode, self._margin_fn = mode, margins
             yield self
+            if self._check is not None:
+                raise ReplayCheckError(
+                    f"replay check ({self._check.what}): routes were set for MoE layers "
+                    f"{self._check.moe_ids} but no forward consumed them")
         finally:
             for h in hooks:
                 h.remove()
@@ -203,6 +222,7 @@ class RouteReplay:
         self._margin, self._margin_fn = [None] * n, None
         self._keep_N = self._tokens_N = None
         self._aux_weight = 0.0
+        self._check = None
         self._mode = None
 
     def _replay_topk(self, layer: int, r, original):
@@ -233,13 +253,30 @@ class RouteReplay:
         return get_replay_topk
 
     def _routing(self, layer: int, module, original):
-        """`TopKRouter.routing` plus the torch model's load-balancing loss (module doc)."""
+        """`TopKRouter.routing` plus the torch model's load-balancing loss and the replay
+        validator's report (module doc)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
         def routing(logits, padding_mask=None):
             if self._margin_fn is not None:  # the router's logits as megatron-core gates them
                 with torch.no_grad():
                     self._margin[layer] = self._margin_fn(
                         logits.detach().reshape(-1, self.num_experts)).float()[:, None]
+            checking = (self.check is not ReplayCheck.OFF and module.router_replay
+                        .router_replay_action is RouterReplayAction.REPLAY_FORWARD)
+            if checking:
+                if self._check is None:
+                    raise ReplayCheckError(
+                        f"replay check: MoE layer {self._moe_id(layer)} (decoder layer "
+                        f"{module.layer_number - 1}) replays, but no routes were set for this "
+                        f"forward (it would run an earlier micro-batch's)")
+                self._natural[layer] = None  # set again by get_replay_topk if it runs
             probs, routing_map = original(logits, padding_mask=padding_mask)
+            if checking:
+                with torch.no_grad():  # the experts the dispatcher runs, as megatron-core left them
+                    ran = routing_map.to(torch.float32).topk(module.topk, dim=-1).indices
+                natural = self._natural[layer]
+                self._check.ran(layer, ran, ran if natural is None else natural)
             if self.aux_loss_coef > 0 and self._tokens_N is not None and module.training:
                 # without grad (the first pass of a recomputed layer) only the value is noted
                 probs = self._attach_aux(layer, logits, routing_map, probs)
@@ -270,6 +307,15 @@ class RouteReplay:
         if not torch.is_grad_enabled():
             return probs_NE
         return MoEAuxLossAutoScaler.apply(probs_NE, aux * self._aux_weight)
+
+    def _moe_id(self, layer: int) -> int:
+        return layer if self.moe_ids is None else self.moe_ids[layer]
+
+    def finish_forward(self) -> None:
+        """After a replayed forward: the validator's checks (no-op when off or recording)."""
+        check, self._check = self._check, None
+        if check is not None:
+            check.finish()
 
     def begin_micro_batch(self, token_mask_BT: Tensor | None, aux_weight: float = 0.0) -> None:
         """Before a training forward: its real tokens [B, T] and the weight of its load-
@@ -309,9 +355,14 @@ class RouteReplay:
         _, group = self._tp_rank_and_group()
         return from_router_order(per_layer, B, T, self.tp, group, dtype, device=None)
 
-    def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None) -> None:
+    def set_routes(self, ids_BTLK: Tensor, valid_BT: Tensor | None = None, *,
+                   tokens_BT: Tensor | None = None, rows: Tensor | None = None,
+                   what: str = LOGPROB_FORWARD) -> None:
         """Routes for the next forward (one micro-batch) in a REPLAY session: the given ids
         where `valid_BT`, the router's natural choice elsewhere (decided in the forward).
+        With the validator on, also that forward's `RouteCheck` over the real tokens
+        `tokens_BT` (default all) of batch rows `rows` (messages), a `what` forward; call
+        `finish_forward()` after it.
 
         Also queues them for REPLAY_BACKWARD, so a recomputed forward in the backward pass
         replays the same experts; call `backward_replays(output)` on the forward's output.
@@ -331,10 +382,32 @@ class RouteReplay:
         tp_rank, _ = self._tp_rank_and_group()
         self._keep_N = None if bool(valid_BT.all()) and full.shape[1] % self.tp == 0 \
             else mask_to_router_order(valid_BT, self.tp, tp_rank).to(self.device)
-        for r, x in zip(self.routers, to_router_order(full, self.tp, tp_rank)):
+        per_layer = to_router_order(full, self.tp, tp_rank)
+        for r, x in zip(self.routers, per_layer):
             r.set_target_indices(x)
             # a previous micro-batch's backward may have left REPLAY_BACKWARD on
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if self.check is not ReplayCheck.OFF:
+            self._check = self._route_check(per_layer, valid_BT, tokens_BT, rows, what, tp_rank)
+
+    def _route_check(self, per_layer: list[Tensor], valid_BT: Tensor, tokens_BT, rows, what,
+                     tp_rank: int) -> RouteCheck:
+        """The validator's ledger of the next forward, in router order (n = s_local * B + b)."""
+        B, T = valid_BT.shape
+        checked_BT = valid_BT if tokens_BT is None else valid_BT & tokens_BT.cpu().bool()
+        s_loc = -(-T // self.tp)
+        names = [] if rows is None else rows.tolist()
+
+        def where(n: int) -> tuple[int, int]:
+            s, b = divmod(n, B)
+            return (names[b] if names else b), tp_rank * s_loc + s
+        self._checked_forwards += 1
+        return RouteCheck(
+            torch.stack(per_layer, 1), mask_to_router_order(checked_BT, self.tp, tp_rank),
+            sample_slice(self.check, self._checked_forwards), self.decoder_layers, where,
+            num_experts=self.num_experts, what=what, any_order=True,
+            min_overlap=self.min_overlap if what == LOGPROB_FORWARD else 0.0,
+            moe_ids=[self._moe_id(l) for l in range(self.num_layers)])
 
     def backward_replays(self, output: Tensor) -> Tensor:
         """Identity on `output` that switches the routers to REPLAY_BACKWARD when the backward

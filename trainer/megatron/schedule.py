@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.kernels.logprob import chunked_logprobs
+from lockstep.moe.replay_check import LOGPROB_FORWARD, UPDATE_FORWARD
 from lockstep.moe.router import router_margin
 from lockstep.trainer.actor import Batch, LossFn
 from lockstep.trainer.batch import micro_batches, trim, trim_batch
@@ -147,9 +148,12 @@ class Schedule:
                     * len(micro) * self.dp)
             if routes_BTLK is not None and replay.num_layers:
                 replay.set_routes(trim(routes_BTLK, idx, t)[:, :, moe],
-                                  None if mask_BT is None else trim(mask_BT, idx, t))
+                                  None if mask_BT is None else trim(mask_BT, idx, t),
+                                  tokens_BT=mb.token_mask_BT, rows=idx,
+                                  what=UPDATE_FORWARD if train else LOGPROB_FORWARD)
             ids = mb.input_ids_BT.to(self.device)
             out = replay.backward_replays(forward_logits(model, ids))  # hidden if chunked
+            replay.finish_forward()  # the replay validator (replay.check)
             if replay.num_layers:
                 rows, at = idx.to(self.device)[:, None], self.moe_written[c]
                 used[rows, :t, at] = replay.used(b, t).transpose(1, 2)
