@@ -173,3 +173,35 @@ def test_observation_messages_go_through_the_chat_template_once(tmp_path):
     assert ObservationCodec(tok).encode("7") == tok("7", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         ObservationCodec(TOK, role="tool")
+
+
+def test_trajectory_reward_is_the_final_turn_plus_env_rewards_or_the_error_score():
+    from lockstep.rollout.agent import TrajectoryInfo, Turn
+    from lockstep.rollout.tasks import Task, TaskConfig
+    from lockstep.rollout.types import GenerationResult
+    from lockstep.trainer.agent import trajectory_rewards
+    from lockstep.trainer.data import TaskSource
+
+    task = Task(TaskConfig(name="multiply"))
+    source = TaskSource(task, seed=0)
+    prompt = source.prompts(0, 1)[0]
+    demo, sampled = task.demonstration(prompt.ground_truth)  # call, observation, answer
+    P, n_call = len(prompt.ids), sampled.index(False)
+    n_obs = sampled[n_call:].index(True)
+
+    def result(error=None, env_reward=0.0, answer=None):
+        out = demo if answer is None else demo[:n_call + n_obs] + answer
+        turns = [Turn(P, n_call, n_obs), Turn(P + n_call + n_obs, len(out) - n_call - n_obs)]
+        return GenerationResult(
+            "r", 0, list(prompt.ids), out, torch.zeros(len(out)), None, {"type": "trajectory"},
+            "0", sampled_mask=torch.tensor(sampled[:n_call + n_obs] + [True] * (
+                len(out) - n_call - n_obs)),
+            trajectory=TrajectoryInfo(turns, env_reward, error, end="error" if error else "done"))
+    cfg = EnvConfig(error_score=-0.5)
+    wrong = task.answer_ids(prompt.ground_truth)[:-2] + [task.eos_id]
+    rewards, m = trajectory_rewards(source.rewards, [prompt] * 4,
+                                    [result(), result(env_reward=0.25), result(error="timeout"),
+                                     result(answer=wrong)], cfg)
+    assert rewards.tolist() == [1.0, 1.25, -0.5, 0.0]
+    assert m["agent/errors_timeout"] == 1 and m["agent/tool_calls_mean"] == 1
+    assert m["agent/observation_tokens_mean"] == n_obs
