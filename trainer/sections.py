@@ -119,8 +119,7 @@ class RolloutConfig(Section):
     disk (`weights_dir` + /update_weights_from_disk) or auto (distributed, else disk); ray takes
     object_store (= auto); embedded copies in process (auto)."""
     env: dataclass_section(EnvConfig) | None = None
-    """Multi-turn trajectories: the environment (or tool) file that answers each policy turn
-    (lockstep.rollout.env; docs/agent.md); null = one response per sample."""
+    """Multi-turn trajectories: the env (or tool) answering each turn (docs/agent.md); null: one."""
     sglang: dataclass_section(SGLangOptions) = Field(default_factory=SGLangOptions)
     """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
@@ -479,9 +478,8 @@ class ExperimentConfig(Section):
              "the reward section applies to data sets (data.train_files); the synthetic task "
              "keeps its own exact-match reward")
         task = Task(self.task)
-        need(not task.uses_tool or self.rollout.env is not None,
-             f"task.name={self.task.name} calls a calculator between turns: it needs "
-             "rollout.env (e.g. {file: calculator, stop: ['>']}; configs/toy_agent_r3.yaml)")
+        need(not task.uses_tool or self.rollout.env is not None, f"task.name={self.task.name} "
+             "calls a calculator between turns: it needs rollout.env (configs/toy_agent_r3.yaml)")
         need(self.model.vocab_size >= task.vocab_size,
              f"model.vocab_size={self.model.vocab_size} is smaller than the task tokenizer's "
              f"{task.vocab_size} tokens")
@@ -545,15 +543,13 @@ class ExperimentConfig(Section):
             for k in ("max_total_tokens", "bind", "extra_env"):
                 if d["rollout"]["sglang"][k] == getattr(SGLangOptions(), k):
                     d["rollout"]["sglang"].pop(k)
-        for k in ("weight_sync", *_FLEET_KEYS):  # at defaults: saved as before they existed
+        for k in ("weight_sync", "env", *_FLEET_KEYS):  # at defaults: saved as before they existed
             if d["rollout"][k] == RolloutConfig.model_fields[k].default:
                 d["rollout"].pop(k)
         if d["reward"]["import_timeout_s"] == RewardConfig.import_timeout_s:  # likewise
             d["reward"].pop("import_timeout_s")
         if self.loop.wandb is None:  # likewise
             d["loop"].pop("wandb")
-        if self.rollout.env is None:  # likewise
-            d["rollout"].pop("env")
         d["correction"].pop("preset")  # always None here: a preset is saved as its fields
         for section, (cls, keys) in _LATER_KEYS.items():  # at defaults: saved as before they existed
             for k in keys:
