@@ -23,7 +23,7 @@ from .config import ModelConfig
 from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, grouped_linear, linear,
                      rope_cos_sin)
 from .replay_check import RouteCheck
-from .router import bias_update, expert_load, route, router_probs
+from .router import bias_update, expert_load, partial_replay_mask, route, router_probs
 
 
 @dataclass
@@ -41,6 +41,9 @@ class ModelOutput:
     replayed ones where gate weights were replayed)."""
     router_logits_LNE: list[torch.Tensor]
     """Per MoE layer, fp32 router logits of all N tokens (for the load-balancing loss)."""
+    replayed_BTL: torch.Tensor | None = None
+    """bool: where each MoE layer ran the given ids (the replay mask, narrowed per layer by
+    partial replay); None when nothing was given."""
 
 
 class DenseMLP(nn.Module):
@@ -106,11 +109,17 @@ class MoEBlock(nn.Module):
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_width)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x_BTD, replay_ids_NK, replay_mask_N, replay_gates_NK=None):
+    def forward(self, x_BTD, replay_ids_NK, replay_mask_N, replay_gates_NK=None, partial=None):
+        """`partial` (a `lockstep.replay.PartialReplay`: rule, threshold) narrows the replay
+        mask to the tokens whose router is unsure enough (`partial_replay_mask`). Returns
+        (y, ids run, natural top-k, router logits, gates used, replay mask used or None)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
         router_logits_NE = linear(x_ND.to(w.dtype), w).float()
+        if partial is not None and replay_ids_NK is not None:
+            replay_mask_N = replay_mask_N & partial_replay_mask(
+                router_logits_NE, self.cfg, replay_ids_NK, partial.rule, partial.threshold)
         ids_NK, gates_NK, natural_NK = route(router_logits_NE, self.cfg,
                                              self.e_score_correction_bias, replay_ids_NK,
                                              replay_mask_N, replay_gates_NK)
@@ -121,7 +130,8 @@ class MoEBlock(nn.Module):
         if self.cfg.shared_expert_intermediate_size:
             g_N1 = torch.sigmoid(linear(x_ND, self.shared_expert_gate.weight))
             y_ND = y_ND + g_N1 * self.shared_expert(x_ND)
-        return y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE, gates_NK.detach()
+        return (y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE, gates_NK.detach(),
+                replay_mask_N)
 
 
 class DecoderLayer(nn.Module):
@@ -221,13 +231,15 @@ class MoEModel(nn.Module):
                 kv_cache: KVCache | None = None, cache_slots_B: torch.Tensor | None = None,
                 compute_logits: bool = True,
                 routed_gates_BTLK: torch.Tensor | None = None,
-                replay_check: RouteCheck | None = None) -> ModelOutput:
+                replay_check: RouteCheck | None = None,
+                partial_replay=None) -> ModelOutput:
         """`routed_experts_BTLK` (+ `replay_mask_BT`, default all True) replays expert ids;
         `routed_gates_BTLK` (any float dtype, same shape) replays their gate weights too, where
         the mask is set (straight-through: the forward uses them, the router's gradient is that
         of its own gates at those ids). `replay_check` (with `routed_experts_BTLK`): every MoE
         router reports the ids it ran to it, and it is finished after the last layer
-        (moe/replay_check.py)."""
+        (moe/replay_check.py). `partial_replay` (`lockstep.replay.PartialReplay`) replays a
+        (token, layer) only where that layer's router is unsure enough."""
         cfg = self.cfg
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -257,17 +269,19 @@ class MoEModel(nn.Module):
                                        cfg.rope_scaling, cfg.max_position_embeddings)
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
-        routes, natural, router_logits, gates = [], [], [], []
+        routes, natural, router_logits, gates, replayed = [], [], [], [], []
         for layer in self.layers:
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin_signed, cache_rows)
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
                 l = len(routes)
-                y, ids_NK, nat_NK, logits_NE, gates_NK = layer.mlp(
-                    h, replay_ids_LNK[l], replay_mask_N, replay_gates_LNK[l])
+                y, ids_NK, nat_NK, logits_NE, gates_NK, mask_N = layer.mlp(
+                    h, replay_ids_LNK[l], replay_mask_N, replay_gates_LNK[l], partial_replay)
                 gates.append(gates_NK)
-                if replay_check is not None:
-                    replay_check.ran(layer.mlp.moe_index, ids_NK, nat_NK)
+                replayed.append(mask_N)
+                if replay_check is not None:  # partial replay: only its replayed tokens count
+                    replay_check.ran(layer.mlp.moe_index, ids_NK, nat_NK,
+                                     None if partial_replay is None else mask_N)
                 routes.append(ids_NK)
                 natural.append(nat_NK)
                 router_logits.append(logits_NE)
@@ -286,6 +300,8 @@ class MoEModel(nn.Module):
             natural_BTLK=torch.stack(natural, 1).view(B, T, -1, K) if natural else empty,
             gates_BTLK=(torch.stack(gates, 1).view(B, T, -1, K) if gates
                         else empty.to(self.compute_dtype)),
+            replayed_BTL=(torch.stack(replayed, 1).view(B, T, -1)
+                          if replay_mask_N is not None and replayed else None),
             router_logits_LNE=router_logits,
         )
 

@@ -89,9 +89,13 @@ class RouteCheck:
         self.counts = [0] * L
         self._ids: list[torch.Tensor | None] = [None] * L
         self._natural: list[torch.Tensor | None] = [None] * L
+        self._replayed: list[torch.Tensor | None] = [None] * L
 
-    def ran(self, layer: int, ids_NK: torch.Tensor, natural_NK: torch.Tensor) -> None:
-        """Router of MoE layer `layer` ran `ids_NK`; its own top-k was `natural_NK`."""
+    def ran(self, layer: int, ids_NK: torch.Tensor, natural_NK: torch.Tensor,
+            replayed_N: torch.Tensor | None = None) -> None:
+        """Router of MoE layer `layer` ran `ids_NK`; its own top-k was `natural_NK`.
+        `replayed_N` (partial replay): the tokens this layer replayed; only those must have
+        run the given ids (None: every checked token)."""
         if not 0 <= layer < len(self.counts):
             raise ReplayCheckError(f"replay check ({self.what}): a router reported MoE layer "
                                    f"index {layer}, but the plan replays {len(self.counts)} "
@@ -100,6 +104,8 @@ class RouteCheck:
         if self.counts[layer] == 1:
             self._ids[layer] = ids_NK[self.tokens]
             self._natural[layer] = natural_NK[self.tokens]
+            if replayed_N is not None:
+                self._replayed[layer] = replayed_N[self.tokens]
 
     def _name(self, layer: int) -> str:
         return f"MoE layer {self.moe_ids[layer]} (decoder layer {self.layer_names[layer]})"
@@ -126,6 +132,9 @@ class RouteCheck:
         if self.any_order:
             ran, given = ran.sort(-1).values, given.sort(-1).values
         bad_nL = (ran != given).any(-1) & checked
+        if any(r is not None for r in self._replayed):  # partial replay: its own tokens only
+            bad_nL &= torch.stack([torch.ones_like(self.checked_n, device=ran.device)
+                                   if r is None else r.to(ran.device) for r in self._replayed], 1)
         natural = torch.stack(self._natural, 1)
         agree_nL = (given[..., :, None] == natural[..., None, :]).sum((-1, -2)) * checked
         sums = torch.cat([bad_nL.sum(0), agree_nL.sum(0), checked.sum(0)]).tolist()  # one sync

@@ -107,6 +107,20 @@ def router_margin(logits_NE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return top_NK[:, K - 1] - top_NK[:, K]
 
 
+def partial_replay_mask(logits_NE: torch.Tensor, cfg: ModelConfig, replay_ids_NK: torch.Tensor,
+                        rule: str, threshold: float) -> torch.Tensor:
+    """bool [N]: where partial replay replays the given ids (lockstep.replay.PartialReplay):
+    rule "margin": `router_margin` < threshold; rule "tolerance": the current `router_probs`
+    mass on the own top-k minus the mass on the replayed ids <= threshold. No gradient."""
+    with torch.no_grad():
+        if rule == "margin":
+            return router_margin(logits_NE, cfg) < threshold
+        probs_NE = router_probs(logits_NE.float(), cfg)
+        own_N = probs_NE.topk(cfg.num_experts_per_tok, dim=-1).values.sum(-1)
+        replayed_N = probs_NE.gather(1, replay_ids_NK.long()).sum(-1)
+        return own_N - replayed_N <= threshold
+
+
 def expert_load(ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, fp32 [E], counting the (token, k) slots given."""
     return torch.bincount(ids_NK.reshape(-1).long(), minlength=num_experts).float()

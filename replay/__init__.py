@@ -20,8 +20,8 @@ from .codec import (
 )
 from .route_divergence import RouteComparison, compare_routes, routing_divergence
 from .gates import GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, decode_gates, encode_gates
-from .policy import (GATES, NO_REPLAY, ReplayMode, ReplayOptions, ReplayPlan, old_logprob_plan,
-                     update_plan)
+from .policy import (GATES, NO_REPLAY, PARTIAL_RULES, PartialReplay, ReplayMode, ReplayOptions,
+                     ReplayPlan, old_logprob_plan, update_plan)
 from .trace import (
     RouteError,
     RoutingTrace,
@@ -35,6 +35,7 @@ from .trace import (
 __all__ = [
     "COMPACT_HEADER_BYTES", "ENCODING_COMPACT", "ENCODING_INT32", "ENCODING_REQUEST_FIELD",
     "ENCODINGS", "GATES", "GATES_REQUEST_FIELD", "GATES_RESPONSE_FIELD", "NO_REPLAY",
+    "PARTIAL_RULES", "PartialReplay",
     "ReplayMode", "ReplayOptions", "ReplayPlan", "decode_gates", "encode_gates", "RouteComparison", "RouteError",
     "RoutingTrace", "batch_traces", "compact_dtype", "compare_routes", "concat_traces",
     "decode_compact", "decode_routes", "decode_sglang", "encode_compact", "encode_routes",

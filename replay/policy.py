@@ -53,6 +53,28 @@ class ReplayMode(str, Enum):
 
 
 GATES = ("recompute", "engine")
+PARTIAL_RULES = ("margin", "tolerance")
+
+
+@dataclass(frozen=True)
+class PartialReplay:
+    """Replay a (token, layer) route only where the trainer's own router is unsure enough;
+    elsewhere the layer routes naturally (docs/replay.md "Partial replay").
+
+    margin: replay where the router margin (k-th minus (k+1)-th expert probability,
+    `moe.router.router_margin`) is below `threshold`: 0 replays nothing (= replay off), inf
+    everything (= the mode's full replay). tolerance (prime-rl #2703's rule): replay where the
+    trainer's probability mass on the replayed experts is within `threshold` of the mass on its
+    own top-k (own - replayed <= threshold): inf replays everything."""
+
+    rule: str
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if self.rule not in PARTIAL_RULES:
+            raise ValueError(f"partial replay rule {self.rule!r}; valid: {list(PARTIAL_RULES)}")
+        if not self.threshold >= 0:  # also refuses NaN
+            raise ValueError(f"partial replay threshold must be >= 0, got {self.threshold!r}")
 
 
 @dataclass(frozen=True)
@@ -60,10 +82,14 @@ class ReplayOptions:
     """How an actor replays, beyond the mode (the experiment's `replay` section)."""
 
     gates: str = "recompute"  # GATES: recompute the replayed experts' weights, or replay them
+    partial: PartialReplay | None = None  # None: replay every position that has a route
+    bias_meter_rows: float = 0.125  # rows of the bias meter's extra forward (0 = none)
 
     def __post_init__(self) -> None:
         if self.gates not in GATES:
             raise ValueError(f"replay gates {self.gates!r}; valid: {list(GATES)}")
+        if not 0.0 <= self.bias_meter_rows <= 1.0:
+            raise ValueError(f"bias_meter_rows must be in [0, 1], got {self.bias_meter_rows!r}")
 
     @property
     def replays_gates(self) -> bool:

@@ -180,7 +180,8 @@ class TorchActor(RankActor):
         out = model(ids, routed_experts_BTLK=routes, replay_mask_BT=mask, compute_logits=False,
                     routed_gates_BTLK=None if gates_BTLK is None else gates_BTLK.to(dev),
                     replay_check=None if routes is None else self._route_check(
-                        routes, mask, batch.token_mask_BT.to(dev), rows, what))
+                        routes, mask, batch.token_mask_BT.to(dev), rows, what),
+                    partial_replay=self.replay_options.partial)
         # position t-1's hidden state predicts the token at t
         cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:].to(dev)
         lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
@@ -268,6 +269,9 @@ class TorchActor(RankActor):
         # routes run and natural top-k: host results (R2's replay plan is made on the host)
         used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device="cpu")
         nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device="cpu")
+        # where each layer ran the given ids in the last pass (partial replay's stats)
+        self.last_replayed_BTL = None if routes_BTLK is None else \
+            torch.zeros(B, T, L, dtype=torch.bool, device="cpu")
         self.compute.train()
         if steps is None:
             metrics = run_minibatches(
@@ -334,6 +338,8 @@ class TorchActor(RankActor):
             self._accumulate_fp32()
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store).cpu()
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store).cpu()
+            if out.replayed_BTL is not None:
+                self.last_replayed_BTL[idx, :t] = out.replayed_BTL.cpu()
             if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
                 load_LE += self.compute.expert_loads(out.routes_BTLK,
                                                      mb.token_mask_BT.to(self.device))

@@ -25,7 +25,9 @@ implement natively for multi-rank layouts.
       weights, loss mask; `UpdateInputs`). Returns the log-probs the update forwards saw
       [b, t] (for the driver's staleness split) and stats: actor/* metrics, `routing_stale/*`
       (old natural vs update natural top-k) and the replay check `replay/replayed_fraction`,
-      `replay/mismatch` (routes run vs routes given, every layer).
+      `replay/mismatch` (routes run vs routes given, every layer; with replay.partial only the
+      pairs it replayed, and `replay/partial_fraction*`), and the replay bias meter
+      `replay_bias/*` (trainer/replay_bias.py).
   export_weights(bucket_bytes) -> iterator of buckets of (hf_name, tensor) (`moe/buckets.py`)
       The policy's weights under Hugging Face names, once per RL step; with DP every rank
       holds them all and rank 0 exports; sharded backends gather across TP/EP/PP here.
@@ -214,7 +216,8 @@ class RankActor:
     dp_rank: int = 0
     dp_size: int = 1
     reference = None  # a ReferencePolicy once set_reference was called (loss.kl_coef > 0)
-    replay_options = ReplayOptions()  # replay beyond the mode (gates), set at construction
+    replay_options = ReplayOptions()  # replay beyond the mode (gates, partial, bias meter)
+    last_replayed_BTL = None  # bool: where the last update pass ran the given ids, per layer
 
     def shard_logprobs(self, batch: Batch, routes_BTLK, replay_mask_BT, record: bool = False,
                        gates_BTLK=None):
@@ -290,17 +293,49 @@ class RankActor:
         token_BT = batch.token_mask_BT
         stats.update(route_stats(old_natural_BTLK, natural_BTLK, token_BT, "routing_stale",
                                  self._layer_names(), self.dp_rank == 0))
+        stats.update(self._bias_meter(batch, up, used_BTLK, natural_BTLK, step))
         if up.routes_BTLK is not None:
             replayed_BT = up.replay_mask_BT & token_BT
             differs = (used_BTLK[replayed_BT].long() != up.routes_BTLK[replayed_BT].long())
             n_rep = float(replayed_BT.sum())
             stats["replay/replayed_fraction"] = (n_rep, float(token_BT.sum()))
-            # (token, layer) pairs whose routes differ from the given ones, over every layer
-            stats["replay/mismatch"] = (float(differs.any(-1).sum()), n_rep * differs.shape[1])
+            if self.replay_options.partial is None:
+                # (token, layer) pairs whose routes differ from the given ones, over every layer
+                stats["replay/mismatch"] = (float(differs.any(-1).sum()),
+                                            n_rep * differs.shape[1])
+            else:  # only the pairs partial replay replayed must run the given ids
+                stats.update(self._partial_stats(differs, self.last_replayed_BTL[replayed_BT],
+                                                 n_rep))
         else:
             stats["replay/replayed_fraction"] = (0.0, float(token_BT.sum()))
             stats["replay/mismatch"] = (0.0, first)
         return UpdateResult(current_BT.cpu(), stats)
+
+    def _bias_meter(self, batch: Batch, up, used_BTLK, natural_BTLK, step: int) -> Stats:
+        """The replay bias meter's stats (trainer/replay_bias.py), under the updated weights."""
+        from lockstep.trainer import replay_bias
+        first = self.dp_rank == 0
+        replays = up.routes_BTLK is not None
+        out = replay_bias.flip_stats(used_BTLK, natural_BTLK, batch.token_mask_BT,
+                                     self._layer_names(), replays, first)
+        frac = self.replay_options.bias_meter_rows
+        if frac > 0:
+            rows = (torch.arange(batch.size) if self._gen_all_rows() and replays
+                    else replay_bias.sampled_rows(batch.size, frac, step))
+            out.update(replay_bias.kl_stats(self, batch, up.routes_BTLK, up.replay_mask_BT,
+                                            up.gates_BTLK, rows, first))
+        return out
+
+    def _partial_stats(self, differs_NLK, replayed_NL, n_rep: float) -> Stats:
+        """replay/mismatch over the (token, layer) pairs partial replay replayed, and the
+        replayed fraction of the positions that had a route, overall and per layer."""
+        L = replayed_NL.shape[-1]
+        out: Stats = {"replay/mismatch": (float((differs_NLK.any(-1) & replayed_NL).sum()),
+                                          float(replayed_NL.sum())),
+                      "replay/partial_fraction": (float(replayed_NL.sum()), n_rep * L)}
+        for name, n in zip(self._layer_names(), replayed_NL.sum(0, dtype=torch.float64).tolist()):
+            out[f"replay/partial_fraction/layer_{int(name)}"] = (n, n_rep)
+        return out
 
     @torch.no_grad()
     def gen_logprobs(self, batch: Batch, versions: list, mode: ReplayMode, step: int,

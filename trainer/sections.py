@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
 from lockstep.moe.replay_check import ReplayCheck
-from lockstep.replay import ReplayMode, ReplayOptions
+from lockstep.replay import PartialReplay, ReplayMode, ReplayOptions
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.sglang_options import SGLangOptions
@@ -252,6 +252,18 @@ class ActorConfig(Section):
         return self
 
 
+class PartialReplayConfig(Section):
+    """Partial replay: replay a (token, layer) route only where the actor's router is unsure
+    enough; elsewhere that layer routes naturally (lockstep.replay.PartialReplay)."""
+
+    rule: Literal["margin", "tolerance"]
+    """margin: replay where the router margin is below threshold (0 = replay off, .inf = full
+    replay); tolerance: replay where the actor's probability mass on the replayed experts is
+    within threshold of the mass on its own top-k (prime-rl #2703)."""
+    threshold: Float = Field(ge=0.0)
+    """The rule's bound (a probability difference; YAML .inf for no bound)."""
+
+
 class ReplayConfig(Section):
     """Routing replay: which routes the actor's forwards run."""
 
@@ -270,9 +282,18 @@ class ReplayConfig(Section):
     (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
     forward's under R2; straight-through, so the router still learns; docs/replay.md)."""
 
+    partial: PartialReplayConfig | None = None
+    """Replay only where the actor's router is unsure (None: wherever a route exists)."""
+    bias_meter_rows: Float = Field(0.125, ge=0.0, le=1.0)
+    """Fraction of rows the replay bias meter re-runs after each update, replayed and natural
+    (replay_bias/k3; 0 = only the flip rate; docs/replay.md)."""
+
     def options(self) -> ReplayOptions:
         """What the actor needs beyond the mode (lockstep.replay.ReplayOptions)."""
-        return ReplayOptions(gates=self.gates)
+        p = self.partial
+        return ReplayOptions(gates=self.gates, partial=None if p is None else
+                             PartialReplay(p.rule, p.threshold),
+                             bias_meter_rows=self.bias_meter_rows)
 
 
 class AdvantageConfig(Section):
@@ -490,8 +511,16 @@ class ExperimentConfig(Section):
         return self
 
     def _check_replay(self) -> None:
-        """replay.gates=engine: what it needs of the mode, the rollout backend and the actor."""
+        """replay.gates=engine and replay.partial: what they need of the mode, the rollout
+        backend and the actor."""
         rp = self.replay
+        if rp.partial is not None:
+            need(rp.mode is not ReplayMode.OFF,
+                 "replay.partial narrows where routes are replayed, but replay.mode=off "
+                 "replays none; set replay.mode to R2 or R3")
+            need(self.actor.backend != "megatron",
+                 "replay.partial is not available with actor.backend=megatron: megatron-core's "
+                 "RouterReplay replays every token of a layer or none; use actor.backend=torch")
         if rp.gates != "engine":
             return
         need(rp.mode is not ReplayMode.OFF,
@@ -558,7 +587,7 @@ class ExperimentConfig(Section):
         if not self.actor.fp8:  # likewise
             d["actor"].pop("fp8")
         # replay options at their defaults: as before they existed
-        for k in ("gates", "check", "min_overlap"):
+        for k in ("gates", "check", "min_overlap", "partial", "bias_meter_rows"):
             if d["replay"][k] == ReplayConfig.model_fields[k].default:
                 d["replay"].pop(k)
         for k in _LATER_MEGATRON_KEYS:  # likewise
