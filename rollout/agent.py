@@ -181,6 +181,39 @@ class _Live:
     lost: str = ""  # why its engine was lost (it is then started again)
 
 
+class Turns:
+    """A run of trajectories (`TrajectoryRunner.turns`) as a sequence of generate calls that
+    its driver may pause between: the rollout pipeline runs the first turns of a step ahead,
+    then the rest after the next weight push (`rollout.env.turns_before_push`)."""
+
+    def __init__(self, turns):
+        self.gen, self.pending, self.calls = turns, None, 0
+        self.results: list[GenerationResult] | None = None  # once done
+
+    @property
+    def done(self) -> bool:
+        return self.results is not None
+
+    def advance(self, generate: Callable[[list[GenerateRequest]], list[GenerationResult]],
+                calls: int | None = None) -> bool:
+        """Run turns over `generate` until the run is done (True) or `calls` generate calls
+        were made in all (False)."""
+        try:
+            if self.pending is None and not self.done:
+                self.pending = next(self.gen)
+            while not self.done and (calls is None or self.calls < calls):
+                self.calls += 1
+                try:
+                    got = generate(self.pending)
+                except TrajectoriesLost as e:
+                    self.pending = self.gen.throw(e)
+                    continue
+                self.pending = self.gen.send(got)
+        except StopIteration as end:
+            self.results = end.value
+        return self.done
+
+
 class TrajectoryRunner:
     """Runs multi-turn trajectories over any `generate` (module docstring)."""
 
@@ -198,10 +231,19 @@ class TrajectoryRunner:
         self.vocab_size = vocab_size
         self.stop_ids = tuple(codec.token_id(m) for m in self.cfg.stop)
 
-    def run(self, requests: Sequence[GenerateRequest], problems: Sequence[dict],
-            restart: bool = True) -> list[GenerationResult]:
-        """One result per sample (module docstring); `restart`: start trajectories whose
-        engine was lost again from their first turn (False: they end with error `lost`)."""
+    def run(self, requests: Sequence[GenerateRequest], problems: Sequence[dict]
+            ) -> list[GenerationResult]:
+        """One result per sample (module docstring), over `generate`."""
+        turns = Turns(self.turns(requests, problems))
+        turns.advance(self.generate)
+        return turns.results
+
+    def turns(self, requests: Sequence[GenerateRequest], problems: Sequence[dict],
+              restart: bool = True):
+        """`run` as a generator (driven by `Turns`): it yields each turn's requests and is
+        sent their results (or thrown `TrajectoriesLost`); returns `run`'s results.
+        `restart`: start trajectories whose engine was lost again from their first turn
+        (False: they end with error `lost`)."""
         if len(requests) != len(problems):
             raise ValueError(f"{len(requests)} requests for {len(problems)} problems")
         first = [dataclasses.replace(r, sampling=self._with_stops(r.sampling), trajectories=tuple(
@@ -210,14 +252,14 @@ class TrajectoryRunner:
                        list(r.input_ids), len(r.input_ids))
                  for r, p in zip(first, problems) for j in range(r.sampling.n)]
         try:
-            self._turns(trajs, first, restart)
+            yield from self._turns(trajs, first, restart)
         finally:
             self.release([t.name for t in trajs])
         out = [None if t.lost else self._result(t) for t in trajs]
         lost = [k for k, t in enumerate(trajs) if t.lost]
         if lost:  # from the first turn, with the seeds they had: the same when nothing changed
-            again = self.run([self._from_start(trajs[k]) for k in lost],
-                             [trajs[k].problem for k in lost], restart=False)
+            again = yield from self.turns([self._from_start(trajs[k]) for k in lost],
+                                          [trajs[k].problem for k in lost], restart=False)
             for k, res in zip(lost, again):
                 res.trajectory.restarts = 1
                 out[k] = dataclasses.replace(res, rid=trajs[k].req.rid, index=trajs[k].index)
@@ -225,7 +267,7 @@ class TrajectoryRunner:
 
     def _turns(self, trajs: list[_Live], first: list[GenerateRequest], restart: bool) -> None:
         reset = self.env.reset([t.problem for t in trajs], [t.label for t in trajs])
-        results = self._generate(trajs, first, restart)
+        results = yield from self._generate(trajs, first, restart)
         if len(results) != len(trajs):
             raise ValueError(f"generate returned {len(results)} results for {len(trajs)} samples")
         for t, reply, res in zip(trajs, reset.scores, results):
@@ -247,16 +289,17 @@ class TrajectoryRunner:
                     t.done, t.info.end = True, "max_turns"
                 break
             reqs = [self._next_request(t, turn) for t in live]
-            for t, res in zip(live, self._generate(live, reqs, restart)):
+            for t, res in zip(live, (yield from self._generate(live, reqs, restart))):
                 if res is not None:
                     self._take_turn(t, res)
 
     def _generate(self, trajs: list[_Live], requests: list[GenerateRequest], restart: bool
                   ) -> list[GenerationResult | None]:
-        """`generate`; None for the samples of trajectories whose engine was lost (each is
-        then marked to start again, or ends with error `lost`)."""
+        """The results of `requests` (yielded to the driver); None for the samples of
+        trajectories whose engine was lost (each is then marked to start again, or ends with
+        error `lost`)."""
         try:
-            return self.generate(requests)
+            return (yield requests)
         except TrajectoriesLost as e:
             by_name = {t.name: t for t in trajs}
             for name, why in e.lost.items():
@@ -287,7 +330,6 @@ class TrajectoryRunner:
         sampling = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + t.index)
         return dataclasses.replace(t.req, rid=f"{t.req.rid}-{t.index}-restart", trajectories=(),
                                    sampling=sampling)
-        return [self._result(t) for t in trajs]
 
     # -- pieces ------------------------------------------------------------------------------
     def _with_stops(self, sp):

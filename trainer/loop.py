@@ -23,7 +23,7 @@ import torch
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
-from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
+from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner, Turns
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.env import EnvPool
 from lockstep.rollout.tasks import Task
@@ -47,7 +47,7 @@ from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history,
                                      write_plots)
 from lockstep.trainer.pipeline import RolloutPipeline
 from lockstep.trainer.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
-from lockstep.trainer.versions import VersionSplit
+from lockstep.trainer.versions import VersionSplit, stale_turn_mask
 from lockstep.trainer.wandb_log import WandbRun
 from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
 
@@ -156,7 +156,10 @@ class Trainer:
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
         self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
                                         cfg.loop.steps, first_version=int(self.state.weight_version),
-                                        generate=None if self.runner is None else self.trajectories)
+                                        generate=None if self.runner is None else self.trajectories,
+                                        turns=self.trajectory_turns,
+                                        turns_before_push=0 if cfg.rollout.env is None else
+                                        cfg.rollout.env.turns_before_push)
         # pi_gen of samples of older versions: the actor's ranks keep their own old shards
         self.versions = VersionSplit(cfg.loop.max_staleness)
         if lean and needs_initial_push(cfg):  # the servers' weights are not the policy's
@@ -277,6 +280,21 @@ class Trainer:
         """A step's multi-turn trajectories (rollout/agent.py), one per sample."""
         return self.runner.run(requests, [env_problem(p) for p in prompts])
 
+    def trajectory_turns(self, prompts, requests: list[GenerateRequest]) -> Turns:
+        """The same, turn by turn (the pipeline pauses them for a push: turns_before_push)."""
+        return Turns(self.runner.turns(requests, [env_problem(p) for p in prompts]))
+
+    def mask_stale_turns(self, batch: Batch, versions: list) -> dict[str, float]:
+        """rollout.env.mask_stale_turns: drop the sampled tokens of turns older than their
+        trajectory's newest from the loss mask (in place); their share as a metric."""
+        env = self.cfg.rollout.env
+        if env is None or not env.mask_stale_turns:
+            return {}
+        stale_BT = stale_turn_mask(versions, batch.input_ids_BT.shape[1]) & batch.response_mask_BT
+        sampled = float(batch.response_mask_BT.sum())
+        batch.response_mask_BT &= ~stale_BT
+        return {"rollout/stale_turn_tokens_masked": float(stale_BT.sum()) / max(sampled, 1.0)}
+
     def rewards(self, prompts, results) -> tuple[torch.Tensor, dict]:
         """(rewards [B], metrics) of sample b of prompt `prompts[b]`: the source's reward, or
         with rollout.env a trajectory's (trainer/agent.py)."""
@@ -291,6 +309,7 @@ class Trainer:
         versions, lag_m = self.pipeline.check_versions(results, step)  # in {step-1-k..step-1}
         batch = collate(results, self.source.pad_id, *self._route_shape(),
                         sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
+        lag_m.update(self.mask_stale_turns(batch, versions))  # rollout.env.mask_stale_turns
         rewards_B, reward_m = self.rewards(                                            # rewards
             [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
         t.lap("generate")

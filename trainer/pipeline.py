@@ -15,6 +15,12 @@ in flight (validation may use the backend directly). Steady state: step n trains
 of version n-1-k (lag exactly k); the first k steps of a run (or of a resume) lag less.
 The queue holds at most k+1 steps of results.
 
+Multi-turn trajectories with `rollout.env.turns_before_push: t >= 1` (`turns`): a step
+generated ahead runs its first t turns (one pool task), and its remaining turns are queued
+right behind the next weight push (or when the step is taken, if no push comes first), so its
+trajectories span that push, always at the same turn: the order of the pool's tasks depends
+only on the order of the trainer's calls, never on timing.
+
 Which version generated what is checked per sample (`allowed_versions`,
 `lockstep.rollout.weight_sync.check_versions`), and the
 trainer's log-probs under that version (pi_gen, computed by the actor's ranks from their own
@@ -32,7 +38,9 @@ from typing import Any
 
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.types import GenerateRequest, GenerationResult
+from lockstep.rollout.types import RolloutError
 from lockstep.rollout.weight_sync import check_versions
+from lockstep.trainer.versions import row_versions, versions_of
 
 
 def allowed_versions(step: int, max_staleness: int, first_version: int = 0) -> list[str]:
@@ -54,6 +62,20 @@ def version_lag(versions: list[str], step: int) -> list[int]:
     return lags
 
 
+def spanning_metrics(results: list[GenerationResult], rows: list, step: int) -> dict:
+    """rollout/trajectories_spanning_pushes: the fraction of trajectories whose turns were
+    sampled by several weight versions; rollout/stale_sampled_tokens: the fraction of sampled
+    tokens whose turn is older than the trainer's weights (step - 1)."""
+    current, stale, total = str(step - 1), 0, 0
+    for r in results:
+        for t in r.trajectory.turns:
+            total += t.sampled
+            stale += t.sampled if str(t.weight_version) != current else 0
+    spans = sum(isinstance(e, tuple) for e in rows)
+    return {"rollout/trajectories_spanning_pushes": spans / max(len(rows), 1),
+            "rollout/stale_sampled_tokens": stale / max(total, 1)}
+
+
 MakeRequests = Callable[[int], tuple[list, list[GenerateRequest]]]
 """make_requests(step) -> (prompts, requests) of that step."""
 
@@ -65,11 +87,17 @@ class RolloutPipeline:
     def __init__(self, backend: RolloutBackend, make_requests: MakeRequests, max_staleness: int,
                  last_step: int, first_version: int = 0,
                  generate: Callable[[list, list[GenerateRequest]], list[GenerationResult]]
-                 | None = None):
+                 | None = None, turns: Callable[[list, list[GenerateRequest]], Any] | None = None,
+                 turns_before_push: int = 0):
         """`generate(prompts, requests)`: how a step's requests become results (default: the
-        backend's `generate`; multi-turn runs pass their trajectory runner's)."""
+        backend's `generate`; multi-turn runs pass their trajectory runner's). `turns(prompts,
+        requests)` -> a `rollout.agent.Turns`, with `turns_before_push` >= 1 (module
+        docstring)."""
         self.backend, self.make_requests = backend, make_requests
         self.generate = generate or (lambda prompts, requests: backend.generate(requests))
+        self.turns = turns if turns_before_push >= 1 and max_staleness > 0 else None
+        self.turns_before_push = turns_before_push
+        self._partial: dict[int, Any] = {}  # step -> its Turns, until the rest is queued
         self.k, self.last_step, self.first_version = max_staleness, last_step, first_version
         self._pending: OrderedDict[int, tuple[list, Future]] = OrderedDict()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="lockstep-rollout")
@@ -89,19 +117,40 @@ class RolloutPipeline:
         for s in range(step, min(step + self.k, self.last_step) + 1):
             if s not in self._pending:
                 prompts, requests = self.make_requests(s)
-                self._pending[s] = (prompts, self._pool.submit(self._generate, prompts,
-                                                                requests))
+                if self.turns is None:
+                    fut = self._pool.submit(self._generate, prompts, requests)
+                else:  # its first turns now, the rest after the next push
+                    self._partial[s] = turns = self.turns(prompts, requests)
+                    fut = self._pool.submit(self._advance, turns, self.turns_before_push)
+                self._pending[s] = (prompts, fut)
         if step not in self._pending:
             raise RuntimeError(f"rollout pipeline: step {step} was never submitted "
                                f"(pending: {list(self._pending)})")
+        if step in self._partial:  # no push came since its first turns: the rest now
+            self._continue([step])
         prompts, fut = self._pending.pop(step)
         return (prompts, *fut.result())
+
+    def _advance(self, turns, calls: int | None) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        turns.advance(self.backend.generate, calls)
+        return turns.results, time.perf_counter() - t0
+
+    def _continue(self, steps: list[int]) -> None:
+        """Queue the remaining turns of `steps`' partial generations; their futures then give
+        (results, seconds of both parts)."""
+        for s in steps:
+            turns, (prompts, first) = self._partial.pop(s), self._pending[s]
+            rest = self._pool.submit(self._advance, turns, None)
+            self._pending[s] = (prompts, _Both(first, rest))
 
     def update_weights(self, source: Any, weight_version: str) -> str:
         """Push weights after the generations already queued (waits for the push)."""
         if self._pool is None:
             return self.backend.update_weights(source, weight_version)
-        return self._pool.submit(self.backend.update_weights, source, weight_version).result()
+        push = self._pool.submit(self.backend.update_weights, source, weight_version)
+        self._continue(sorted(self._partial))  # right behind the push: they span it
+        return push.result()
 
     def check_versions(self, results: list[GenerationResult], step: int
                        ) -> tuple[list[str], dict[str, float]]:
@@ -109,15 +158,24 @@ class RolloutPipeline:
         returns the versions and their lag as `rollout/weight_version_lag_mean|max` and under
         verl's name (its v1 trainer's `(global_steps - 1) - version`, the same definition),
         `training/off_policy/trajectory_staleness/mean|max|min`."""
-        check_versions(results, set(allowed_versions(step, self.k, self.first_version)))
-        versions = [str(r.weight_version) for r in results]
-        lags = version_lag(versions, step) or [0]
+        allowed = set(allowed_versions(step, self.k, self.first_version))
+        check_versions(results, allowed)
+        rows = row_versions(results)  # a trajectory that spans pushes: per turn
+        for r, e in zip(results, rows):
+            bad = versions_of(e) - allowed
+            if bad:
+                raise RolloutError(f"request {r.rid} sample {r.index}: a turn was generated "
+                                   f"with weight version {sorted(bad)[0]!r}; this step "
+                                   f"accepts {sorted(allowed)}")
+        lags = version_lag([str(r.weight_version) for r in results], step) or [0]
         mean, hi, lo = sum(lags) / len(lags), float(max(lags)), float(min(lags))
-        return versions, {"rollout/weight_version_lag_mean": mean,
-                          "rollout/weight_version_lag_max": hi,
-                          "training/off_policy/trajectory_staleness/mean": mean,
-                          "training/off_policy/trajectory_staleness/max": hi,
-                          "training/off_policy/trajectory_staleness/min": lo}
+        m = {"rollout/weight_version_lag_mean": mean, "rollout/weight_version_lag_max": hi,
+             "training/off_policy/trajectory_staleness/mean": mean,
+             "training/off_policy/trajectory_staleness/max": hi,
+             "training/off_policy/trajectory_staleness/min": lo}
+        if self.turns is not None:  # rollout.env.turns_before_push: trajectories span pushes
+            m.update(spanning_metrics(results, rows, step))
+        return rows, m
 
     def close(self) -> None:
         """Drop queued generations and wait for the running one (idempotent)."""
@@ -125,5 +183,22 @@ class RolloutPipeline:
             for _, fut in self._pending.values():
                 fut.cancel()
             self._pending.clear()
+            self._partial.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+class _Both:
+    """The future of a generation run in two parts: (results, seconds of both)."""
+
+    def __init__(self, first: Future, rest: Future):
+        self.first, self.rest = first, rest
+
+    def result(self) -> tuple[list[GenerationResult], float]:
+        _, t1 = self.first.result()
+        results, t2 = self.rest.result()
+        return results, t1 + t2
+
+    def cancel(self) -> bool:
+        first, rest = self.first.cancel(), self.rest.cancel()
+        return first and rest

@@ -491,6 +491,11 @@ class ExperimentConfig(Section):
              f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
         need(self.loop.val_every == 0 or bool(self.data.val_files),
              f"loop.val_every={self.loop.val_every} needs data.val_files")
+        env = self.rollout.env
+        need(env is None or env.turns_before_push == 0 or self.loop.max_staleness >= 1,
+             f"rollout.env.turns_before_push={env and env.turns_before_push} generates turns "
+             f"ahead of a weight push: it needs loop.max_staleness >= 1 (got "
+             f"{self.loop.max_staleness})")
         self._check_replay()
         if self.data.enabled:
             self._check_data()
