@@ -2,7 +2,11 @@
 serve`'s app on threads): the turns of a trajectory stay on the engine of its first turn, and an
 engine lost mid-run sends its trajectories back to their first turn, once: every trajectory
 comes back exactly once, equal to the in-process run's (same seeds, same weights); lost again,
-a trajectory ends with the counted error `lost` and the run goes on."""
+a trajectory ends with the counted error `lost` and the run goes on. Through the trainer,
+rollout.backend=http to `lockstep serve` gives the in-process run's metrics."""
+
+import json
+import textwrap
 
 import pytest
 import torch
@@ -15,8 +19,12 @@ from lockstep.rollout.fleet import Fleet
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.tasks import build_tokenizer
 
+from lockstep.trainer.loop import Trainer
+
 from model_fixtures import tiny_config
 from test_agent import FIXED, V, _env_file, _requests
+from test_agent_staleness import THREE_TURNS
+from test_agent_train import _config
 
 TOK = build_tokenizer()
 ENGINE = EngineConfig(dtype="fp32", max_len=64)
@@ -111,3 +119,36 @@ def test_lost_again_after_its_restart_is_a_counted_error(tmp_path, model, server
     assert lost and all(r.trajectory.restarts == 1 and r.trajectory.end == "error" for r in lost)
     assert all("lost again after a restart" in r.trajectory.message for r in lost)
     assert len(got) == 8 and all(r.trajectory.error in (None, "lost") for r in got)
+
+def test_trajectories_over_lockstep_serve_give_the_in_process_metrics(tmp_path):
+    """rollout.backend=http to a `lockstep serve` app (loopback thread): 2 steps of 3-turn
+    trajectories, each later turn asking only its new route rows over the wire, give the
+    in-process run's metrics (fp32: the same tokens, routes, rewards and log-probs)."""
+    env_file = tmp_path / "env.py"
+    env_file.write_text(textwrap.dedent(THREE_TURNS))
+    env = {"file": str(env_file), "max_turns": 3, "num_workers": 1}
+    sets = ["rollout.dtype=fp32", "loop.steps=2", "rollout.max_new_tokens=4"]
+    local_cfg = _config(tmp_path, env, *sets)
+    torch.manual_seed(123)  # the server starts from other weights: the trainer pushes its own
+    engine = Engine(MoEModel(local_cfg.model), EngineConfig(dtype="fp32", max_running=64,
+                                                            max_len=48))
+    runs = {}
+    with ServerThread(engine) as srv:
+        for name, extra in (("local", []), ("http", ["rollout.backend=http",
+                                                     f"rollout.url={srv.url}"])):
+            tr = Trainer(_config(tmp_path, env, *sets, *extra), tmp_path / name,
+                         progress=False, log=lambda s: None)
+            tr.run()
+            runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl")
+                          .read_text().splitlines()]
+        route_bytes = tr.rollout.route_bytes_received
+    local, http = runs["local"], runs["http"]
+    keys = [k for k in local[0] if not k.startswith("time/") and not k.startswith("rollout/")]
+    assert local[0]["agent/turns_mean"] == 3.0 and engine.weight_version == "2"
+    for a, b in zip(local, http):
+        for k in keys:
+            if k.split("/")[0] in ("step", "reward", "response", "routing", "replay", "agent"):
+                assert a[k] == b[k], (a["step"], k)
+            else:
+                assert abs(a[k] - b[k]) <= 1e-4 * abs(a[k]) + 1e-6, (a["step"], k, a[k], b[k])
+    assert route_bytes > 0

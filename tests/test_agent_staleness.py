@@ -80,3 +80,4 @@ def test_turns_before_push_needs_max_staleness(tmp_path):
     with pytest.raises(ExperimentConfigError, match=r"turns_before_push=1 generates turns "
                                                     r"ahead .* loop.max_staleness >= 1"):
         _config(tmp_path, env)
+
