@@ -1,4 +1,4 @@
-"""The replay study: replay variant (off / R2 / R3 / R3 + engine gates / partial replay) x
+"""The replay study: replay variant (off / R2 / R3 / R3 + engine gates / R3 partial replay) x
 correction (none / token TIS / IcePop) x LR schedule (constant / triggered decay) over seeds.
 
     OMP_NUM_THREADS=1 python bench/replay_study.py --out runs/study --seeds 0 1 --steps 25
@@ -37,6 +37,8 @@ REPLAYS = {  # name -> overrides
     "R2": ["replay.mode=R2"],
     "R3": ["replay.mode=R3"],
     "R3_gates": ["replay.mode=R3", "replay.gates=engine"],
+    # replay a (token, layer) route only where the actor's router margin is below 0.05
+    "R3_partial": ["replay.mode=R3", "replay.partial.rule=margin", "replay.partial.threshold=0.05"],
 }
 MODES = tuple(REPLAYS)
 CORRECTIONS = {  # name -> overrides
