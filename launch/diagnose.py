@@ -207,6 +207,11 @@ def diagnose_checkpoint(checkpoint: str | Path, overrides: list[str], config: st
     if url is not None:  # one step's prompts: a server silent for minutes is down (--set wins)
         overrides = [f"rollout.request_timeout_s={URL_TIMEOUT_S:g}", *overrides]
     cfg = load_run_config(ckpt, config, overrides)
+    if cfg.rollout.env is not None:  # collect() samples single turns: not this run's samples
+        raise ValueError("a live diagnosis samples single turns, but this run's config sets "
+                         "rollout.env (multi-turn trajectories): train with --set "
+                         "loop.dump_every=N and diagnose its dumps with --dump "
+                         "RUN/dumps/step_<n>.safetensors")
     state = ckpt / "state.json"
     done = json.loads(state.read_text()) if state.exists() else {"step": 0, "weight_version": "0"}
     rec = collect(cfg, load_hf(hf), int(done["step"]) + 1, str(done["weight_version"]),

@@ -168,6 +168,16 @@ def test_cli_writes_report_and_rejects_bad_input(run_dir, tmp_path, capsys):
     assert "prompts.jsonl:1: needs 'prompt'" in capsys.readouterr().err
 
 
+def test_live_diagnosis_of_a_multi_turn_run_is_refused(tmp_path, capsys):
+    """It would sample single turns, not the run's trajectories: the dump is the way."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert cli.main(["diagnose", str(tmp_path), "--out", str(tmp_path / "d"),
+                     "--config", str(CONFIGS / "toy_agent_r3.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rollout.env" in err and "--dump" in err
+
+
 @pytest.mark.slow
 def test_sweep_table(run_dir, tmp_path, capsys):
     assert cli.main(["diagnose", str(run_dir / "checkpoints" / "step_1"), "--out",
