@@ -160,6 +160,7 @@ class _Plan(Estimates, Placement):
         else:
             out["torch"] = {"data_parallel": N, "replica": "whole model on every rank (DDP)"}
         out["replay"] = _replay_plan(cfg.replay.mode.value, a.backend)
+        out["replay"].update(_replay_options(cfg))
         return out
 
     def _check_actor_layout(self, N: int, tp: int, ep: int, etp: int, pp: int,
@@ -266,6 +267,20 @@ class _Plan(Estimates, Placement):
                           "port; the commands above show 0.0.0.0 / 127.0.0.1 and port 30000 + i")
         out["memory_per_gpu"] = self._engine_memory(g)
         return out
+
+def _replay_options(cfg: ExperimentConfig) -> dict[str, str]:
+    """replay.gates / replay.partial where they are not the defaults (docs/replay.md)."""
+    rp, out = cfg.replay, {}
+    if rp.gates == "engine":
+        out["gates"] = ("the engine's gate weights, straight-through" if rp.mode.value == "R3"
+                        else "the old-logprob forward's recorded gate weights, straight-through")
+    if rp.partial is not None:
+        t = rp.partial.threshold
+        out["partial"] = (f"only where the actor's router margin < {t:g}" if rp.partial.rule
+                          == "margin" else f"only where the actor's own top-k mass exceeds "
+                          f"the replayed experts' by <= {t:g}")
+    return out
+
 
 def _replay_plan(mode: str, backend: str) -> dict[str, str]:
     """Which routes the actor's forwards run under `replay.mode`."""

@@ -68,7 +68,8 @@ def render(p: dict[str, Any]) -> str:
       f"peak ~{_size(mem['peak_bytes'])}")
     w(f"    ({mem['precision']})")
     rp = a["replay"]
-    w(f"  replay {rp['mode']}: old log-probs: {rp['old_logprob']}; update: {rp['update']}")
+    w(f"  replay {rp['mode']}: old log-probs: {rp['old_logprob']}; update: {rp['update']}"
+      + "".join(f"; {k}: {rp[k]}" for k in ("gates", "partial") if k in rp))
     if "megatron_args" in a:
         w("  megatron-core arguments:")
         for k, v in a["megatron_args"].items():

@@ -136,3 +136,13 @@ def test_r2_gate_replay_needs_nothing_of_the_engine():
     cfg = load_config("configs/toy_r3.yaml", overrides=["replay.gates=engine", "replay.mode=R2",
                                                         "rollout.backend=sglang"])
     assert cfg.replay.options().replays_gates
+
+
+def test_plan_names_the_gate_and_partial_replay():
+    from lockstep.launch.plan import make_plan
+    cfg = load_config("configs/toy_r3.yaml", overrides=[
+        "replay.gates=engine", "replay.partial.rule=margin", "replay.partial.threshold=0.05"])
+    rp = make_plan(cfg, "configs/toy_r3.yaml")["actor"]["replay"]
+    assert rp["gates"] == "the engine's gate weights, straight-through"
+    assert rp["partial"] == "only where the actor's router margin < 0.05"
+    assert "gates" not in make_plan(load_config("configs/toy_r3.yaml"), "x")["actor"]["replay"]
