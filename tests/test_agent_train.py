@@ -77,7 +77,7 @@ def test_fp32_three_turn_trajectories_match_the_actor(tmp_path, mode):
     assert metrics["replay/mismatch"] == 0
     want = float((seq - 1).sum() / seq.sum()) if mode == "R3" else 1.0
     assert abs(metrics["replay/replayed_fraction"] - want) < 1e-9
-    assert m["steps"] == 1
+    assert m["steps"] == 1 and m["agent/turns_mean_first"] == 3  # summary.json has them too
     report = analyze(rec)  # lockstep diagnose reads multi-turn dumps
     assert report["metrics"]["diagnose/num_response_tokens"] == int(sampled.sum())
     assert report["metrics"]["diagnose/num_observation_tokens"] == int(obs.sum())

@@ -218,14 +218,18 @@ def summarize(rows: list[dict[str, Any]], window: int = 20) -> dict[str, float]:
         return sum(vals) / len(vals) if vals else float("nan")
 
     first, last = rows[:window], rows[-window:]
-    return {"steps": len(rows), "window": window,
-            "reward/first_mean": mean("reward/mean", first),
-            "reward/last_mean": mean("reward/mean", last),
-            "rollout_corr/k3_kl_mean": mean("rollout_corr/k3_kl", rows),
-            "rollout_corr/kl_mean": mean("rollout_corr/kl", rows),
-            "routing/flip_rate_mean": mean("routing/flip_rate", rows),
-            "routing/token_any_flip_mean": mean("routing/token_any_flip", rows),
-            "time/steps_total_s": sum(r.get("time/step_s") or 0.0 for r in rows)}
+    out = {"steps": len(rows), "window": window,
+           "reward/first_mean": mean("reward/mean", first),
+           "reward/last_mean": mean("reward/mean", last),
+           "rollout_corr/k3_kl_mean": mean("rollout_corr/k3_kl", rows),
+           "rollout_corr/kl_mean": mean("rollout_corr/kl", rows),
+           "routing/flip_rate_mean": mean("routing/flip_rate", rows),
+           "routing/token_any_flip_mean": mean("routing/token_any_flip", rows),
+           "time/steps_total_s": sum(r.get("time/step_s") or 0.0 for r in rows)}
+    if any("agent/turns_mean" in r for r in rows):  # multi-turn runs (rollout.env)
+        for key in ("agent/turns_mean", "agent/tool_call_rate", "agent/errors"):
+            out[f"{key}_first"], out[f"{key}_last"] = mean(key, first), mean(key, last)
+    return out
 
 
 def smooth(values: list[float], window: int) -> list[float]:
