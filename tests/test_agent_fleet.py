@@ -19,6 +19,7 @@ from lockstep.rollout.fleet import Fleet
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.tasks import build_tokenizer
 
+from lockstep.trainer.agent import trajectory_metrics
 from lockstep.trainer.loop import Trainer
 
 from model_fixtures import tiny_config
@@ -98,6 +99,7 @@ def test_engine_lost_mid_run_restarts_its_trajectories_once(tmp_path, model, ser
     assert {(r.rid, r.index) for r in got if r.trajectory.restarts} == on_1
     assert fleet.stats.trajectories_lost == len(on_1)
     assert all(r.trajectory.error is None and len(r.trajectory.turns) == 3 for r in got)
+    assert trajectory_metrics(got)["agent/restarted"] == len(on_1)
     # the restarted ones ran on engine 0 from their first turn; every pin was released
     restarted = [rq for rq, _ in faults.calls if _restarted(rq)]
     assert restarted and all(set(p.values()) == {0} for rq, p in faults.calls[2:]

@@ -10,7 +10,8 @@ returns 0.
 
 Metrics (per step): agent/turns_mean, agent/tool_calls_mean (observations appended per
 trajectory), agent/tool_call_rate (trajectories with at least one), agent/errors and
-agent/errors_<kind> (rollout.agent.ERROR_KINDS), agent/sampled_tokens_mean,
+agent/errors_<kind> (rollout.agent.ERROR_KINDS), agent/restarted (trajectories started again
+from their first turn after their engine was lost), agent/sampled_tokens_mean,
 agent/observation_tokens_mean, agent/end_<how> (fraction of trajectories that ended so:
 done, max_turns, context, error), agent/env_reward_mean; agent/k3_kl/turn_<t> (k3 of pi_old vs
 the rollout over turn t's sampled tokens). The routing flip rate split by sampled and
@@ -80,7 +81,8 @@ def trajectory_metrics(results: Sequence[GenerationResult], prefix: str = "agent
          **{f"agent/errors_{k}": float(errors[k]) for k in ERROR_KINDS},
          "agent/sampled_tokens_mean": sampled / n,
          "agent/observation_tokens_mean": (total - sampled) / n,
-         "agent/env_reward_mean": sum(i.env_reward for i in infos) / n}
+         "agent/env_reward_mean": sum(i.env_reward for i in infos) / n,
+         "agent/restarted": float(sum(i.restarts for i in infos))}  # engine lost: from turn 1
     m.update({f"agent/end_{k}": ends[k] / n for k in ("done", "max_turns", "context", "error")})
     return {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in m.items()}
 
