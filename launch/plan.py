@@ -50,13 +50,18 @@ class PlanError(ExperimentConfigError):
 
 
 def _seq_len(cfg: ExperimentConfig) -> tuple[int, int]:
-    """(longest prompt, longest response) of a step's rows."""
+    """(longest prompt, longest response) of a step's rows; with rollout.env a row is a whole
+    trajectory, which may fill the engines' context (the model's max_position_embeddings)."""
     if cfg.data.enabled:
-        return cfg.data.max_prompt_length, cfg.rollout.max_new_tokens or 0
-    from lockstep.rollout.tasks import Task
+        prompt, response = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens or 0
+    else:
+        from lockstep.rollout.tasks import Task
 
-    task = Task(cfg.task)
-    return task.prompt_len, cfg.rollout.max_new_tokens or task.max_new_tokens
+        task = Task(cfg.task)
+        prompt, response = task.prompt_len, cfg.rollout.max_new_tokens or task.max_new_tokens
+    if cfg.rollout.env is not None:
+        response = cfg.model.max_position_embeddings - prompt
+    return prompt, response
 
 
 class _Plan(Estimates, Placement):

@@ -305,7 +305,7 @@ class Estimates:
         wire = B * T * m.num_hidden_layers * K * 4 * 4 / 3  # SGLang: int32, base64
         logprobs = 3 * B * T * 4  # rollout, old, new: fp32 [B, T]
         out = {"rows": B, "row_tokens": T, "prompt_tokens": self.prompt_len,
-               "response_tokens": self.response_len,
+               "response_tokens": self.response_len, "multi_turn": ro.env is not None,
                "routes_dtype": "uint8" if rb == 1 else "uint16",
                "routes_bytes": int(routes), "routes_per_dp_rank_bytes": int(routes / dp),
                "routes_on_the_wire_bytes": int(wire) if ro.backend == "sglang" else None,

@@ -107,7 +107,8 @@ def render(p: dict[str, Any]) -> str:
     w("")
     b = p["buffers"]
     w(f"buffers per step: {b['rows']} rows x {b['row_tokens']} tokens (prompt "
-      f"{b['prompt_tokens']} + response {b['response_tokens']})")
+      f"{b['prompt_tokens']} + response {b['response_tokens']}"
+      + (", a multi-turn trajectory filling the context)" if b["multi_turn"] else ")"))
     w(f"  routes ({b['routes_dtype']}) {_size(b['routes_bytes'])}, "
       f"{_size(b['routes_per_dp_rank_bytes'])} per DP rank"
       + (f"; {_size(b['routes_on_the_wire_bytes'])} as SGLang sends them (base64 int32)"

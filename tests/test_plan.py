@@ -451,3 +451,12 @@ def test_context_parallel_plan_follows_megatron_core_groups(in_root, capsys):
     code, out, err = _cli(capsys, "plan", CLUSTER.relative_to(ROOT), "--set",
                           "actor.megatron.context_parallel=2")
     assert "x PP 1 x CP 2 x DP 2" in out and "pp 0 tp 1 cp 1 dp 1 ep 7" in out, out
+
+
+def test_multi_turn_rows_are_sized_to_the_context():
+    """rollout.env rows are whole trajectories (the engines' context), not prompt + one turn."""
+    b = _plan(ROOT / "configs" / "toy_agent_r3.yaml")["buffers"]
+    assert b["multi_turn"] and b["row_tokens"] == 32  # the toy's max_position_embeddings
+    assert b["prompt_tokens"] + b["response_tokens"] == 32
+    single = _plan(TOY)["buffers"]
+    assert not single["multi_turn"] and single["row_tokens"] == 12
