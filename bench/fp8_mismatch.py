@@ -51,25 +51,30 @@ def train(out: Path, config: str, setup: str, seed: int, steps: int) -> Path:
     return d
 
 
-def summarize(d: Path) -> dict | None:
+def summarize(d: Path, steps: int) -> dict | None:
+    """Means over the run's first `steps` steps (None until it has them: a run still going,
+    or killed after them, counts once it has)."""
     path = d / "metrics.jsonl"
-    if not (d / "summary.json").exists():
+    if not path.exists():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] <= steps]
+    if len(rows) < steps:
+        return None
     mean = lambda k: statistics.fmean(r[k] for r in rows)  # noqa: E731
     return {"k3": mean("rollout_corr/k3_kl"), "flip": mean("routing/flip_rate"),
             "tok_flip": mean("routing/token_any_flip"), "step_s": mean("time/step_s"),
             "reward": mean("reward/mean")}
 
 
-def report(out: Path, configs: list[str], seeds: list[int]) -> str:
+def report(out: Path, configs: list[str], seeds: list[int], steps: int) -> str:
     lines = ["| config | setup | seed | k3 KL | x bf16 | flip rate | x bf16 | tokens with a flip "
              "| reward | step s | x bf16 |", "|---" * 11 + "|"]
     for c in configs:
         for seed in seeds:
-            base = summarize(out / f"{c}_bf16_s{seed}")
+            base = summarize(out / f"{c}_bf16_s{seed}", steps)
             for setup in SETUPS:
-                s = summarize(out / f"{c}_{setup}_s{seed}")
+                s = summarize(out / f"{c}_{setup}_s{seed}", steps)
                 if s is None:
                     lines.append(f"| {c} | {setup} | {seed} | (missing) |||||||")
                     continue
@@ -89,13 +94,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--report-steps", type=int, default=None,
+                   help="average the first N steps of each run (default --steps): runs of "
+                        "different lengths compare on their common steps")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if not a.report_only:
         cells = [(c, s, seed) for c in a.configs for seed in a.seeds for s in SETUPS]
         with ThreadPoolExecutor(a.jobs) as pool:
             list(pool.map(lambda cell: train(a.out, *cell, a.steps), cells))
-    table = report(a.out, a.configs, a.seeds)
+    table = report(a.out, a.configs, a.seeds, a.report_steps or a.steps)
     (a.out / "fp8.md").write_text(table)
     print(table)
 
