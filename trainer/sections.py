@@ -23,8 +23,6 @@ from pydantic_core import PydanticCustomError
 
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.moe.config import ConfigError, ModelConfig
-from lockstep.moe.replay_check import ReplayCheck
-from lockstep.replay import PartialReplay, ReplayMode, ReplayOptions
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.sglang_options import SGLangOptions
@@ -36,6 +34,8 @@ from lockstep.trainer.data import DataConfig
 from lockstep.trainer.losses import LossConfig
 from lockstep.trainer.lr_trigger import LRTriggerConfig
 from lockstep.trainer.megatron.model import MegatronOptions  # no megatron-core import
+from lockstep.trainer.section_replay import (PartialReplayConfig, ReplayConfig,  # noqa: F401
+                                             check_replay)
 from lockstep.trainer.section_types import (ExperimentConfigError, Float, Section,  # noqa: F401
                                             dataclass_section, need, plain)
 
@@ -252,50 +252,6 @@ class ActorConfig(Section):
         return self
 
 
-class PartialReplayConfig(Section):
-    """Partial replay: replay a (token, layer) route only where the actor's router is unsure
-    enough; elsewhere that layer routes naturally (lockstep.replay.PartialReplay)."""
-
-    rule: Literal["margin", "tolerance"]
-    """margin: replay where the router margin is below threshold (0 = replay off, .inf = full
-    replay); tolerance: replay where the actor's probability mass on the replayed experts is
-    within threshold of the mass on its own top-k (prime-rl #2703)."""
-    threshold: Float = Field(ge=0.0)
-    """The rule's bound (a probability difference; YAML .inf for no bound)."""
-
-
-class ReplayConfig(Section):
-    """Routing replay: which routes the actor's forwards run."""
-
-    mode: ReplayMode = Field(ReplayMode.R3, strict=False)
-    """off: actor routes freely; R2: updates replay the actor's own old-logprob routes;
-    R3: old-logprob and update forwards replay the rollout engine's routes."""
-    check: ReplayCheck = Field(ReplayCheck.SAMPLE, strict=False)
-    """Replay validator in every replayed forward (moe/replay_check.py): each MoE layer got
-    ids, ran them, none left over; `sample` checks every 8th token, `full` all, `off` none."""
-    min_overlap: Float | None = Field(None, ge=0.0, le=1.0)
-    """Validator, pi_old forwards of synchronous runs: least share of replayed expert slots
-    the router's own top-k must agree with (null: halfway between chance K/E and 1; 0: off)."""
-
-    gates: Literal["recompute", "engine"] = "recompute"
-    """Gate weights of the replayed experts: recompute (from the actor's router) or engine
-    (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
-    forward's under R2; straight-through, so the router still learns; docs/replay.md)."""
-
-    partial: PartialReplayConfig | None = None
-    """Replay only where the actor's router is unsure (None: wherever a route exists)."""
-    bias_meter_rows: Float = Field(0.125, ge=0.0, le=1.0)
-    """Fraction of rows the replay bias meter re-runs after each update, replayed and natural
-    (replay_bias/k3; 0 = only the flip rate; docs/replay.md)."""
-
-    def options(self) -> ReplayOptions:
-        """What the actor needs beyond the mode (lockstep.replay.ReplayOptions)."""
-        p = self.partial
-        return ReplayOptions(gates=self.gates, partial=None if p is None else
-                             PartialReplay(p.rule, p.threshold),
-                             bias_meter_rows=self.bias_meter_rows)
-
-
 class AdvantageConfig(Section):
     """GRPO advantages: rewards centred within each prompt's group of samples."""
 
@@ -496,7 +452,7 @@ class ExperimentConfig(Section):
              f"rollout.env.turns_before_push={env and env.turns_before_push} generates turns "
              f"ahead of a weight push: it needs loop.max_staleness >= 1 (got "
              f"{self.loop.max_staleness})")
-        self._check_replay()
+        check_replay(self)
         if self.data.enabled:
             self._check_data()
             return self
@@ -514,31 +470,6 @@ class ExperimentConfig(Section):
             need(getattr(self.model, name) == want,
                  f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
         return self
-
-    def _check_replay(self) -> None:
-        """replay.gates=engine and replay.partial: what they need of the mode, the rollout
-        backend and the actor."""
-        rp = self.replay
-        if rp.partial is not None:
-            need(rp.mode is not ReplayMode.OFF,
-                 "replay.partial narrows where routes are replayed, but replay.mode=off "
-                 "replays none; set replay.mode to R2 or R3")
-            need(self.actor.backend != "megatron",
-                 "replay.partial is not available with actor.backend=megatron: megatron-core's "
-                 "RouterReplay replays every token of a layer or none; use actor.backend=torch")
-        if rp.gates != "engine":
-            return
-        need(rp.mode is not ReplayMode.OFF,
-             "replay.gates=engine replays the gate weights of replayed routes, but "
-             "replay.mode=off replays none; set replay.mode to R2 or R3")
-        need(not (rp.mode is ReplayMode.R3 and self.rollout.backend == "sglang"),
-             "replay.gates=engine with replay.mode=R3 needs the engine's gate weights, which "
-             "real SGLang does not return (expert ids only); use rollout.backend embedded, ray "
-             "or serve (lockstep's server returns them), or replay.gates=recompute")
-        need(self.actor.backend != "megatron",
-             "replay.gates=engine is not available with actor.backend=megatron: megatron-core's "
-             "RouterReplay recomputes the gate weights of replayed ids and takes no given ones; "
-             "use actor.backend=torch or replay.gates=recompute")
 
     def _check_data(self) -> None:
         """A data-set run: a pretrained folder with its tokenizer, no synthetic warm start."""
