@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     src, out = Path(args.src), Path(args.out)
     if not (src / "config.json").is_file():
-        raise ExportError(f"{src} is not an HF folder (no config.json)")
+        hint = (f"; a run's checkpoint keeps it in {src / 'hf'}"
+                if (src / "hf" / "config.json").is_file() else "")
+        raise ExportError(f"{src} is not an HF folder (no config.json){hint}")
     if out.exists() or out.is_symlink():
         raise ExportError(f"--out {out} exists; export writes a new folder")
     model = load_hf(src)  # block-FP8 folders come back dequantised, fp32

@@ -128,6 +128,11 @@ def test_export_command_writes_fp8_and_refuses_by_name(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("exists; export writes a new folder")
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "c"), "--dtype", "fp8"]) == 2
     assert "is not an HF folder (no config.json)" in capsys.readouterr().err
+    (tmp_path / "ck" / "hf").mkdir(parents=True)  # a run's checkpoint: the folder is hf/
+    (tmp_path / "ck" / "hf" / "config.json").write_text((src / "config.json").read_text())
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "c"),
+                 "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"keeps it in {tmp_path / 'ck' / 'hf'}")
 
 
 @pytest.mark.slow
