@@ -36,6 +36,8 @@ SWEEP = (  # (label, overrides): each one changes one knob from the run's config
     ("engine LM head fp32", ["rollout.lm_head_dtype=fp32"]),
     ("engine router + LM head fp32", ["rollout.router_dtype=fp32", "rollout.lm_head_dtype=fp32"]),
     ("engine + actor fp32", ["rollout.dtype=fp32", "actor.dtype=fp32"]),
+    ("engine fp8", ["rollout.dtype=fp8"]),  # block FP8 (docs/precision.md)
+    ("engine + actor fp8", ["rollout.dtype=fp8", "actor.fp8=true"]),
     ("replay off", ["replay.mode=off"]),
     ("replay R2", ["replay.mode=R2"]),
     ("replay R3", ["replay.mode=R3"]),

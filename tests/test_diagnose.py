@@ -188,6 +188,7 @@ def test_sweep_table(run_dir, tmp_path, capsys):
     assert rows["engine bf16"]["flip_rate"] > 0
     assert rows["replay R3"]["routing_share"] == 0 and rows["replay off"]["routing_k3"] > 0
     assert "deterministic" in table and "engine router fp32" in table
+    assert rows["engine fp8"]["k3_kl"] > 0 and rows["engine + actor fp8"]["flip_rate"] >= 0
     assert os.path.exists(tmp_path / "sweep.txt")
 
 
