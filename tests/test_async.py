@@ -13,6 +13,7 @@ from lockstep.rollout.weight_sync import check_versions
 from lockstep.trainer.actor import collate
 from lockstep.trainer.config import load_config
 from lockstep.trainer.correction import correct, is_split_metrics
+from lockstep.trainer.expert_load import COUNT_KEY
 from lockstep.trainer.loop import Trainer, run_hash
 from lockstep.trainer.pipeline import allowed_versions
 from lockstep.trainer.losses import grpo_advantages
@@ -127,8 +128,10 @@ def _step_before_async(tr, step):
         str(step))
     tr.state.step, tr.state.cursor = step, tr.state.cursor + len(prompts)
     split = is_split_metrics(upd.logprobs_BT, old.logprobs_BT, batch.rollout_logprobs_BT, mask_BT)
+    # (the actor's expert-load counts, added to its stats later, are not logged: left out)
+    old_m = {k: v for k, v in stats_values(old.stats).items() if not k.startswith(COUNT_KEY)}
     return {"step": step, **tr.reward_metrics(rewards_B, batch, group_B), **reward_m,
-            **corr.metrics, **split, "replay/mode": tr.mode.value, **stats_values(old.stats),
+            **corr.metrics, **split, "replay/mode": tr.mode.value, **old_m,
             **stats_values(upd.stats)}
 
 
