@@ -104,8 +104,8 @@ def main() -> None:
     cfg, url, srv = model_and_server(args)
     c = cfg
     print(f"model: {c.num_hidden_layers} layers ({len(c.moe_layer_ids)} MoE), "
-          f"top-{c.num_experts_per_tok} of {c.num_experts} experts; {args.trajectories} trajectories, prompt {args.prompt}, "
-          f"{args.sampled} sampled + {args.observation} observation tokens per turn; {url}")
+          f"top-{c.num_experts_per_tok} of {c.num_experts} experts; {args.trajectories} "
+          f"trajectories, prompt {args.prompt}, {args.sampled} sampled + {args.observation} observation tokens per turn; {url}")
     try:
         for compact in (False, True):
             client = HTTPBackend(url, cfg, compact_routes=compact)
