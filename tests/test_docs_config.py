@@ -1,0 +1,49 @@
+"""The docs a newcomer configures from name the config's real keys: docs/training.md's table
+lists every field of every section, and every `--set key=value` in README.md and docs/*.md is a
+key the config knows."""
+
+import re
+import typing
+from pathlib import Path
+
+from lockstep.trainer.config import ExperimentConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _fields(annotation) -> dict:
+    if hasattr(annotation, "model_fields"):
+        return annotation.model_fields
+    return next((a.model_fields for a in typing.get_args(annotation)
+                 if hasattr(a, "model_fields")), {})
+
+
+def test_the_section_table_lists_every_field():
+    text = (ROOT / "docs" / "training.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", text, re.M)}
+    missing = {}
+    for name, field in ExperimentConfig.model_fields.items():
+        if name == "model":  # HF's fields, documented in docs/model.md
+            continue
+        assert name in rows, f"docs/training.md has no row for section {name!r}"
+        absent = [k for k in _fields(field.annotation) if f"`{k}" not in rows[name]]
+        if absent:
+            missing[name] = absent
+    assert not missing, f"docs/training.md's section table does not name {missing}"
+
+
+def test_every_set_in_the_docs_is_a_known_key():
+    sets = sorted({m.group(1) for doc in DOCS for m in
+                   re.finditer(r"--set '?([a-z_]+\.[a-z_.]+=[^\s`']*)", doc.read_text())})
+    assert len(sets) > 20
+    unknown = []
+    for kv in sets:
+        if kv.startswith("section.key="):  # the README's placeholder
+            continue
+        try:
+            load_config(ROOT / "configs" / "toy_r3.yaml", [kv])
+        except Exception as e:  # a value wrong for the toy is fine here; a wrong key is not
+            if "not a valid key" in str(e):
+                unknown.append(f"{kv}: {e}")
+    assert not unknown, "\n".join(unknown)
