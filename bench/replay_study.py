@@ -70,6 +70,9 @@ REGIMES = {
                                "actor.mini_batch_size=16", "actor.micro_batch_size=16"]),
     "toy_top1_lr3e-3": (TOY, ["actor.lr=3e-3", "model.num_experts=8",
                               "model.num_experts_per_tok=1"]),
+    "toy_top1": (TOY, ["model.num_experts=8", "model.num_experts_per_tok=1"]),
+    "toy_top1_fp32engine": (TOY, ["model.num_experts=8", "model.num_experts_per_tok=1",
+                                  "rollout.dtype=fp32"]),
 }
 WINDOW = 5    # steps averaged for "first" reward
 SMOOTH = 5    # steps of the trailing mean whose peak and last value say whether reward fell
