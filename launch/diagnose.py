@@ -144,7 +144,7 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
         cfg = cfg.model_copy(update={"rollout": ro.model_copy(update={"backend": "embedded"})})
     # the loop's own request and engine builders, so the samples are the run's
     source = TaskSource(task, cfg.loop.seed)
-    loop = SimpleNamespace(cfg=cfg, task=task, source=source, out=None,
+    loop = SimpleNamespace(cfg=cfg, task=task, source=source, out=None, mode=cfg.replay.mode,
                            max_new_tokens=ro.max_new_tokens or task.max_new_tokens)
     n = ro.samples_per_prompt
     prompts = ro.prompts_per_step if samples is None else max(1, math.ceil(samples / n))
@@ -214,6 +214,15 @@ def diagnose_checkpoint(checkpoint: str | Path, overrides: list[str], config: st
                          "rollout.env (multi-turn trajectories): train with --set "
                          "loop.dump_every=N and diagnose its dumps with --dump "
                          "RUN/dumps/step_<n>.safetensors")
+    rp = cfg.replay  # the live actor replays ids in full and recomputes the gates
+    for key, on, off in (("gates", rp.gates == "engine", "recompute"),
+                         ("partial", rp.partial is not None, "null")):
+        if on:
+            raise ValueError(f"this run's config sets replay.{key}, which a live diagnosis "
+                             f"does not apply (it replays the ids in full with the actor's own "
+                             f"gates): diagnose the run's dumps (--dump RUN/dumps/step_<n>"
+                             f".safetensors), or add --set replay.{key}={off} to diagnose "
+                             f"plain replay")
     state = ckpt / "state.json"
     done = json.loads(state.read_text()) if state.exists() else {"step": 0, "weight_version": "0"}
     rec = collect(cfg, load_hf(hf), int(done["step"]) + 1, str(done["weight_version"]),

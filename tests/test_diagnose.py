@@ -178,6 +178,19 @@ def test_live_diagnosis_of_a_multi_turn_run_is_refused(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "rollout.env" in err and "--dump" in err
 
 
+@pytest.mark.parametrize("key,value", [("gates", "engine"),
+                                       ("partial", "{rule: margin, threshold: 0.05}")])
+def test_live_diagnosis_of_gate_or_partial_replay_is_refused(tmp_path, capsys, key, value):
+    """The live actor replays ids in full with its own gates: not what such a run trained on
+    (replay.gates=engine crashed in Trainer.requests before, an internal error)."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert cli.main(["diagnose", str(tmp_path), "--out", str(tmp_path / "d"), "--config",
+                     str(CONFIGS / "toy_r3.yaml"), "--set", f"replay.{key}={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"replay.{key}" in err and "--dump" in err
+
+
 @pytest.mark.slow
 def test_sweep_table(run_dir, tmp_path, capsys):
     assert cli.main(["diagnose", str(run_dir / "checkpoints" / "step_1"), "--out",
