@@ -46,7 +46,7 @@ def sampled_rows(b: int, fraction: float, step: int) -> torch.Tensor:
     """ceil(b * fraction) distinct rows of b (sorted), drawn by a generator seeded with step."""
     n = min(b, math.ceil(b * fraction))
     gen = torch.Generator().manual_seed(step)
-    return torch.randperm(b, generator=gen)[:n].sort().values
+    return torch.randperm(b, generator=gen, device="cpu")[:n].sort().values
 
 
 @torch.no_grad()
