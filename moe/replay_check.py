@@ -127,7 +127,7 @@ class RouteCheck:
             raise ReplayCheckError(f"{head}: {'; '.join(parts)}")
         ran = torch.stack(self._ids, 1)  # [n, L, K]
         L, K = ran.shape[1:]
-        given = self.given_nLK.to(ran.device)
+        given = self.given_nLK.to(ran.device, torch.long)  # compact routes are uint8/uint16
         checked = self.checked_n.to(ran.device)[:, None]
         if self.any_order:
             ran, given = ran.sort(-1).values, given.sort(-1).values

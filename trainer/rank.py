@@ -368,6 +368,8 @@ class RankActor:
             with store.swapped_in(v, live):
                 lp = self.shard_logprobs(sub, plan.routes_BTLK, plan.replay_mask_BT,
                                          gates_BTLK=plan.gates_BTLK).logprobs_BT
+            if not len(mine):  # ran only for the collective (another rank holds v's rows)
+                continue
             keep = torch.isin(rows, mine)
             t = lp.shape[1]  # a row's tokens of version v only (a trajectory may span pushes)
             at_mT = torch.stack([positions(versions[i], v, t) for i in mine.tolist()])
