@@ -50,17 +50,20 @@ _HEADER = struct.Struct("<BBBBB")  # magic, version, bits per id, rows & 0xFF, l
 COMPACT_HEADER_BYTES = _HEADER.size  # 5
 
 
-def _who(sample: int | None) -> str:
-    return "routes" if sample is None else f"sample {sample}: routes"
+def _who(sample: int | None, what: str = "routes") -> str:
+    return what if sample is None else f"sample {sample}: {what}"
 
 
-def _b64decode(payload: str | bytes, sample: int | None) -> bytes:
+def _b64decode(payload: str | bytes, sample: int | None, what: str = "routes") -> bytes:
+    """The bytes of a base64 payload of `what` (routes, gate weights); RouteError naming the
+    sample when it is not a string or not base64."""
+    who = _who(sample, what)
     if not isinstance(payload, (str, bytes)):
-        raise RouteError(f"{_who(sample)} payload must be a base64 string, got {type(payload).__name__}")
+        raise RouteError(f"{who} payload must be a base64 string, got {type(payload).__name__}")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise RouteError(f"{_who(sample)} payload is not valid base64: {e}") from None
+        raise RouteError(f"{who} payload is not valid base64: {e}") from None
 
 
 def _check_layer_map(num_hidden_layers: int, moe_layer_ids: Sequence[int]) -> list[int]:

@@ -21,13 +21,13 @@ how many to expect. Shapes: N rows, L MoE layers, K top-k.
 from __future__ import annotations
 
 import base64
-import binascii
 import struct
 import zlib
 
 import torch
 
 from ..kernels.routes import RouteError
+from .codec import _b64decode, _who
 
 GATES_REQUEST_FIELD = "lockstep_return_routed_gates"
 GATES_RESPONSE_FIELD = "routed_expert_gates"
@@ -59,11 +59,8 @@ def decode_gates(payload: str, num_rows: int, num_layers: int, top_k: int,
     """The base64 payload -> [num_rows, num_layers, top_k] gate weights in the sender's dtype.
     Errors (RouteError naming the sample) on bad base64, another header, a body of another
     length, and non-finite or negative weights."""
-    who = "gate weights" if sample is None else f"sample {sample}: gate weights"
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, TypeError, ValueError) as e:
-        raise RouteError(f"{who}: invalid base64 ({e})") from None
+    who = _who(sample, "gate weights")
+    data = _b64decode(payload, sample, "gate weights")
     if len(data) < 4 or data[0] != _MAGIC:
         raise RouteError(f"{who}: not a lockstep gate payload (header {data[:4].hex()})")
     if data[1] != _VERSION:
