@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"

@@ -37,8 +37,8 @@ if sys.argv[1].startswith("new"):
 import torch
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Task
-from lockstep.trainer.config import load_config
-from lockstep.trainer.warmstart import warm_start
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.driver.warmstart import warm_start
 steps, cache = sys.argv[2], sys.argv[4]
 cfg = load_config(sys.argv[3], [f"warmstart.max_steps={steps}", "warmstart.target_accuracy=1.0",
                                 f"warmstart.eval_every={steps}", f"warmstart.cache_dir={cache}"])

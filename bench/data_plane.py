@@ -5,7 +5,7 @@ A synthetic RL batch: B=256 rows of ragged length (prompt 128..1024 tokens, tota
 row of exactly T=8192), routes for 48 MoE layers, top-8 of 128 experts (uint8, as the engine
 returns them). Measured in one run:
 
-- collate: `trainer.batch.collate` of the 256 engine results vs the bare copy of the same
+- collate: `trainer.actor.batch.collate` of the 256 engine results vs the bare copy of the same
   routes into a zeroed [B, T, L, K] uint8 tensor (what any padded batch costs; ratio >= 1);
 - for 2 and 4 simulated DP ranks (`plan_shards` over a 4-step mini-batch schedule): shard build
   time; bytes sent per rank (`wire_bytes`: tokens, masks, rollout log-probs, compact routes and
@@ -98,7 +98,7 @@ def _child(path: str) -> None:
 def shard_section(batch, dps, mini_batches: int, repeats: int) -> None:
     from dataclasses import fields
 
-    from lockstep.trainer.batch import minibatch_schedule, plan_shards, wire_bytes
+    from lockstep.trainer.actor.batch import minibatch_schedule, plan_shards, wire_bytes
 
     B = batch.size
     adv_BT = torch.randn(batch.input_ids_BT.shape)  # per-token extras the loop ships too
@@ -137,7 +137,7 @@ def shard_section(batch, dps, mini_batches: int, repeats: int) -> None:
 
 
 def correction_section(repeats_big: int, repeats_small: int) -> None:
-    from lockstep.trainer import correction as ours
+    from lockstep.trainer.objective import rollout_corr as ours
 
     try:
         from verl.trainer.ppo import rollout_corr_helper as verl
@@ -183,7 +183,7 @@ def main() -> None:
     if a.child:
         return _child(a.child)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from lockstep.trainer.batch import collate
+    from lockstep.trainer.actor.batch import collate
 
     t0 = time.perf_counter()
     results = synth_results(a.rows, a.time)

@@ -19,9 +19,9 @@ import statistics
 import tempfile
 
 from lockstep.replay import ReplayMode
-from lockstep.trainer.actor import collate
-from lockstep.trainer.config import load_config
-from lockstep.trainer.correction import correct
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.objective.correction import correct
 from lockstep.trainer.loop import Trainer
 
 

@@ -15,9 +15,10 @@ import torch
 
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
-from lockstep.trainer.actor import Batch, TorchActor
-from lockstep.trainer.config import ActorConfig
-from lockstep.trainer.megatron.actor import MegatronActor
+from lockstep.trainer.actor.batch import Batch
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.actor.megatron.actor import MegatronActor
 from timing import median_seconds
 
 

@@ -56,9 +56,9 @@ def _worker(rank: int, port: int, variant: str, args, q) -> None:
                             world_size=2)
     from megatron.core import parallel_state as ps
 
-    from lockstep.trainer.megatron.logprob import vocab_parallel_logprobs
-    from lockstep.trainer.megatron.model import (MegatronOptions, initialize_parallel,
-                                                 token_logprobs_entropy)
+    from lockstep.trainer.actor.megatron.logprob import vocab_parallel_logprobs
+    from lockstep.trainer.actor.megatron.model import initialize_parallel, token_logprobs_entropy
+    from lockstep.trainer.config.megatron import MegatronOptions
     initialize_parallel(MegatronOptions(tensor_parallel=2))
     g = torch.Generator().manual_seed(0)
     N, D, V = args.tokens, args.dim, args.vocab

@@ -1,4 +1,4 @@
-"""Cost of the replay bias meter (trainer/replay_bias.py) as a ratio of RL step time, measured in
+"""Cost of the replay bias meter (trainer/actor/replay_bias.py) as a ratio of RL step time, measured in
 one run: a Trainer runs steps with `replay.bias_meter_rows` set to each fraction under test in
 turn (interleaved, so all see the same load on a shared machine); the meter's two parts (the
 flip rate, and the extra forward of `kl_stats`) are timed inside each step.
@@ -18,8 +18,8 @@ import statistics
 import tempfile
 import time
 
-from lockstep.trainer import replay_bias
-from lockstep.trainer.config import load_config
+from lockstep.trainer.actor import replay_bias
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 

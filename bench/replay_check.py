@@ -25,12 +25,12 @@ import torch
 
 import lockstep.moe.replay_check as replay_check
 from lockstep.moe.replay_check import ReplayCheck
-from lockstep.trainer.actor import TorchActor
+from lockstep.trainer.actor.torch_actor import TorchActor
 from lockstep.replay import ReplayMode
-from lockstep.trainer.actor import collate
-from lockstep.trainer.config import load_config
-from lockstep.trainer.correction import correct
-from lockstep.trainer.losses import grpo_advantages
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.objective.correction import correct
+from lockstep.trainer.objective.losses import grpo_advantages
 from lockstep.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def main() -> None:
     cfg = load_config(a.config, ["warmstart.enabled=false", "loop.tensorboard=false",
                                  "loop.plots=false", "replay.mode=R3", *a.overrides])
     own = OwnTime()
-    from lockstep.trainer.megatron.replay import RouteReplay  # no megatron-core import
+    from lockstep.trainer.actor.megatron.replay import RouteReplay  # no megatron-core import
     for owner, name in ((TorchActor, "_route_check"), (RouteReplay, "_route_check"),
                         (replay_check.RouteCheck, "ran"), (replay_check.RouteCheck, "finish")):
         own.wrap(owner, name)

@@ -96,7 +96,8 @@ def cell_command(config: Path, d: Path, mode: str, corr: str, seed: int, steps: 
 
 def check_cells(config: Path, modes, scheds, extra: list[str]) -> None:
     """Refuse up front a replay variant or schedule whose options this checkout lacks."""
-    from lockstep.trainer.config import ExperimentConfigError, load_config
+    from lockstep.trainer.config.load import load_config
+    from lockstep.trainer.config.types import ExperimentConfigError
     for mode in modes:
         for sched in scheds:
             try:

@@ -55,8 +55,8 @@ def one_case(folder: str, layout: str, path: str) -> dict:
     """In a fresh driver process: start the group (new: from the folder; old: from a model the
     driver loads), and report memory."""
     from lockstep.moe.checkpoint import load_hf
-    from lockstep.trainer.config import load_config
-    from lockstep.trainer.group import ActorGroup
+    from lockstep.trainer.config.load import load_config
+    from lockstep.trainer.actor.group import ActorGroup
     cfg = load_config(None, [f"model.path={folder}", "cluster.actor_ranks=2",
                              "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
                              "actor.mini_batch_size=8", "actor.micro_batch_size=8",

@@ -36,8 +36,9 @@ from lockstep.replay import compare_routes, old_logprob_plan, update_plan
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import load_config
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.load import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -55,9 +55,9 @@ def describe_error(e: BaseException) -> tuple[str, int]:
     """(one-line message, exit status) for an exception that ended a command."""
     from lockstep.moe.checkpoint import CheckpointError
     from lockstep.moe.config import ConfigError
-    from lockstep.trainer.nonfinite import DivergenceError
-    from lockstep.trainer.metrics import MetricsFileError
-    from lockstep.trainer.rundir import RunDirError
+    from lockstep.trainer.observe.nonfinite import DivergenceError
+    from lockstep.trainer.observe.metrics import MetricsFileError
+    from lockstep.trainer.state.rundir import RunDirError
 
     if isinstance(e, ModuleNotFoundError) and e.name:
         root = e.name.split(".")[0]

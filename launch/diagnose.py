@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from lockstep.trainer.rundir import report_dir_problem
+from lockstep.trainer.state.rundir import report_dir_problem
 
 URL_TIMEOUT_S = 120.0  # --url: seconds one request may take unless rollout.request_timeout_s is set
 SWEEP = (  # (label, overrides): each one changes one knob from the run's config
@@ -86,7 +86,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
 
 
 def load_run_config(ckpt: Path, config: str | None, overrides: list[str]):
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
 
     if config is None:
         run_cfg = ckpt.parent.parent / "config.yaml"
@@ -132,10 +132,11 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     from lockstep.rollout.client import HTTPBackend
     from lockstep.rollout.tasks import Task
     from lockstep.rollout.types import GenerateRequest
-    from lockstep.trainer.actor import TorchActor, collate
-    from lockstep.trainer.dump import record_step, run_header
-    from lockstep.trainer.data import TaskSource
-    from lockstep.trainer.backends import make_rollout
+    from lockstep.trainer.actor.batch import collate
+    from lockstep.trainer.actor.torch_actor import TorchActor
+    from lockstep.trainer.observe.dump import record_step, run_header
+    from lockstep.trainer.driver.data import TaskSource
+    from lockstep.trainer.driver.rollouts import make_rollout
     from lockstep.trainer.loop import Trainer
 
     task = Task(cfg.task)
@@ -160,7 +161,7 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
                                     return_sampling_mask=r.return_sampling_mask)
                     for (ids, _), r in zip(rows, template)]
     if url is not None:
-        from lockstep.trainer.config import rollout_api_key
+        from lockstep.trainer.config.load import rollout_api_key
         backend = HTTPBackend(url, cfg.model, api_key=rollout_api_key(ro),
                               max_concurrency=prompts, timeout_s=ro.request_timeout_s)
     else:
@@ -203,7 +204,7 @@ def diagnose_checkpoint(checkpoint: str | Path, overrides: list[str], config: st
                         samples: int | None = None) -> dict:
     """The report of a live diagnosis of `checkpoint` (see the module doc)."""
     from lockstep.moe.checkpoint import load_hf
-    from lockstep.trainer.diagnosis import analyze
+    from lockstep.trainer.observe.diagnosis import analyze
 
     ckpt, hf = find_checkpoint(checkpoint)
     if url is not None:  # one step's prompts: a server silent for minutes is down (--set wins)
@@ -231,8 +232,8 @@ def diagnose_checkpoint(checkpoint: str | Path, overrides: list[str], config: st
 
 
 def diagnose_dump(path: str | Path) -> dict:
-    from lockstep.trainer.diagnosis import analyze
-    from lockstep.trainer.dump import read_dump
+    from lockstep.trainer.observe.diagnosis import analyze
+    from lockstep.trainer.observe.dump import read_dump
 
     rec = read_dump(path)
     return analyze(rec, tokenizer_for(rec.header))
@@ -282,9 +283,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lockstep.launch.diagnose_report import summary_text, write_report
-    from lockstep.trainer.config import ExperimentConfigError
+    from lockstep.trainer.config.types import ExperimentConfigError
     from lockstep.rollout.types import RolloutError
-    from lockstep.trainer.dump import DumpError
+    from lockstep.trainer.observe.dump import DumpError
 
     if args.threads:
         torch.set_num_threads(args.threads)

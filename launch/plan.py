@@ -28,11 +28,13 @@ from lockstep.launch.plan_estimate import (GiB, Estimates, _stage_chunks,  # noq
                                           count_params)
 from lockstep.launch.plan_placement import Placement, _colocated_note, gpus_needed
 from lockstep.launch.plan_render import render
-from lockstep.trainer.megatron.layout import stage_layer_counts
-from lockstep.trainer.config import ExperimentConfig, ExperimentConfigError, load_config
-from lockstep.trainer.backends import colocation_refusal
+from lockstep.trainer.config.megatron import stage_layer_counts
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
+from lockstep.trainer.actor.build import colocation_refusal
 
-# the TransformerConfig arguments (trainer/megatron/layout.megatron_args) the plan prints
+# the TransformerConfig arguments (trainer/actor/megatron/layout.megatron_args) the plan prints
 _PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",
               "expert_tensor_parallel_size", "pipeline_model_parallel_size",
               "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size",
@@ -170,7 +172,7 @@ class _Plan(Estimates, Placement):
 
     def _check_actor_layout(self, N: int, tp: int, ep: int, etp: int, pp: int,
                             cp: int) -> None:
-        """The megatron layout rules (trainer/megatron/layout.py, what the actor enforces)."""
+        """The megatron layout rules (trainer/config/megatron.py, what the actor enforces)."""
         cfg = self.cfg
         if cfg.actor.backend != "megatron":
             return
@@ -180,7 +182,7 @@ class _Plan(Estimates, Placement):
                         + (f"context_parallel={cp} " if cp > 1 else "") +
                         "need cluster.actor_ranks > 1 (the in-process actor is a world of one)")
             return
-        from lockstep.trainer.megatron.layout import layout_problems, precision_problems
+        from lockstep.trainer.config.megatron import layout_problems, precision_problems
 
         for why in (layout_problems(cfg.actor.megatron, cfg.model, N, on_gpu=self.gpu)
                     + precision_problems(cfg.actor, on_gpu=self.gpu)):
@@ -188,9 +190,9 @@ class _Plan(Estimates, Placement):
 
     def _megatron_args(self, tp: int, ep: int, etp: int, pp: int, dp: int) -> dict[str, Any]:
         """The megatron-core settings the actor passes for this layout (TransformerConfig,
-        DDP and optimizer: `trainer/megatron/layout.py`, the same functions the actor calls);
+        DDP and optimizer: `trainer/config/megatron.py`, the same functions the actor calls);
         `auto` = decided on the GPU node."""
-        from lockstep.trainer.megatron.layout import (actor_options, ddp_args, megatron_args,
+        from lockstep.trainer.config.megatron import (actor_options, ddp_args, megatron_args,
                                                       optimizer_args)
 
         a = self.cfg.actor

@@ -97,7 +97,7 @@ def _stage_chunks(model, opts, stage: int) -> list[list[int]]:
     out as the MegatronOptions `opts` (`layout.chunk_layers`, the rule the actor builds by:
     one chunk without a virtual pipeline, uneven stages by `stage_layer_counts`); a chunk a
     refused layout leaves empty is [lo, lo]."""
-    from lockstep.trainer.megatron.layout import chunk_layers
+    from lockstep.trainer.config.megatron import chunk_layers
 
     out, lo = [], 0
     for c in chunk_layers(model, opts, stage):
@@ -177,7 +177,7 @@ class Estimates:
         if a.backend == "megatron" and pp > 1 and a.megatron.vpp == 1:
             # stage p keeps PP - p micro-batches in flight through its own layers (uneven
             # stages: `stage_layer_counts`; equal ones give L)
-            from lockstep.trainer.megatron.layout import stage_layer_counts
+            from lockstep.trainer.config.megatron import stage_layer_counts
             layers = max(n * (pp - p) for p, n in
                          enumerate(stage_layer_counts(m, a.megatron)))
         vpp = a.megatron.vpp if a.backend == "megatron" else 1

@@ -9,8 +9,8 @@ import shlex
 from typing import Any
 
 from lockstep.rollout.colocate import RANK_SHARE, SERVER_SHARE, engine_bundles
-from lockstep.trainer.config import ExperimentConfig
-from lockstep.trainer.backends import colocates_fleet, colocation_refusal
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal
 
 
 class Placement:
@@ -87,7 +87,7 @@ class Placement:
                 "engines": engines, "gpus_needed": need, "gpus_total": G}
 
     def _sglang_command(self, engine: dict) -> dict[str, Any]:
-        from lockstep.trainer.sglang_servers import sglang_server_config
+        from lockstep.trainer.driver.sglang_servers import sglang_server_config
 
         cfg = self.cfg
         host = "0.0.0.0" if cfg.cluster.nodes > 1 else "127.0.0.1"

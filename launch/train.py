@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from lockstep.trainer.config import load_config, save_config
+from lockstep.trainer.config.load import load_config, save_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,8 +50,8 @@ def _nothing_to_run(out: Path, cfg) -> str | None:
     """Why `--resume` with this config would run no step (nothing is written then), or None.
     A newest checkpoint that fails verification is not counted: the resume redoes it; one
     written under another config is not either: the Trainer refuses that with the reason."""
-    from lockstep.trainer.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints,
-                                             verify_manifest)
+    from lockstep.moe.checkpoint import CheckpointError
+    from lockstep.trainer.state.checkpoint import list_checkpoints, STATE_FILE, verify_manifest
     from lockstep.trainer.loop import run_hash
 
     ckpts, steps = list_checkpoints(out), cfg.loop.steps
@@ -96,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
     from lockstep.launch.plan import check_devices
     check_devices(cfg, str(config))  # a GPU layout on a machine without those GPUs: refuse now
     if not args.resume and cfg.cluster.actor_ranks == 1:  # the policy is built in this process
-        from lockstep.trainer.backends import check_policy_fits
+        from lockstep.trainer.actor.build import check_policy_fits
         check_policy_fits(cfg)  # a size typo: "would need N GB", before any allocation
 
     import torch
 
     from lockstep.trainer.loop import Trainer
-    from lockstep.trainer.rundir import claim_run_dir
+    from lockstep.trainer.state.rundir import claim_run_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

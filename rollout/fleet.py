@@ -1,7 +1,7 @@
 """The rollout fleet: the dispatcher (rollout/dispatch.py) over engines started as Ray actors
 in placement-group bundles (the Ray layer, `lockstep.cluster.ray_ops`), or servers given by
 URL. Every builder takes numbers and small values, never the experiment config
-(trainer/backends.py reads it).
+(trainer/driver/rollouts.py reads it).
 
     fleet = Fleet.ray(model, EngineConfig(dtype="bf16"), num_engines=4)
     fleet = Fleet.serve(model, EngineConfig(dtype="bf16"), num_engines=2)

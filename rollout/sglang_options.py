@@ -14,7 +14,7 @@ launched, mapped onto `lockstep.rollout.sglang.SGLangConfig` (whose `command()` 
 `--skip-tokenizer-init` and `--enable-return-routed-experts` are always passed (lockstep sends
 token ids and needs the routes of every token); the server's seed is `loop.seed`; with
 `cluster.device: cpu` the servers run SGLang's CPU engine (`sglang.CPU_FLAGS`). Nothing here
-imports SGLang or reads the experiment config: `lockstep.trainer.sglang_servers` maps an
+imports SGLang or reads the experiment config: `lockstep.trainer.driver.sglang_servers` maps an
 experiment onto these options (what the fleet launches and what `lockstep plan` prints).
 """
 

@@ -70,7 +70,7 @@ _IGNORED = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_tri
             "stream_interval")
 # The one temperature rule: below this an engine samples greedily (SGLang's rule, and ours in
 # rollout/sampling.py) and reports temperature-1 log-probs, so a sampled run's
-# rollout.temperature must be at least this (trainer/sections.py).
+# rollout.temperature must be at least this (trainer/config/sections.py).
 GREEDY_TEMPERATURE = 1e-6
 
 

@@ -38,7 +38,8 @@ def world1():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from lockstep.trainer.megatron.model import MegatronOptions, initialize_parallel
+    from lockstep.trainer.actor.megatron.model import initialize_parallel
+    from lockstep.trainer.config.megatron import MegatronOptions
     created = not dist.is_initialized()
     if created:  # gloo even where CUDA is present: these are CPU tests
         with socket.socket() as s:

@@ -11,8 +11,9 @@ from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.replay import old_logprob_plan, update_plan
 from lockstep.rollout.types import GenerationResult
-from lockstep.trainer.actor import TorchActor, collate, lr_lambda, run_minibatches
-from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import lr_lambda, run_minibatches, TorchActor
+from lockstep.trainer.config.sections import ActorConfig
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=48,

@@ -1,4 +1,4 @@
-"""The actor's part of a checkpoint (trainer/actor_ckpt.py), one process: the torch actor's
+"""The actor's part of a checkpoint (trainer/actor/checkpoint.py), one process: the torch actor's
 Adam state round-trips through HF-named moment folders bit for bit, ranks' parts cover the
 model once, a non-finite weight stops the save without leaving a folder, and a checkpoint of
 the earlier per-rank format is refused on another layout."""
@@ -11,12 +11,13 @@ import torch
 
 from lockstep.moe.checkpoint import read_hf_state_dict
 from lockstep.moe.model import MoEModel
-from lockstep.trainer.actor import TorchActor
-from lockstep.trainer.actor_ckpt import (MOMENTS, actor_parts, finish, num_parts, write_parts)
-from lockstep.trainer.checkpoint import (TRAINER_STATE, latest_checkpoint, load_tree, save_tree,
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.actor.checkpoint import (MOMENTS, actor_parts, finish, num_parts, write_parts)
+from lockstep.trainer.state.checkpoint import (TRAINER_STATE, latest_checkpoint, load_tree, save_tree,
                                          write_manifest)
-from lockstep.trainer.config import ActorConfig, load_config
-from lockstep.trainer.nonfinite import DivergenceError
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.observe.nonfinite import DivergenceError
 from lockstep.trainer.loop import Trainer
 
 from model_fixtures import tiny_config

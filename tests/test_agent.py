@@ -148,7 +148,7 @@ def test_env_file_errors_are_one_line(tmp_path):
 def test_the_multiply_task_needs_an_env():
     from pathlib import Path
 
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
     configs = Path(__file__).resolve().parent.parent / "configs"
     with pytest.raises(ValueError, match="task.name=multiply calls a calculator .* needs "
                                          "rollout.env"):
@@ -179,8 +179,8 @@ def test_trajectory_reward_is_the_final_turn_plus_env_rewards_or_the_error_score
     from lockstep.rollout.agent import TrajectoryInfo, Turn
     from lockstep.rollout.tasks import Task, TaskConfig
     from lockstep.rollout.types import GenerationResult
-    from lockstep.trainer.agent import trajectory_rewards
-    from lockstep.trainer.data import TaskSource
+    from lockstep.trainer.driver.agent import trajectory_rewards
+    from lockstep.trainer.driver.data import TaskSource
 
     task = Task(TaskConfig(name="multiply"))
     source = TaskSource(task, seed=0)

@@ -19,7 +19,7 @@ from lockstep.rollout.fleet import Fleet
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.tasks import build_tokenizer
 
-from lockstep.trainer.agent import trajectory_metrics
+from lockstep.trainer.driver.agent import trajectory_metrics
 from lockstep.trainer.loop import Trainer
 
 from model_fixtures import tiny_config

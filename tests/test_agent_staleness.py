@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from lockstep.trainer.config import ExperimentConfigError
+from lockstep.trainer.config.types import ExperimentConfigError
 from lockstep.trainer.loop import Trainer
 
 from test_agent_train import _config

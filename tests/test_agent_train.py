@@ -18,10 +18,10 @@ from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.env import EnvConfig, EnvPool
 from lockstep.rollout.tasks import build_tokenizer
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import collate
-from lockstep.trainer.config import load_config
-from lockstep.trainer.diagnosis import analyze
-from lockstep.trainer.dump import read_dump
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.observe.diagnosis import analyze
+from lockstep.trainer.observe.dump import read_dump
 from lockstep.trainer.loop import Trainer
 from model_fixtures import tiny_config
 

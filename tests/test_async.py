@@ -10,14 +10,14 @@ import torch
 from lockstep.rollout.client import RolloutError
 from lockstep.rollout.types import GenerationResult
 from lockstep.rollout.weight_sync import check_versions
-from lockstep.trainer.actor import collate
-from lockstep.trainer.config import load_config
-from lockstep.trainer.correction import correct, is_split_metrics
-from lockstep.trainer.expert_load import COUNT_KEY
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.objective.correction import correct, is_split_metrics
+from lockstep.trainer.observe.expert_load import COUNT_KEY
 from lockstep.trainer.loop import Trainer, run_hash
-from lockstep.trainer.pipeline import allowed_versions
-from lockstep.trainer.losses import grpo_advantages
-from lockstep.trainer.rank import stats_values
+from lockstep.trainer.driver.pipeline import allowed_versions
+from lockstep.trainer.objective.losses import grpo_advantages
+from lockstep.trainer.actor.rank import stats_values
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # the toy, smaller; lr and an entropy bonus so the weights move even where rewards are all 0

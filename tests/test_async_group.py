@@ -12,9 +12,9 @@ ray = pytest.importorskip("ray")
 from lockstep.moe.checkpoint import load_hf_state_dict  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.replay import ReplayMode, old_logprob_plan  # noqa: E402
-from lockstep.trainer.actor import TorchActor  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
-from lockstep.trainer.correction import version_split_metrics  # noqa: E402
+from lockstep.trainer.actor.torch_actor import TorchActor  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
+from lockstep.trainer.objective.correction import version_split_metrics  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # local Ray, 2 ranks per run
@@ -104,7 +104,7 @@ def _mixed_step(tr):
     """Step 4 by hand, with DP rank 0's rows of the current version (3) and DP rank 1's of
     version 2: only rank 1 has stale rows (under EP=2 its MoE forwards are collectives with
     rank 0, which must join them: no hang), and each row gets its own version's pi_gen."""
-    from lockstep.trainer.batch import collate
+    from lockstep.trainer.actor.batch import collate
     prompts = tr.source.prompts(0, tr.cfg.rollout.prompts_per_step)
     batch = collate(tr.rollout.generate(tr.requests(prompts, 4)), tr.source.pad_id,
                     *tr._route_shape())

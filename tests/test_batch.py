@@ -11,10 +11,10 @@ from lockstep.kernels.logprob import logprobs_from_logits
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.types import GenerationResult
-from lockstep.trainer.actor import TorchActor
-from lockstep.trainer.batch import (Batch, collate, micro_batches, minibatch_schedule,
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.actor.batch import (Batch, collate, micro_batches, minibatch_schedule,
                                     plan_shards, trim, trim_batch, wire_bytes)
-from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.config.sections import ActorConfig
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -227,7 +227,7 @@ def test_loop_step_with_a_token_budget_matches_fixed_micro_batches(tmp_path):
     give the metrics of fixed-size micro-batches (same rollout, gradients up to fp32 order)."""
     from pathlib import Path
 
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
     from lockstep.trainer.loop import Trainer
 
     config = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"

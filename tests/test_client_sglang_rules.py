@@ -10,7 +10,7 @@ import torch
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutError
 from lockstep.rollout.engine import Engine
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 from server_fixtures import ENGINE, call, model, server  # noqa: F401 (pytest fixtures)

@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from lockstep.rollout.fleet import Fleet  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, 2 ranks and 2 servers per run: ~40 s for both runs

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.trainer.config import (ExperimentConfig, ExperimentConfigError, load_config,
-                                     save_config)
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.config.load import load_config, save_config
+from lockstep.trainer.config.types import ExperimentConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from lockstep.moe.config import ModelConfig
-from lockstep.trainer.config import ExperimentConfigError, load_config
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
 
 TOY = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.trainer.config import load_config, save_config
+from lockstep.trainer.config.load import load_config, save_config
 from lockstep.trainer.loop import run_hash
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -13,10 +13,13 @@ import math
 import pytest
 import torch
 
-from lockstep.trainer.correction import (
-    CorrectionConfig, apply_bypass_mode, compute_rollout_correction_and_add_to_batch,
-    compute_rollout_correction_and_rejection_mask, compute_rollout_correction_weights,
-    compute_rollout_rejection_mask, correct, is_split_metrics, parse_rs_thresholds)
+from lockstep.trainer.objective.correction import (apply_bypass_mode,
+                                                   compute_rollout_correction_and_add_to_batch,
+                                                   correct, CorrectionConfig, is_split_metrics)
+from lockstep.trainer.objective.rollout_corr import (compute_rollout_correction_and_rejection_mask,
+                                                     compute_rollout_correction_weights,
+                                                     compute_rollout_rejection_mask,
+                                                     parse_rs_thresholds)
 
 L2, L3, L4 = math.log(2), math.log(3), math.log(4)
 K1 = [-L2, 0.0, L4, -L3]

@@ -5,7 +5,7 @@ until the mean of the rest is below the threshold)."""
 import pytest
 import torch
 
-from lockstep.trainer.correction import CorrectionConfig, correct, m2po_mask
+from lockstep.trainer.objective.correction import CorrectionConfig, correct, m2po_mask
 
 # row 0: log r = [.3, .1, .2, 0] -> m2 [.09, .01, .04, 0]; row 1: [.4, pad]; padding holds a huge
 # log ratio that must not count. m2 over valid tokens: mean .3/5 = .06; sorted .16 .09 .04 .01 0

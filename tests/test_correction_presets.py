@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from lockstep.trainer.config import load_config, save_config
-from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.correction_presets import PRESETS, VERL_FIELDS
-from lockstep.trainer.section_types import ExperimentConfigError
+from lockstep.trainer.config.load import load_config, save_config
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.presets import PRESETS, VERL_FIELDS
+from lockstep.trainer.config.types import ExperimentConfigError
 
 
 def _verl_presets() -> dict[str, dict]:

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from lockstep.trainer import correction as ours
+from lockstep.trainer.objective import rollout_corr as ours
 
 
 def _import_verl(name: str):
@@ -153,7 +153,7 @@ def test_ray_placeholder_is_scoped_to_the_import(monkeypatch):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_losses_match_verl_core_algos(agg, seed):
-    from lockstep.trainer import losses
+    from lockstep.trainer.objective import losses
 
     core, ActorCfg = _import_verl_core()
     cfg = ActorCfg(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
@@ -186,7 +186,7 @@ def test_losses_match_verl_core_algos(agg, seed):
 def test_grpo_advantages_match_verl():
     import numpy as np
 
-    from lockstep.trainer import losses
+    from lockstep.trainer.objective import losses
 
     core, _ = _import_verl_core()
     g = torch.Generator().manual_seed(0)

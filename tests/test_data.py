@@ -9,8 +9,10 @@ import pytest
 
 from data_fixtures import CHAT_TEMPLATE, build_tokenizer, word_problems, write_jsonl
 from lockstep.rollout.rewards import RewardConfig
-from lockstep.trainer.config import ExperimentConfigError, load_config
-from lockstep.trainer.data import DataConfig, DatasetSource, encode_prompt, load_prompts
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
+from lockstep.trainer.config.sections import DataConfig
+from lockstep.trainer.driver.data import DatasetSource, encode_prompt, load_prompts
 
 pytest.importorskip("transformers")
 
@@ -27,7 +29,7 @@ def test_jsonl_and_parquet_give_the_same_prompts(folder, tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
-    from lockstep.trainer.data import load_tokenizer
+    from lockstep.trainer.driver.data import load_tokenizer
 
     tok = load_tokenizer(folder)
     rows = word_problems(8, 3)
@@ -49,7 +51,7 @@ def test_jsonl_and_parquet_give_the_same_prompts(folder, tmp_path):
 
 
 def test_bad_rows_are_named(folder, tmp_path):
-    from lockstep.trainer.data import load_tokenizer
+    from lockstep.trainer.driver.data import load_tokenizer
 
     tok = load_tokenizer(folder)
     good = word_problems(2, 0)
@@ -100,7 +102,7 @@ def test_data_run_config_rules(folder, tmp_path):
     # a model folder: the architecture comes from its config.json
     from lockstep.moe.checkpoint import save_hf
     from lockstep.moe.model import MoEModel
-    from lockstep.trainer.config import save_config
+    from lockstep.trainer.config.load import save_config
     from model_fixtures import tiny_config as tiny
 
     save_hf(MoEModel(tiny()), tmp_path / "m")

@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_leaves
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor
-from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.sections import ActorConfig
 
 from model_fixtures import tiny_config
 
@@ -71,7 +71,7 @@ class audited:
 
 # pass-through frames: torch itself, and the CPU bridge's stand-ins for megatron-core's
 # `device="cuda"` factories (the device is chosen by megatron-core, their caller)
-PASS_THROUGH = ("torch", "lockstep.trainer.megatron.cpu_bridge")
+PASS_THROUGH = ("torch", "lockstep.trainer.actor.megatron.cpu_bridge")
 
 
 def _caller_module(depth: int = 2) -> str:
@@ -193,10 +193,10 @@ def test_torch_actor_makes_no_tensor_off_its_device():
     aux loss and expert-bias update) creates every tensor on the actor's device or, for the
     host-side results and batch bookkeeping, names the CPU."""
     from lockstep.replay import ReplayMode
-    from lockstep.trainer.correction import CorrectionConfig
-    from lockstep.trainer.losses import LossConfig
-    from lockstep.trainer.rank import UpdateInputs
-    from lockstep.trainer.reference import ReferencePolicy
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
+    from lockstep.trainer.actor.rank import UpdateInputs
+    from lockstep.trainer.actor.reference import ReferencePolicy
     from test_router_families import _actor_batch, make
     model = make("deepseek_mla")  # MLA, sigmoid router with the expert bias it updates
     batch = _actor_batch(model)
@@ -217,15 +217,15 @@ def test_torch_actor_makes_no_tensor_off_its_device():
 
 
 def test_pi_gen_makes_no_tensor_off_its_device():
-    """loop.max_staleness >= 1 on the rank (`RankActor.gen_logprobs`, trainer/versions.py):
+    """loop.max_staleness >= 1 on the rank (`RankActor.gen_logprobs`, trainer/actor/versions.py):
     keeping a version (CPU copies of the bf16 compute model and the router's expert bias),
     swapping it in for pi_gen and back, names every device; pi_gen of the stale rows is the
     forward under version 0, the current rows' is pi_old."""
     from lockstep.replay import ReplayMode
-    from lockstep.trainer.correction import CorrectionConfig
-    from lockstep.trainer.losses import LossConfig
-    from lockstep.trainer.rank import UpdateInputs
-    from lockstep.trainer.versions import VersionSplit
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
+    from lockstep.trainer.actor.rank import UpdateInputs
+    from lockstep.trainer.actor.versions import VersionSplit
     from test_router_families import _actor_batch, make
     model = make("deepseek_mla")  # a sigmoid router with an expert bias (a buffer): the
     # update moves it enough (rate 1) to change natural routes, so a kept copy without it fails
@@ -259,11 +259,11 @@ def test_megatron_actor_makes_no_tensor_off_its_device():
     goes back to the driver is on the host."""
     pytest.importorskip("megatron.core")
     from lockstep.replay import ReplayMode
-    from lockstep.trainer.correction import CorrectionConfig
-    from lockstep.trainer.losses import LossConfig
-    from lockstep.trainer.megatron.actor import MegatronActor
-    from lockstep.trainer.rank import UpdateInputs
-    from lockstep.trainer.versions import VersionSplit
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
+    from lockstep.trainer.actor.rank import UpdateInputs
+    from lockstep.trainer.actor.versions import VersionSplit
     from test_router_families import _actor_batch, make
     model = make("qwen3_softmax_topk")
     batch = _actor_batch(model)

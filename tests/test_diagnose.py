@@ -20,7 +20,7 @@ from lockstep.launch.diagnose_report import PLOTS, write_report
 from lockstep.moe.checkpoint import load_hf
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.server import ServerThread
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 from test_train_e2e import CONFIGS

@@ -6,7 +6,8 @@ import re
 import typing
 from pathlib import Path
 
-from lockstep.trainer.config import ExperimentConfig, load_config
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

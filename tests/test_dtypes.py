@@ -25,7 +25,7 @@ def test_edges_accept_the_spellings_of_today():
     from lockstep.rollout.engine import DTYPES as engine
     from lockstep.rollout.sglang import _DTYPES as sglang
     from lockstep.rollout.weight_receiver import DTYPES as wire
-    from lockstep.trainer.megatron.model import MegatronOptions
+    from lockstep.trainer.config.megatron import MegatronOptions
 
     assert serve == ["bf16", "fp16", "fp32"]
     assert engine == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -9,9 +9,10 @@ from safetensors.torch import save_file
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import ActorConfig
-from lockstep.trainer.dump import (FORMAT, HEADER_KEY, VERSION, DumpError, StepRecord,
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.observe.dump import (FORMAT, HEADER_KEY, VERSION, DumpError, StepRecord,
                                    model_header, read_dump, record_step, write_dump)
 
 from model_fixtures import tiny_config

@@ -1,4 +1,4 @@
-"""Expert-load metrics (trainer/expert_load.py): a hand count on a small batch, verl 0.9.1's own
+"""Expert-load metrics (trainer/observe/expert_load.py): a hand count on a small batch, verl 0.9.1's own
 functions on the same routes, the metrics of a real RL step, and the per-layer plot."""
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.trainer.actor import Batch
-from lockstep.trainer.expert_load import (counted_tokens, load_counts, load_metrics,
+from lockstep.trainer.actor.batch import Batch
+from lockstep.trainer.observe.expert_load import (counted_tokens, load_counts, load_metrics,
                                           step_load_metrics)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -78,9 +78,9 @@ def test_rollout_metrics_equal_verls_own():
 def test_an_rl_step_logs_both_sources_and_the_plot_has_the_layer_panels(tmp_path):
     from PIL import Image
 
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
     from lockstep.trainer.loop import Trainer
-    from lockstep.trainer.metrics import LOAD_PLOT, write_plots
+    from lockstep.trainer.observe.metrics import LOAD_PLOT, write_plots
     cfg = load_config(CONFIGS / "toy_r3.yaml", [
         "warmstart.enabled=false", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
         "actor.mini_batch_size=32", "actor.micro_batch_size=32", "loop.steps=1",

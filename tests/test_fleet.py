@@ -16,7 +16,8 @@ from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.fleet import Fleet, FleetError, require_sglang, sglang_config
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.config import ExperimentConfigError, load_config
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
 
 from model_fixtures import tiny_config
 from sglang_fixtures import PYTHON as SGLANG_PYTHON
@@ -128,7 +129,7 @@ def test_config_fleet_backends():
 
 
 def test_sglang_fleet_arguments():
-    from lockstep.trainer.sglang_servers import sglang_options_dict
+    from lockstep.trainer.driver.sglang_servers import sglang_options_dict
     cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cuda",
                              "rollout.sglang.tp_size=4", "rollout.sglang.ep_size=2",
                              "rollout.lm_head_dtype=fp32",
@@ -149,7 +150,7 @@ def test_sglang_fleet_arguments():
 
 
 def test_sglang_fleet_arguments_on_cpu():
-    from lockstep.trainer.sglang_servers import sglang_options_dict
+    from lockstep.trainer.driver.sglang_servers import sglang_options_dict
     cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cpu",
                              "rollout.sglang.extra_env=[PYTHONPATH=/shims, SGL_X=a=b]",
                              "rollout.sglang.startup_timeout_s=30", "rollout.sglang.bind=node"])
@@ -279,7 +280,7 @@ def test_sglang_router_drops_the_route_fields(tmp_path):
 def test_colocated_placement_refused_for_servers_given_by_url(urls, tmp_path):
     """Servers given by URL were not launched by lockstep: no bundle to share with a rank."""
     from lockstep.launch.plan import PlanError, check_devices
-    from lockstep.trainer.backends import make_fleet
+    from lockstep.trainer.driver.rollouts import make_fleet
     cfg = load_config(None, ["rollout.backend=http", urls, "cluster.placement=colocated",
                              "cluster.actor_ranks=2", "rollout.num_engines=2"])
     with pytest.raises(PlanError, match="rollout.backend=http: servers given by rollout.url"):

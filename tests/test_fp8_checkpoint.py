@@ -148,7 +148,7 @@ def test_train_on_an_fp8_folder_and_export_it_back(tmp_path):
     from lockstep.rollout.engine import Engine, EngineConfig
     from lockstep.rollout.tasks import Task
     from lockstep.rollout.types import GenerateRequest, SamplingParams
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
 
     toy = Path(__file__).resolve().parents[1] / "configs" / "toy_r3.yaml"
     cfg = load_config(toy)

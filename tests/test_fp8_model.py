@@ -11,9 +11,11 @@ from lockstep.moe.layers import grouped_linear, grouped_linear_loop, linear
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import ActorConfig, load_config
-from lockstep.trainer.megatron.layout import precision_problems
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.config.megatron import precision_problems
 
 from model_fixtures import tiny_config
 
@@ -133,8 +135,8 @@ def test_fp8_config_plan_and_megatron_choices():
     assert any("actor.fp8=true: the megatron backend runs FP8 through Transformer Engine"
                in w for w in why)
     from lockstep.launch.plan import check_devices, PlanError
-    from lockstep.trainer.megatron.layout import actor_options, megatron_args
-    from lockstep.trainer.sglang_servers import sglang_server_config
+    from lockstep.trainer.config.megatron import actor_options, megatron_args
+    from lockstep.trainer.driver.sglang_servers import sglang_server_config
     argv = sglang_server_config(load_config(None, ["rollout.dtype=fp8"]),
                                 model_path="/m").command()
     assert argv[argv.index("--dtype") + 1] == "bfloat16"

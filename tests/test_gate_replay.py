@@ -12,8 +12,10 @@ from lockstep.replay import (GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, ReplayOp
 from lockstep.rollout.client import HTTPBackend, RolloutError
 from lockstep.rollout.engine import Engine
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import ActorConfig, load_config
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.sections import ActorConfig
 
 from server_fixtures import ENGINE, call, model, server  # noqa: F401 (pytest fixtures)
 

@@ -17,14 +17,14 @@ ray = pytest.importorskip("ray")
 from lockstep.moe.checkpoint import read_hf_state_dict  # noqa: E402
 
 from lockstep.replay import ReplayMode  # noqa: E402
-from lockstep.trainer.batch import collate, minibatch_schedule  # noqa: E402
-from lockstep.trainer.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
-from lockstep.trainer.correction import correct  # noqa: E402
-from lockstep.trainer.dump import ACTOR_FIELDS, read_dump  # noqa: E402
-from lockstep.trainer.group import ActorGroupError  # noqa: E402
+from lockstep.trainer.actor.batch import collate, minibatch_schedule  # noqa: E402
+from lockstep.trainer.state.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
+from lockstep.trainer.objective.correction import correct  # noqa: E402
+from lockstep.trainer.observe.dump import ACTOR_FIELDS, read_dump  # noqa: E402
+from lockstep.trainer.actor.group import ActorGroupError  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
-from lockstep.trainer.rank import shuffle_seed, stats_values  # noqa: E402
+from lockstep.trainer.actor.rank import shuffle_seed, stats_values  # noqa: E402
 
 from kill_fixtures import kill_when_written  # noqa: E402
 

@@ -21,7 +21,7 @@ pytest.importorskip("ray")
 pytest.importorskip("megatron.core")
 
 from lockstep.moe.checkpoint import hf_state_dict, load_hf, read_hf_state_dict  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]

@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 from lockstep.moe.checkpoint import save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.trainer import loop  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]

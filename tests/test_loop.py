@@ -10,9 +10,9 @@ from lockstep.moe.model import MoEModel
 from lockstep.replay import old_logprob_plan
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.server import ServerThread
-from lockstep.trainer.actor import collate
-from lockstep.trainer.config import load_config
-from lockstep.trainer.correction import correct
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.objective.correction import correct
 from lockstep.trainer.loop import Trainer, run_hash
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -144,7 +144,7 @@ def test_issue20_loss_and_correction_options_reach_the_step(tmp_path):
 
 
 def test_layer_flip_matrix_orders_layers_and_marks_missing_steps():
-    from lockstep.trainer.metrics import layer_flip_matrix
+    from lockstep.trainer.observe.metrics import layer_flip_matrix
 
     rows = [{"step": 1, "routing/flip_rate/layer_3": 0.5, "routing/flip_rate/layer_1": 0.25},
             {"step": 2, "routing/flip_rate/layer_3": None, "routing/flip_rate/layer_1": 0.0}]

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.megatron

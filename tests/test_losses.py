@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.losses import (KL_ESTIMATORS, LossConfig, agg_loss, grpo_advantages, gspo_loss, kl_penalty, policy_loss,
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import (KL_ESTIMATORS, LossConfig, agg_loss, grpo_advantages, gspo_loss, kl_penalty, policy_loss,
                                      ppo_clip_loss)
 
 # shared PPO case: ratio r = pi/pi_old = [1.5, .5, .5, 5], advantages [1, 1, -1, -1]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.losses import LossConfig, dppo_loss, policy_loss
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import LossConfig, dppo_loss, policy_loss
 
 
 def approx(x):

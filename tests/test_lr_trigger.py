@@ -9,10 +9,14 @@ import torch
 
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import ActorConfig, ExperimentConfigError, load_config
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.config.types import ExperimentConfigError
 from lockstep.trainer.loop import Trainer
-from lockstep.trainer.lr_trigger import LRTrigger, LRTriggerConfig, length_growth
+from lockstep.trainer.config.sections import LRTriggerConfig
+from lockstep.trainer.driver.lr_trigger import length_growth, LRTrigger
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

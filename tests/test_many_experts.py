@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -54,7 +54,7 @@ def test_family_from_experiment_yaml_keys_and_megatron_refusal():
     m = cfg.model
     assert (m.router, m.expert_bias, m.partial_rotary_factor, m.first_k_dense_replace) == \
         ("sigmoid", True, 0.5, 1)
-    from lockstep.trainer.config import ExperimentConfigError
+    from lockstep.trainer.config.types import ExperimentConfigError
     with pytest.raises(ExperimentConfigError, match="actor.backend=megatron cannot build model_type='mixtral'"):
         load_config(CONFIGS / "toy_r3.yaml", ["model.model_type=mixtral", "actor.backend=megatron",
                                               "model.intermediate_size=96"])

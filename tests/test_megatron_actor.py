@@ -14,9 +14,10 @@ pytest.importorskip("megatron.core")
 from lockstep.moe.checkpoint import hf_state_dict  # noqa: E402
 from lockstep.moe.config import ModelConfig  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
-from lockstep.trainer.actor import Batch, TorchActor  # noqa: E402
-from lockstep.trainer.config import ActorConfig  # noqa: E402
-from lockstep.trainer.megatron.actor import MegatronActor  # noqa: E402
+from lockstep.trainer.actor.batch import Batch
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.actor.megatron.actor import MegatronActor  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -254,7 +255,7 @@ def test_micro_batches_trimmed_and_packed_by_token_budget(monkeypatch):
     as the torch actor packs them (rows of 9, 7, 8, 6 tokens, budget 16: [9], [8, 7], [6]);
     log-probs, update metrics (load-balancing loss included) and the step equal the torch
     actor's with the same budget, and the loss metrics equal one untrimmed micro-batch's."""
-    from lockstep.trainer.megatron import schedule as mod  # where the passes call it
+    from lockstep.trainer.actor.megatron import schedule as mod  # where the passes call it
     cfg, model, batch, adv_B = setup(seed=4)
     seen, real_forward = [], mod.forward_logits
     monkeypatch.setattr(mod, "forward_logits",
@@ -300,7 +301,7 @@ def test_micro_batches_trimmed_and_packed_by_token_budget(monkeypatch):
 def test_split_to_count_gives_every_expert_parallel_rank_the_same_micro_batch_count():
     """Under EP across DP ranks each micro-batch is a collective: a rank whose token budget
     packed fewer micro-batches halves its costliest ones (rows x longest row) to match."""
-    from lockstep.trainer.megatron.schedule import split_to_count
+    from lockstep.trainer.actor.megatron.schedule import split_to_count
     lens = torch.tensor([9, 7, 8, 6, 3])
     micro = [torch.tensor([0]), torch.tensor([2, 1, 3, 4])]
     assert [m.tolist() for m in split_to_count(micro, 4, lens)] == [[0], [2], [1], [3, 4]]

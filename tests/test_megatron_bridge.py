@@ -7,9 +7,10 @@ import torch
 pytest.importorskip("megatron.core")
 
 from lockstep.moe.config import ConfigError, ModelConfig  # noqa: E402
-from lockstep.trainer.megatron import cpu_bridge  # noqa: E402
-from lockstep.trainer.megatron.model import (  # noqa: E402
-    MegatronOptions, ReplayBypassError, check_replay_compatible, transformer_config)
+from lockstep.trainer.actor.megatron import cpu_bridge  # noqa: E402
+from lockstep.trainer.actor.megatron.model import (check_replay_compatible, ReplayBypassError,
+                                                   transformer_config)
+from lockstep.trainer.config.megatron import MegatronOptions
 
 pytestmark = pytest.mark.megatron
 

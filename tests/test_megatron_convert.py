@@ -9,8 +9,8 @@ import torch
 
 from lockstep.moe.config import ModelConfig
 from lockstep.replay import RouteError, RoutingTrace
-from lockstep.trainer.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
-from lockstep.trainer.megatron.replay import build_replay_ids, to_router_order
+from lockstep.trainer.actor.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from lockstep.trainer.actor.megatron.replay import build_replay_ids, to_router_order
 
 
 def cfg_(**kw) -> ModelConfig:
@@ -24,7 +24,7 @@ def cfg_(**kw) -> ModelConfig:
 
 def hf_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every HF tensor filled with distinct values, so any misplaced element is caught."""
-    from lockstep.trainer.megatron.convert import expected_hf_keys
+    from lockstep.trainer.actor.megatron.convert import expected_hf_keys
     from lockstep.moe.model import MoEModel
     from lockstep.moe.checkpoint import hf_state_dict
 
@@ -140,7 +140,8 @@ def test_replay_ids_keep_given_routes_and_placeholders_elsewhere():
                                           ("qwen2_moe", "shared_expert_intermediate_size=")])
 def test_transformer_config_refuses_unmapped_families(family, field):
     from lockstep.moe.config import ConfigError
-    from lockstep.trainer.megatron.model import MegatronOptions, transformer_config
+    from lockstep.trainer.actor.megatron.model import transformer_config
+    from lockstep.trainer.config.megatron import MegatronOptions
 
     kw = dict(kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
               v_head_dim=8, rms_norm_eps=1e-5) if family == "deepseek_v3" else \

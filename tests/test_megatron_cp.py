@@ -1,4 +1,4 @@
-"""Context-parallel slicing (trainer/megatron/context_parallel.py) equals megatron-core's own
+"""Context-parallel slicing (trainer/actor/megatron/context_parallel.py) equals megatron-core's own
 `get_batch_on_this_cp_rank` on tokens, labels, masks and routes [B, T, L, K], for 3 row
 lengths (one padded by `cp_padded_length`) and CP sizes 2 and 4, on every rank of a real gloo
 world of 4 (CP=4: the world; CP=2: two groups of 2); gathering the slices back gives every row
@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402 (before the fork)
 
-from lockstep.trainer.megatron.context_parallel import (cp_padded_length,  # noqa: E402
+from lockstep.trainer.actor.megatron.context_parallel import (cp_padded_length,  # noqa: E402
                                                         cp_positions, gather_from_cp,
                                                         place_from_cp, slice_for_cp)
 
@@ -100,9 +100,9 @@ def test_context_parallel_is_refused_on_cpu_with_the_reason():
     """The loop's check before any rank starts, and the actor's TransformerConfig, name the
     reason: megatron-core's CPU attention has no context parallelism."""
     from lockstep.moe.config import ConfigError
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
     from lockstep.trainer.loop import check_megatron_world
-    from lockstep.trainer.megatron.model import transformer_config
+    from lockstep.trainer.actor.megatron.model import transformer_config
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

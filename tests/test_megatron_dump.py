@@ -18,11 +18,12 @@ import torch
 pytest.importorskip("megatron.core")
 
 from lockstep.replay import ReplayMode  # noqa: E402
-from lockstep.trainer.actor import TorchActor  # noqa: E402
-from lockstep.trainer.config import ActorConfig, load_config  # noqa: E402
-from lockstep.trainer.dump import ACTOR_FIELDS, read_dump  # noqa: E402
+from lockstep.trainer.actor.torch_actor import TorchActor  # noqa: E402
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.observe.dump import ACTOR_FIELDS, read_dump  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
-from lockstep.trainer.megatron.actor import MegatronActor  # noqa: E402
+from lockstep.trainer.actor.megatron.actor import MegatronActor  # noqa: E402
 
 from test_megatron_actor import setup  # noqa: E402
 from test_megatron_families import glm_cfg, random_torch_model  # noqa: E402

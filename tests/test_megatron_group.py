@@ -15,8 +15,8 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("megatron.core")
 
-from lockstep.trainer.config import load_config  # noqa: E402
-from lockstep.trainer.dump import ACTOR_FIELDS, read_dump  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
+from lockstep.trainer.observe.dump import ACTOR_FIELDS, read_dump  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 from kill_fixtures import kill_when_written  # noqa: E402

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel, token-chunked log-prob kernel (trainer/megatron/logprob.py) on a gloo
+"""The vocabulary-parallel, token-chunked log-prob kernel (trainer/actor/megatron/logprob.py) on a gloo
 world of 2 (TP = 2, each rank holds half the LM head): log-probs, entropies and gradients
 (hidden states summed over ranks, each rank's LM-head shard) equal the unchunked full-vocabulary
 computation, with a temperature and candidate sets (some whose ids live on one rank only);
@@ -47,7 +47,7 @@ def _reference(h, w, ids, cand, g_lp, g_ent):
 def _worker(rank: int, port: int, q) -> None:
     import torch.distributed as dist
 
-    from lockstep.trainer.megatron import logprob
+    from lockstep.trainer.actor.megatron import logprob
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -108,7 +108,7 @@ def test_tp2_chunked_logprobs_and_grads_equal_unchunked():
 
 
 def test_bad_input_is_named():
-    from lockstep.trainer.megatron.logprob import vocab_parallel_logprobs
+    from lockstep.trainer.actor.megatron.logprob import vocab_parallel_logprobs
     with pytest.raises(ValueError, match="chunk_tokens"):
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2).long(),
                                 vocab_start=0, chunk_tokens=0)

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
-from lockstep.trainer.megatron.actor import MegatronActor  # noqa: E402
+from lockstep.trainer.actor.megatron.actor import MegatronActor  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -156,7 +156,7 @@ def test_uneven_pipeline_stages_are_accepted_and_laid_out():
     stay equal (pipeline_layers refused, naming both options)."""
     from lockstep.moe.config import ConfigError
     from lockstep.trainer.loop import check_megatron_world
-    from lockstep.trainer.megatron.layout import chunk_layers, megatron_args
+    from lockstep.trainer.config.megatron import chunk_layers, megatron_args
     toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
     sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
             "actor.megatron.pipeline_parallel=2"]

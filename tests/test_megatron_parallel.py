@@ -47,11 +47,11 @@ def _worker(rank: int, port: int, path: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from lockstep.trainer.megatron import convert
-    from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model,
-                                                 forward_logits, initialize_parallel,
-                                                 token_logprobs)
-    from lockstep.trainer.megatron.replay import Mode, RouteReplay
+    from lockstep.trainer.actor.megatron import convert
+    from lockstep.trainer.actor.megatron.model import (build_gpt_model, forward_logits,
+                                                       initialize_parallel, token_logprobs)
+    from lockstep.trainer.config.megatron import MegatronOptions
+    from lockstep.trainer.actor.megatron.replay import Mode, RouteReplay
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -109,7 +109,7 @@ ACTOR_CFG = {"pp2": dict(max_tokens_per_micro_batch=12),
 
 
 def _batch(data):
-    from lockstep.trainer.actor import Batch
+    from lockstep.trainer.actor.batch import Batch
 
     ids, lens, valid = data["ids"], data["lens"], data["valid"]
     T = ids.shape[1]
@@ -130,7 +130,7 @@ AUX = 0.1  # load-balancing loss weight (its TP / DP reductions are under test t
 
 
 def _actor_cfg(**kw):
-    from lockstep.trainer.config import ActorConfig
+    from lockstep.trainer.config.sections import ActorConfig
     return ActorConfig(**{"lr": 1e-2, "mini_batch_size": 4, "micro_batch_size": 2,
                           "grad_clip": 1.0, "aux_loss_coef": AUX, **kw})
 
@@ -139,7 +139,7 @@ def _torch_grads(model, batch, adv_B, cfg):
     """HF-named gradients of the loss over the whole batch as one mini-batch of micro-batches
     (as `cfg` packs them) on our torch model (R3 replay), load-balancing loss as TorchActor
     adds it."""
-    from lockstep.trainer.batch import micro_batches
+    from lockstep.trainer.actor.batch import micro_batches
     m = copy.deepcopy(model)
     mini = torch.arange(batch.size)
     for rows in micro_batches(mini, batch.seq_lens_B, cfg):
@@ -185,9 +185,9 @@ def _weights(actor) -> dict:
 
 def _actor_checks(cfg, sd, data):
     """MegatronActor (EP=2, TP=2) on this rank: log-probs and one R3 update."""
-    from lockstep.trainer.megatron import convert
-    from lockstep.trainer.megatron.actor import MegatronActor
-    from lockstep.trainer.megatron.model import MegatronOptions
+    from lockstep.trainer.actor.megatron import convert
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
+    from lockstep.trainer.config.megatron import MegatronOptions
     from test_device import collective_devices, lockstep_audited
 
     out = {}
@@ -274,7 +274,7 @@ def test_ep2_and_tp2_match_single_process(tmp_path):
 
     # MegatronActor with EP=2 (DP=2: rows split, grads averaged) and TP=2 (SP: norm grads
     # summed over TP) against the torch actor on one process: log-probs, routes, one step
-    from lockstep.trainer.actor import TorchActor
+    from lockstep.trainer.actor.torch_actor import TorchActor
     data = torch.load(path)
     batch = _batch(data)
     refs = {None: _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),

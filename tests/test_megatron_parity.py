@@ -16,10 +16,11 @@ transformers = pytest.importorskip("transformers")
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
 from lockstep.moe.config import ModelConfig  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
-from lockstep.trainer.megatron import convert  # noqa: E402
-from lockstep.trainer.megatron.model import (  # noqa: E402
-    MegatronOptions, build_gpt_model, forward_logits, initialize_parallel, token_logprobs)
-from lockstep.trainer.megatron.replay import Mode, RouteReplay  # noqa: E402
+from lockstep.trainer.actor.megatron import convert  # noqa: E402
+from lockstep.trainer.actor.megatron.model import (build_gpt_model, forward_logits,
+                                                   initialize_parallel, token_logprobs)
+from lockstep.trainer.config.megatron import MegatronOptions
+from lockstep.trainer.actor.megatron.replay import Mode, RouteReplay  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -234,7 +235,7 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32(world1):
     (a bf16 sum would drop the small second one)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from lockstep.trainer.megatron.actor import ddp_config
+    from lockstep.trainer.actor.megatron.actor import ddp_config
 
     cfg = tiny_cfg()
     _, sd = random_hf(cfg, seed=14)

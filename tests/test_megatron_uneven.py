@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("megatron.core")
 
-from lockstep.trainer.checkpoint import load_tree  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.state.checkpoint import load_tree  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 from test_group_checkpoint import TOLERANCE  # noqa: E402

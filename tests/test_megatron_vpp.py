@@ -32,9 +32,9 @@ def _worker(rank: int, port: int, path: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from lockstep.trainer.megatron import convert
-    from lockstep.trainer.megatron.actor import MegatronActor
-    from lockstep.trainer.megatron.model import MegatronOptions
+    from lockstep.trainer.actor.megatron import convert
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
+    from lockstep.trainer.config.megatron import MegatronOptions
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -63,7 +63,7 @@ def _worker(rank: int, port: int, path: str) -> None:
 def test_interleaved_group_size_is_one_megatron_core_accepts():
     """microbatch_group_size_per_vp_stage: in [PP, M], and M % g is 0 or >= PP (schedules.py
     raises otherwise); the smallest such g."""
-    from lockstep.trainer.megatron.schedule import vp_group_size
+    from lockstep.trainer.actor.megatron.schedule import vp_group_size
     for pp in (2, 3, 4):
         for m in range(pp, 20):
             g = vp_group_size(m, pp)
@@ -75,14 +75,14 @@ def test_interleaved_group_size_is_one_megatron_core_accepts():
 
 
 def _checkpoint_round_trip(actor, cfg, rank: int, folder: str) -> dict:
-    """The group's checkpoint path (trainer/actor_ckpt.py: HF-named Adam moments written by
+    """The group's checkpoint path (trainer/actor/checkpoint.py: HF-named Adam moments written by
     the ranks) over model chunks: write, wipe this rank's moments, load them back."""
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from lockstep.trainer.actor_ckpt import actor_load, actor_parts, write_parts
-    from lockstep.trainer.megatron.checkpoint import adam_states
+    from lockstep.trainer.actor.checkpoint import actor_load, actor_parts, write_parts
+    from lockstep.trainer.actor.megatron.checkpoint import adam_states
 
     parts, state = actor_parts(actor, rank, 2)
     write_parts(Path(folder), parts, cfg)
@@ -124,7 +124,7 @@ def test_pp2_vpp2_matches_torch_actor(tmp_path):
                     lens=lens, adv=adv), path)
     mp.spawn(_worker, args=(_free_port(), path), nprocs=2, join=True)
 
-    from lockstep.trainer.actor import TorchActor
+    from lockstep.trainer.actor.torch_actor import TorchActor
     batch = _batch(torch.load(path))
     ref = _actor_step(TorchActor(copy.deepcopy(ref_model), _actor_cfg(), total_updates=2),
                       batch, adv)

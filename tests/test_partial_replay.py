@@ -12,11 +12,13 @@ from lockstep.moe.replay_check import ReplayCheck
 from lockstep.replay import PartialReplay, ReplayOptions
 from lockstep.rollout.engine import Engine
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import ActorConfig, load_config
-from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.losses import LossConfig
-from lockstep.trainer.rank import UpdateInputs, stats_values
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import LossConfig
+from lockstep.trainer.actor.rank import UpdateInputs, stats_values
 
 from server_fixtures import ENGINE, model  # noqa: F401 (pytest fixture)
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.trainer.sglang_servers import sglang_server_config
-from lockstep.trainer.config import ExperimentConfigError, load_config, save_config
+from lockstep.trainer.driver.sglang_servers import sglang_server_config
+from lockstep.trainer.config.load import load_config, save_config
+from lockstep.trainer.config.types import ExperimentConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "configs" / "toy_r3.yaml"
@@ -242,14 +243,14 @@ def test_colocated_memory_over_the_gpu_is_refused(in_root, capsys):
 
 
 def test_megatron_arguments_are_what_the_actor_builds(monkeypatch):
-    """The plan's megatron-core arguments equal the TransformerConfig trainer/megatron builds
+    """The plan's megatron-core arguments equal the TransformerConfig trainer/actor/megatron builds
     for the same layout (bf16 params with an fp32 router: the cluster configs' precision)."""
     pytest.importorskip("megatron.core")
     import torch
 
     from lockstep.launch.plan import make_plan
-    from lockstep.trainer.megatron.actor import options_for
-    from lockstep.trainer.megatron.model import transformer_config
+    from lockstep.trainer.actor.megatron.actor import options_for
+    from lockstep.trainer.actor.megatron.model import transformer_config
 
     cfg = load_config(TOY, ["cluster.actor_ranks=4", "actor.backend=megatron",
                             "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
@@ -374,7 +375,8 @@ def test_virtual_pipeline_chunks_are_megatron_cores(in_root, capsys):
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from lockstep.trainer.megatron.model import chunk_layers, transformer_config
+    from lockstep.trainer.actor.megatron.model import transformer_config
+    from lockstep.trainer.config.megatron import chunk_layers
 
     sets = ["actor.megatron.expert_parallel=4", "actor.megatron.pipeline_parallel=2",
             "actor.megatron.virtual_pipeline_parallel=3"]
@@ -408,7 +410,7 @@ def test_uneven_pipeline_stages_are_megatron_cores(in_root, capsys):
     text) are those megatron-core's pipeline layout builds for its stage, the layout string is
     among the printed arguments, and the memory estimate picks the 28-layer stage."""
     pytest.importorskip("megatron.core")
-    from lockstep.trainer.megatron.model import transformer_config
+    from lockstep.trainer.actor.megatron.model import transformer_config
 
     sets = ["actor.megatron.expert_parallel=4", "actor.megatron.pipeline_parallel=2",
             "actor.megatron.pipeline_layers=[20,28]"]

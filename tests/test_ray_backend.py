@@ -25,7 +25,7 @@ from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.rollout.client import LocalBackend, RolloutError  # noqa: E402
 from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
 from lockstep.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 from model_fixtures import tiny_config  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "toy_r3.yaml"
@@ -44,7 +44,7 @@ def test_kl_is_zero_on_policy_then_positive_and_resumes(tmp_path, mode):
 @pytest.mark.megatron
 def test_kl_with_the_megatron_actor(tmp_path):
     pytest.importorskip("megatron.core")
-    from lockstep.trainer.megatron.actor import ShardReference
+    from lockstep.trainer.actor.megatron.reference import ShardReference
     torch_tr = _trainer(tmp_path, "torch", "actor.backend=torch")
     mg_tr = _trainer(tmp_path, "megatron", "actor.backend=megatron")
     ref = mg_tr.actor.reference  # megatron's own shard of the reference, not a torch model

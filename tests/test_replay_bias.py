@@ -1,4 +1,4 @@
-"""The replay bias meter (trainer/replay_bias.py): 0 under replay off by definition; under R3,
+"""The replay bias meter (trainer/actor/replay_bias.py): 0 under replay off by definition; under R3,
 after an update, a flip rate and a KL > 0 that equal a direct computation."""
 
 import copy
@@ -8,12 +8,13 @@ import torch
 from lockstep.replay import ReplayOptions
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor, collate
-from lockstep.trainer.config import ActorConfig
-from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.losses import LossConfig
-from lockstep.trainer.rank import UpdateInputs, stats_values
-from lockstep.trainer.replay_bias import sampled_rows
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import LossConfig
+from lockstep.trainer.actor.rank import UpdateInputs, stats_values
+from lockstep.trainer.actor.replay_bias import sampled_rows
 
 from server_fixtures import model  # noqa: F401 (pytest fixture)
 

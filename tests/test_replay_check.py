@@ -10,7 +10,7 @@ import torch
 import lockstep.moe.model as moe_model
 import lockstep.trainer.loop as loop
 from lockstep.moe.replay_check import ReplayCheck, ReplayCheckError
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -13,9 +13,9 @@ from lockstep.moe.config import ModelConfig  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.moe.replay_check import ReplayCheck, ReplayCheckError  # noqa: E402
 from lockstep.replay import ReplayMode  # noqa: E402
-from lockstep.trainer.actor import Batch  # noqa: E402
-from lockstep.trainer.config import ActorConfig  # noqa: E402
-from lockstep.trainer.megatron.actor import MegatronActor  # noqa: E402
+from lockstep.trainer.actor.batch import Batch
+from lockstep.trainer.config.sections import ActorConfig
+from lockstep.trainer.actor.megatron.actor import MegatronActor  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -21,9 +21,9 @@ import torch
 
 from lockstep.rollout.client import HTTPBackend
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import TorchActor
-from lockstep.trainer.batch import collate, minibatch_schedule, plan_shards
-from lockstep.trainer.config import ActorConfig
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.actor.batch import collate, minibatch_schedule, plan_shards
+from lockstep.trainer.config.sections import ActorConfig
 
 from server_fixtures import model, server  # noqa: F401 (pytest fixtures)
 
@@ -79,7 +79,7 @@ def test_engine_to_torch_actor_replay_keeps_routes_on_their_tokens(server, model
 @pytest.mark.megatron
 def test_engine_to_megatron_replay_adapter_keeps_routes_on_their_tokens(server, model):
     pytest.importorskip("megatron.core")
-    from lockstep.trainer.megatron.actor import MegatronActor
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
 
     batch, plan = _sharded_batch(server, model, compact=True)
     cfg = ActorConfig(mini_batch_size=3, micro_batch_size=3)

@@ -140,7 +140,7 @@ def test_bias_update_counts_the_replayed_routes():
 def _actor_batch(model, n=4, seed=0):
     from lockstep.kernels.logprob import logprobs_from_logits
     from lockstep.rollout.types import GenerationResult
-    from lockstep.trainer.actor import collate
+    from lockstep.trainer.actor.batch import collate
 
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed)
@@ -171,8 +171,8 @@ def _zero_loss(batch):
 def test_torch_actor_bias_update_counts_the_replayed_routes():
     """actor.expert_bias_update_rate: the update after each optimiser step counts the routes
     the mini-batch ran: under replay, the replayed ones (every token forced to experts 0, 1)."""
-    from lockstep.trainer.actor import TorchActor
-    from lockstep.trainer.config import ActorConfig
+    from lockstep.trainer.actor.torch_actor import TorchActor
+    from lockstep.trainer.config.sections import ActorConfig
 
     model = make("deepseek_mla")
     batch = _actor_batch(model)
@@ -194,8 +194,8 @@ def test_torch_actor_bias_update_counts_the_replayed_routes():
 def _dp_rank(rank, init_file, out_dir):
     import torch.distributed as dist
 
-    from lockstep.trainer.actor import TorchActor
-    from lockstep.trainer.config import ActorConfig
+    from lockstep.trainer.actor.torch_actor import TorchActor
+    from lockstep.trainer.config.sections import ActorConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

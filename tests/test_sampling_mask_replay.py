@@ -15,8 +15,9 @@ import torch
 
 from lockstep.replay import old_logprob_plan
 from lockstep.rollout.types import GenerationResult
-from lockstep.trainer.actor import collate
-from lockstep.trainer.config import ExperimentConfigError, load_config
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
 from lockstep.trainer.loop import Trainer, run_hash
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -164,9 +165,10 @@ def test_megatron_actor_replays_the_kept_sets_like_the_torch_actor():
 
     from lockstep.moe.config import ModelConfig
     from lockstep.moe.model import MoEModel
-    from lockstep.trainer.actor import Batch, TorchActor
-    from lockstep.trainer.config import ActorConfig
-    from lockstep.trainer.megatron.actor import MegatronActor
+    from lockstep.trainer.actor.batch import Batch
+    from lockstep.trainer.actor.torch_actor import TorchActor
+    from lockstep.trainer.config.sections import ActorConfig
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
 
     cfg = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, intermediate_size=48,

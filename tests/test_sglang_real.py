@@ -29,7 +29,7 @@ from lockstep.rollout.client import HTTPBackend, RolloutError
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.rollout.weight_sync import choose_backend
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 import sglang_wire

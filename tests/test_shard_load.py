@@ -37,9 +37,9 @@ def _worker(rank: int, port: int, folders: dict, out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from lockstep.trainer.config import ActorConfig
-    from lockstep.trainer.megatron.actor import MegatronActor
-    from lockstep.trainer.megatron.model import MegatronOptions
+    from lockstep.trainer.config.sections import ActorConfig
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
+    from lockstep.trainer.config.megatron import MegatronOptions
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

@@ -13,8 +13,8 @@ import yaml
 
 from data_fixtures import build_model_folder, word_problems, write_jsonl
 from lockstep.launch.cli import main
-from lockstep.trainer.config import load_config
-from lockstep.trainer.metrics import read_metrics
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.observe.metrics import read_metrics
 
 pytest.importorskip("transformers")
 

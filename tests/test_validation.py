@@ -7,8 +7,8 @@ import pytest
 from lockstep.moe.config import ConfigError, need, strict_kwargs
 from lockstep.rollout.sglang import SGLangConfig
 from lockstep.rollout.types import RequestError, SamplingParams
-from lockstep.trainer.correction import CorrectionConfig
-from lockstep.trainer.losses import LossConfig
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import LossConfig
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""pi_gen on the actor itself (`trainer/versions.py`, loop.max_staleness >= 1): through the rank
+"""pi_gen on the actor itself (`trainer/actor/versions.py`, loop.max_staleness >= 1): through the rank
 interface, a stale row's pi_gen is the actor's OWN forward under the weights of the row's
 version (bit for bit where the forward is the same: the megatron actor's pi_gen is megatron's,
 not the torch model's), current rows take pi_old, the live weights come back exactly, at most k
@@ -12,14 +12,14 @@ import torch
 from lockstep.moe.checkpoint import load_hf_state_dict
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode, old_logprob_plan
-from lockstep.trainer.actor import TorchActor
-from lockstep.trainer.batch import collate
-from lockstep.trainer.config import load_config
-from lockstep.trainer.correction import CorrectionConfig, correct
-from lockstep.trainer.losses import LossConfig
+from lockstep.trainer.actor.torch_actor import TorchActor
+from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.objective.correction import CorrectionConfig, correct
+from lockstep.trainer.objective.losses import LossConfig
 from lockstep.trainer.loop import Trainer
-from lockstep.trainer.rank import UpdateInputs
-from lockstep.trainer.versions import KeptVersions, VersionSplit
+from lockstep.trainer.actor.rank import UpdateInputs
+from lockstep.trainer.actor.versions import KeptVersions, VersionSplit
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MODE = ReplayMode.R3
@@ -137,7 +137,7 @@ def test_an_actor_on_its_device_keeps_versions_on_the_host(device):
     """The torch actor on `device` (cuda: not run without a GPU): the kept copies live on the
     CPU, pi_gen of stale rows is the actor's forward under their version, the live weights
     come back exactly (bf16 compute copy)."""
-    from lockstep.trainer.config import ActorConfig
+    from lockstep.trainer.config.sections import ActorConfig
     from test_router_families import _actor_batch, make
     model = make("deepseek_mla")
     batch = _actor_batch(model)

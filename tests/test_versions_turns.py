@@ -1,4 +1,4 @@
-"""Weight versions inside a multi-turn trajectory (trainer/versions.py): a trajectory whose turns
+"""Weight versions inside a multi-turn trajectory (trainer/actor/versions.py): a trajectory whose turns
 were sampled by different versions (it spanned a push) gets per-position version spans, pi_gen of
 each token is the actor's forward under the version that sampled its turn (so the IS split's
 version part is exact per turn), and the sampled tokens of turns older than the trajectory's
@@ -11,8 +11,8 @@ import torch
 from lockstep.replay import ReplayMode
 from lockstep.rollout.agent import TrajectoryInfo, Turn
 from lockstep.rollout.types import GenerationResult
-from lockstep.trainer.correction import version_split_metrics
-from lockstep.trainer.versions import row_versions, stale_turn_mask
+from lockstep.trainer.objective.correction import version_split_metrics
+from lockstep.trainer.actor.versions import row_versions, stale_turn_mask
 
 MODE = ReplayMode.R2  # pi_old's plan: the version's own routing, what actor.logprobs gives
 
@@ -44,12 +44,12 @@ def test_pi_gen_of_each_turn_is_under_the_version_that_sampled_it():
     """Step 3 of a k=2 run on the torch actor: each row's 3 response tokens were sampled by
     versions 0, 1 (two pushes during the trajectory) and 2 (current). pi_gen of each token is
     the forward under its turn's version: ignoring a turn's version breaks it."""
-    from lockstep.trainer.actor import TorchActor
-    from lockstep.trainer.config import ActorConfig
-    from lockstep.trainer.correction import CorrectionConfig
-    from lockstep.trainer.losses import LossConfig
-    from lockstep.trainer.rank import UpdateInputs
-    from lockstep.trainer.versions import VersionSplit
+    from lockstep.trainer.actor.torch_actor import TorchActor
+    from lockstep.trainer.config.sections import ActorConfig
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
+    from lockstep.trainer.actor.rank import UpdateInputs
+    from lockstep.trainer.actor.versions import VersionSplit
     from test_router_families import _actor_batch, make
     model = make("qwen3_softmax_topk")
     batch = _actor_batch(model)  # prompt 4, response 3 tokens (positions 4, 5, 6)

@@ -341,7 +341,7 @@ def test_trainer_that_fails_at_start_up_leaves_no_group(served, tmp_path):
     """A run whose first push is refused (its model is not the server's), or that dies
     right after joining, stops at start-up and destroys its weight group there."""
     from lockstep.rollout.weight_receiver import RECEIVER
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
     from lockstep.trainer.loop import Trainer
     _, _, srv = served
     receiver = srv.app[RECEIVER]

@@ -12,7 +12,8 @@ from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import RolloutError
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.server import ServerThread
-from lockstep.trainer.config import ExperimentConfigError, load_config
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
 from lockstep.trainer.loop import Trainer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

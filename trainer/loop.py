@@ -28,28 +28,29 @@ from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.env import EnvPool
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor import Batch, collate
-from lockstep.trainer.agent import env_problem, trajectory_rewards, turn_k3
-from lockstep.trainer.checkpoint import (LoopState, latest_checkpoint, load_latest,
+from lockstep.trainer.actor.batch import Batch, collate
+from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
+from lockstep.trainer.state.checkpoint import (LoopState, latest_checkpoint, load_latest,
                                          save_actor_checkpoint, set_rng_state)
-from lockstep.trainer.backends import (colocates_fleet, make_actor, make_rollout,
-                                       needs_initial_push, run_reference)
-from lockstep.trainer.config import ExperimentConfig, save_config
-from lockstep.trainer.nonfinite import check_step, check_weight_names, from_step_error
-from lockstep.trainer.correction import (CorrectionResult, correct, is_split_metrics,
+from lockstep.trainer.actor.build import colocates_fleet, make_actor, run_reference
+from lockstep.trainer.driver.rollouts import make_rollout, needs_initial_push
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.config.load import save_config
+from lockstep.trainer.observe.nonfinite import check_step, check_weight_names, from_step_error
+from lockstep.trainer.objective.correction import (CorrectionResult, correct, is_split_metrics,
                                          version_split_metrics)
-from lockstep.trainer.data import DatasetSource, TaskSource, check_data_on_resume
-from lockstep.trainer.dump import maybe_dump
-from lockstep.trainer.expert_load import step_load_metrics
-from lockstep.trainer.losses import grpo_advantages
-from lockstep.trainer.lr_trigger import LRTrigger
-from lockstep.trainer.metrics import (MetricsWriter, read_metrics, save_history, summarize,
+from lockstep.trainer.driver.data import DatasetSource, TaskSource, check_data_on_resume
+from lockstep.trainer.observe.dump import maybe_dump
+from lockstep.trainer.observe.expert_load import step_load_metrics
+from lockstep.trainer.objective.losses import grpo_advantages
+from lockstep.trainer.driver.lr_trigger import LRTrigger
+from lockstep.trainer.observe.metrics import (MetricsWriter, read_metrics, save_history, summarize,
                                      write_plots)
-from lockstep.trainer.pipeline import RolloutPipeline
-from lockstep.trainer.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
-from lockstep.trainer.versions import VersionSplit, stale_turn_mask
-from lockstep.trainer.wandb_log import WandbRun
-from lockstep.trainer.warmstart import WarmstartResult, cache_key, warm_start
+from lockstep.trainer.driver.pipeline import RolloutPipeline
+from lockstep.trainer.actor.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
+from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
+from lockstep.trainer.observe.wandb_log import WandbRun
+from lockstep.trainer.driver.warmstart import WarmstartResult, cache_key, warm_start
 
 
 def run_hash(cfg: ExperimentConfig, layout: bool = False) -> str:
@@ -61,7 +62,7 @@ def run_hash(cfg: ExperimentConfig, layout: bool = False) -> str:
     parts = {**vars(cfg), "loop": type(cfg.loop)(seed=cfg.loop.seed,
                                                  max_staleness=cfg.loop.max_staleness)}
     if not layout:
-        from lockstep.trainer.actor_ckpt import without_layout
+        from lockstep.trainer.actor.checkpoint import without_layout
         parts.update(without_layout(cfg))
     return ExperimentConfig(**parts).hash()
 
@@ -76,7 +77,7 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
         return
     m = cfg.actor.megatron
     if cfg.cluster.actor_ranks > 1:  # the Ray actor group hosts one megatron rank per member
-        from lockstep.trainer.megatron.model import check_layout
+        from lockstep.trainer.config.megatron import check_layout
         check_layout(m, cfg.cluster.actor_ranks, on_gpu=cfg.cluster.device == "cuda" or (
             cfg.cluster.device == "auto" and torch.cuda.is_available()), cfg=cfg.model)
         return
@@ -110,7 +111,7 @@ def initial_folder(cfg: ExperimentConfig, run_dir: Path, model: MoEModel) -> Pat
     actor group's ranks and the engines: `RUN/reference/` when the KL reference is kept there
     (the same weights), else `RUN/weights/initial/`."""
     from lockstep.moe.checkpoint import save_hf
-    from lockstep.trainer.reference import REFERENCE_DIR, reference_source
+    from lockstep.trainer.actor.reference import REFERENCE_DIR, reference_source
     own_ref = Path(run_dir) / REFERENCE_DIR
     if cfg.loss.kl_coef > 0 and reference_source(cfg, run_dir) == own_ref:
         return save_hf(model, own_ref)
@@ -233,7 +234,7 @@ class Trainer:
         total_updates = cfg.loop.steps * updates_per_step
         group = cfg.cluster.actor_ranks > 1
         if group:
-            from lockstep.trainer.group import ActorGroup
+            from lockstep.trainer.actor.group import ActorGroup
         self.actor = None
         if group and colocates_fleet(cfg):
             self.actor = ActorGroup(cfg, model, total_updates)
@@ -252,7 +253,7 @@ class Trainer:
                 raise
 
     def make_backend(self, model: MoEModel | Path, weight_version: str) -> RolloutBackend:
-        """The rollout backend (trainer/backends.py `make_rollout`), holding `model`'s
+        """The rollout backend (trainer/driver/rollouts.py `make_rollout`), holding `model`'s
         weights at `weight_version`; colocated servers join the actor group's bundles."""
         return make_rollout(self.cfg, model, weight_version, max_len=self.engine_max_len,
                             run_dir=self.out, log=self.log,
@@ -297,7 +298,7 @@ class Trainer:
 
     def rewards(self, prompts, results) -> tuple[torch.Tensor, dict]:
         """(rewards [B], metrics) of sample b of prompt `prompts[b]`: the source's reward, or
-        with rollout.env a trajectory's (trainer/agent.py)."""
+        with rollout.env a trajectory's (trainer/driver/agent.py)."""
         if self.runner is None:
             return self.source.rewards(prompts, results)
         return trajectory_rewards(self.source.rewards, prompts, results, self.cfg.rollout.env)
@@ -486,8 +487,8 @@ class Trainer:
     def save(self) -> Path:
         """The actor writes `hf/` and its HF-named optimiser state (a group: each rank its
         parts, nothing through this process); this process writes the loop state, the RNG and
-        the manifest (trainer/actor_ckpt.py)."""
-        from lockstep.trainer.actor_ckpt import layout_state
+        the manifest (trainer/actor/checkpoint.py)."""
+        from lockstep.trainer.actor.checkpoint import layout_state
 
         def write_actor(tmp: Path) -> tuple[dict, dict]:
             state, known = self.actor.write_checkpoint(tmp, self.source.tokenizer)

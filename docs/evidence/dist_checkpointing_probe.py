@@ -32,9 +32,10 @@ def _build(kw, c):
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from lockstep.trainer.megatron.actor import ddp_config
-    from lockstep.trainer.megatron.model import (MegatronOptions, build_gpt_model,
-                                                 initialize_parallel, transformer_config)
+    from lockstep.trainer.actor.megatron.actor import ddp_config
+    from lockstep.trainer.actor.megatron.model import (build_gpt_model, initialize_parallel,
+                                                       transformer_config)
+    from lockstep.trainer.config.megatron import MegatronOptions
     opts = MegatronOptions(**kw)
     initialize_parallel(opts)
     tc = transformer_config(c, opts)
@@ -46,7 +47,7 @@ def _build(kw, c):
 
 
 def _exp_avg(gpt, opt, c):
-    from lockstep.trainer.megatron import convert
+    from lockstep.trainer.actor.megatron import convert
     states = {p: s for o in getattr(opt, "chained_optimizers", [opt])
               for p, s in o.optimizer.state.items()}
     return convert.megatron_to_hf_state_dict(
@@ -64,7 +65,7 @@ def _worker(rank, port, folder, load_kw):
 
     from lockstep.moe.checkpoint import hf_state_dict
     from lockstep.moe.model import MoEModel
-    from lockstep.trainer.megatron import convert
+    from lockstep.trainer.actor.megatron import convert
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     c = _cfg()

@@ -41,13 +41,14 @@ def main() -> int:
     from lockstep.moe.checkpoint import hf_state_dict
     from lockstep.moe.config import ModelConfig
     from lockstep.moe.model import MoEModel
-    from lockstep.trainer.megatron import convert
-    from lockstep.trainer.megatron.actor import init_single_process_group
-    from lockstep.trainer.megatron.model import (MegatronOptions, ReplayBypassError,
-                                                 build_gpt_model, check_replay_compatible,
-                                                 forward_logits, initialize_parallel,
-                                                 token_logprobs, transformer_config)
-    from lockstep.trainer.megatron.replay import Mode, RouteReplay
+    from lockstep.trainer.actor.megatron import convert
+    from lockstep.trainer.actor.megatron.actor import init_single_process_group
+    from lockstep.trainer.actor.megatron.model import (build_gpt_model, check_replay_compatible,
+                                                       forward_logits, initialize_parallel,
+                                                       ReplayBypassError, token_logprobs,
+                                                       transformer_config)
+    from lockstep.trainer.config.megatron import MegatronOptions
+    from lockstep.trainer.actor.megatron.replay import Mode, RouteReplay
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -134,9 +135,9 @@ def main() -> int:
 
     # the actor on CUDA (TE spec where installed): chunked R3 log-probs, routes run, one update
     # with the torch actor's load-balancing loss, and the bucketed HF export
-    from lockstep.trainer.actor import Batch
-    from lockstep.trainer.config import ActorConfig
-    from lockstep.trainer.megatron.actor import MegatronActor
+    from lockstep.trainer.actor.batch import Batch
+    from lockstep.trainer.config.sections import ActorConfig
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
     actor = MegatronActor(ref, ActorConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2,
                                            aux_loss_coef=0.01), total_updates=2)
     lens = torch.full((B,), T)

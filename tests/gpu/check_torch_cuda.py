@@ -49,7 +49,7 @@ def close(a: float, b: float, rtol: float, atol: float = 0.0) -> bool:
 
 def run(tmp: Path, name: str, device: str, steps: int, *sets: str) -> tuple[list, dict]:
     """`steps` RL steps of toy_r3 on `device`; returns (metrics per step, placement facts)."""
-    from lockstep.trainer.config import load_config
+    from lockstep.trainer.config.load import load_config
     from lockstep.trainer.loop import Trainer
 
     cfg = load_config(CONFIGS / "toy_r3.yaml", SETS + [

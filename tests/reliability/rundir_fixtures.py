@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lockstep.trainer.config import load_config
+from lockstep.trainer.config.load import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOY = CONFIGS / "toy_r3.yaml"

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from lockstep.moe.model import MoEModel
-from lockstep.trainer import checkpoint as ck
-from lockstep.trainer.checkpoint import (CheckpointError, LoopState, load_checkpoint, load_latest,
-                                         load_tree, save_checkpoint, save_tree)
+from lockstep.trainer.state import checkpoint as ck
+from lockstep.moe.checkpoint import CheckpointError
+from lockstep.trainer.state.checkpoint import (load_checkpoint, load_latest, load_tree, LoopState,
+                                               save_checkpoint, save_tree)
 
 from model_fixtures import tiny_config
 

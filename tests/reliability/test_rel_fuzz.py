@@ -21,10 +21,12 @@ from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.replay.codec import (decode_compact, decode_routes, decode_sglang,  # noqa: E402
                                    encode_routes)
 from lockstep.replay.trace import RouteError, RoutingTrace  # noqa: E402
-from lockstep.trainer.checkpoint import (CheckpointError, LoopState, load_checkpoint,  # noqa: E402
-                                         load_tree, save_checkpoint, save_tree)
-from lockstep.trainer.config import (ExperimentConfig, ExperimentConfigError,  # noqa: E402
-                                     load_config)
+from lockstep.moe.checkpoint import CheckpointError
+from lockstep.trainer.state.checkpoint import (load_checkpoint, load_tree, LoopState,
+                                               save_checkpoint, save_tree)
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.types import ExperimentConfigError
 
 from model_fixtures import tiny_config  # noqa: E402
 from rundir_fixtures import TOY  # noqa: E402

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from lockstep.launch.cli import main
-from lockstep.trainer.config import load_config, save_config
+from lockstep.trainer.config.load import load_config, save_config
 
 from rundir_fixtures import COLD, FAST, TOY, sets
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lockstep.launch.cli import main
-from lockstep.trainer.rundir import MARKER
+from lockstep.trainer.state.rundir import MARKER
 
 pytestmark = pytest.mark.reliability
 

@@ -14,8 +14,8 @@ import yaml
 from lockstep.launch.cli import main
 from lockstep.moe.config import ConfigError, ModelConfig
 from lockstep.rollout.server import ServerThread
-from lockstep.trainer.config import load_config, save_config
-from lockstep.trainer.rundir import LOCK_FILE, MARKER, RunLock
+from lockstep.trainer.config.load import load_config, save_config
+from lockstep.trainer.state.rundir import LOCK_FILE, MARKER, RunLock
 
 from model_fixtures import tiny_config
 from rundir_fixtures import COLD, FAST, TOY, metrics, sets
@@ -78,7 +78,7 @@ def test_second_process_on_a_run_dir_is_refused_naming_the_holder(tmp_path, caps
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from lockstep.trainer.rundir import RunLock; "
+        [sys.executable, "-c", "import sys, time; from lockstep.trainer.state.rundir import RunLock; "
          f"lock = RunLock.acquire({str(out)!r}); print('held', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -99,7 +99,7 @@ def test_second_process_on_a_run_dir_is_refused_naming_the_holder(tmp_path, caps
 def test_api_key_is_never_persisted_nor_taken_from_argv_or_yaml(tmp_path, capsys, monkeypatch):
     from lockstep.moe.model import MoEModel
     from lockstep.rollout.engine import Engine, EngineConfig
-    from lockstep.trainer.config import rollout_api_key
+    from lockstep.trainer.config.load import rollout_api_key
 
     secret = "sk-do-not-persist-0123456789"
     msg = one_line(*train(capsys, *fresh(tmp_path / "a", f"rollout.api_key={secret}")))
@@ -190,7 +190,7 @@ def test_diverging_run_stops_naming_what_and_keeps_the_last_good_checkpoint(tmp_
     step = int(msg.split("diverged at step ")[1].split(":")[0])
     kept = sorted(int(p.name[5:]) for p in (out / "checkpoints").iterdir())
     assert kept and kept[-1] == step - 1 and f"step_{step - 1}, is kept" in msg
-    from lockstep.trainer.checkpoint import load_checkpoint
+    from lockstep.trainer.state.checkpoint import load_checkpoint
     model, _, _ = load_checkpoint(out / f"checkpoints/step_{step - 1}")
     assert all(bool(p.isfinite().all()) for p in model.parameters())
 

@@ -9,10 +9,10 @@ import shutil
 import pytest
 
 from lockstep.launch.cli import main
-from lockstep.trainer.checkpoint import verify_manifest
-from lockstep.trainer.metrics import (HISTORY_FILE, MetricsFileError, history_problem,
+from lockstep.trainer.state.checkpoint import verify_manifest
+from lockstep.trainer.observe.metrics import (HISTORY_FILE, MetricsFileError, history_problem,
                                       resumed_history, save_history)
-from lockstep.trainer.rundir import LOCK_FILE, MARKER, RunDirError, claim_run_dir
+from lockstep.trainer.state.rundir import LOCK_FILE, MARKER, RunDirError, claim_run_dir
 
 from rundir_fixtures import COLD, FAST, TOY, metrics, sets
 

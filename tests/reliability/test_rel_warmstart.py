@@ -7,7 +7,7 @@ import torch
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Task
 from lockstep.trainer.loop import Trainer
-from lockstep.trainer.warmstart import cache_key, warm_start
+from lockstep.trainer.driver.warmstart import cache_key, warm_start
 
 from rundir_fixtures import fast_config, metrics
 

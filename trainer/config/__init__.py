@@ -1,0 +1,1 @@
+"""The experiment configuration: strict section models, YAML reading, `--set` overrides."""

@@ -1,0 +1,231 @@
+"""The whole experiment: every section in one strict model, the checks across sections, and
+the saved form (`to_dict`, what config.yaml holds) and run hash of a config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.rollout.rewards import RewardConfig
+from lockstep.rollout.sglang_options import SGLangOptions
+from lockstep.rollout.tasks import Task, TaskConfig
+from lockstep.trainer.config.megatron import MegatronOptions
+from lockstep.trainer.config.replay import ReplayConfig, check_replay
+from lockstep.trainer.config.sections import (ActorConfig, AdvantageConfig, ClusterConfig,
+                                              DataConfig, LoopConfig, RolloutConfig,
+                                              WarmstartConfig)
+from lockstep.trainer.config.types import Section, dataclass_section, need, plain
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import LossConfig
+from lockstep.trainer.objective.presets import expand_preset
+
+
+def _toy_model() -> ModelConfig:
+    return ModelConfig(vocab_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _model_on_toy(value: Any) -> Any:
+    """A `model` mapping given in part keeps the toy model's vocabulary and special ids; the
+    family fields stay unset, so `model_type: glm4_moe` gets GLM's defaults."""
+    if isinstance(value, dict):
+        return {**_toy_model().partial_dict(), **value}
+    return value
+
+
+def _correction_preset(value: Any) -> Any:
+    """A `correction` mapping with `preset: NAME` as the preset's fields (the saved config
+    records those); a given field that differs from the preset's is refused naming both."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        return expand_preset(value)
+    except ValueError as e:
+        raise PydanticCustomError("section", "{error}", {"error": str(e)}) from None
+
+
+# loss / correction options added later (issue 20); left out at their defaults
+_LATER_KEYS = {"loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
+               "correction": (CorrectionConfig, ("m2po_threshold",))}
+# actor.megatron keys added after saved configs were pinned; left out at their defaults
+_LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel", "fp8")
+# rollout keys of the fleet and its fault handling; left out at their defaults
+_FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
+# cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
+_PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine")
+
+
+class ExperimentConfig(Section):
+    """A whole RL experiment."""
+
+    model: Annotated[dataclass_section(ModelConfig), BeforeValidator(_model_on_toy)] = Field(
+        default_factory=_toy_model)
+    """Policy architecture (HF config.json fields; `model_type` picks the family, docs/model.md);
+    random init under loop.seed."""
+    task: dataclass_section(TaskConfig) = Field(default_factory=TaskConfig)
+    """The synthetic verifiable task (unused when data.train_files is set)."""
+    data: dataclass_section(DataConfig) = Field(default_factory=DataConfig)
+    """Prompt data sets (verl columns) instead of the synthetic task: lockstep.trainer.driver.data."""
+    reward: dataclass_section(RewardConfig) = Field(default_factory=RewardConfig)
+    """Reward function of data-set samples: lockstep.rollout.rewards."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout engine and sampling."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """Trainer-side policy and optimiser."""
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    """Routing replay mode."""
+    correction: Annotated[dataclass_section(CorrectionConfig), BeforeValidator(_correction_preset)] = Field(
+        default_factory=CorrectionConfig)
+    """Rollout correction (IS/RS with verl rollout_corr semantics); `preset: NAME` expands to
+    verl's `RolloutCorrectionConfig.NAME()` fields (trainer/objective/presets.py)."""
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    """GRPO advantage estimation."""
+    loss: dataclass_section(LossConfig) = Field(default_factory=LossConfig)
+    """Policy loss (PPO clip / GSPO, aggregation, KL, entropy): lockstep.trainer.objective.losses."""
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+    """Supervised warm start before RL."""
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    """Step loop, checkpoints and outputs."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Actor ranks (in-process or a Ray actor group), devices, weight buckets."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentConfig:
+        B = self.rollout.batch_size
+        if self.actor.backend == "megatron":
+            # refuses the model fields trainer/actor/megatron does not map (naming each)
+            from lockstep.trainer.config.megatron import check_supported
+            try:
+                check_supported(self.model)
+            except ConfigError as e:
+                need(False, str(e))
+        need(B % self.actor.mini_batch_size == 0,
+             f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
+             f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
+        c, sg = self.cluster, self.rollout.sglang
+        need(c.gpus_per_engine in (None, sg.tp_size) or self.rollout.backend != "sglang",
+             f"cluster.gpus_per_engine={c.gpus_per_engine} but an SGLang server takes "
+             f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
+        need(self.loop.val_every == 0 or bool(self.data.val_files),
+             f"loop.val_every={self.loop.val_every} needs data.val_files")
+        env = self.rollout.env
+        need(env is None or env.turns_before_push == 0 or self.loop.max_staleness >= 1,
+             f"rollout.env.turns_before_push={env and env.turns_before_push} generates turns "
+             f"ahead of a weight push: it needs loop.max_staleness >= 1 (got "
+             f"{self.loop.max_staleness})")
+        check_replay(self)
+        if self.data.enabled:
+            self._check_data()
+            return self
+        need(self.reward == RewardConfig(),
+             "the reward section applies to data sets (data.train_files); the synthetic task "
+             "keeps its own exact-match reward")
+        task = Task(self.task)
+        need(not task.uses_tool or self.rollout.env is not None, f"task.name={self.task.name} "
+             "calls a calculator between turns: it needs rollout.env (configs/toy_agent_r3.yaml)")
+        need(self.model.vocab_size >= task.vocab_size,
+             f"model.vocab_size={self.model.vocab_size} is smaller than the task tokenizer's "
+             f"{task.vocab_size} tokens")
+        for name, want in (("eos_token_id", task.eos_id), ("pad_token_id", task.pad_id),
+                           ("bos_token_id", task.bos_id)):
+            need(getattr(self.model, name) == want,
+                 f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
+        return self
+
+    def _check_data(self) -> None:
+        """A data-set run: a pretrained folder with its tokenizer, no synthetic warm start."""
+        need(bool(self.model.path),
+             "data.train_files needs model.path: an HF folder whose tokenizer (and chat "
+             "template) tokenises the prompts")
+        need(not self.warmstart.enabled,
+             "warmstart.enabled=true: the warm start trains on the synthetic task's "
+             "demonstrations, not on data.train_files; set warmstart.enabled=false (the "
+             "policy starts from model.path)")
+        need(self.rollout.max_new_tokens is not None,
+             "data.train_files needs rollout.max_new_tokens (the response length cap)")
+        need(self.model.eos_token_id is not None,
+             f"{self.model.path}: config.json has no eos_token_id (generation must stop)")
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        need(longest <= self.model.max_position_embeddings,
+             f"data.max_prompt_length + rollout.max_new_tokens = {longest} exceeds the model's "
+             f"max_position_embeddings={self.model.max_position_embeddings}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section; a default `cluster` (one in-process actor) and an unset
+        `actor.lr_trigger` are left out, so saved configs and hashes read as before they
+        existed."""
+        d = plain(self)
+        if self.cluster == ClusterConfig():
+            d.pop("cluster")
+        else:  # the plan's keys at their defaults: as before they existed (runs resume)
+            for k in _PLAN_KEYS:
+                if d["cluster"][k] == ClusterConfig.model_fields[k].default:
+                    d["cluster"].pop(k)
+        if self.actor.lr_trigger is None:  # as before the triggered schedule existed
+            d["actor"].pop("lr_trigger")
+        if self.rollout.sglang == SGLangOptions():
+            d["rollout"].pop("sglang")
+        else:  # rollout.sglang keys added later, at their defaults: as before they existed
+            for k in ("max_total_tokens", "bind", "extra_env"):
+                if d["rollout"]["sglang"][k] == getattr(SGLangOptions(), k):
+                    d["rollout"]["sglang"].pop(k)
+        for k in ("weight_sync", "env", *_FLEET_KEYS):  # at defaults: saved as before they existed
+            if d["rollout"][k] == RolloutConfig.model_fields[k].default:
+                d["rollout"].pop(k)
+        if d["reward"]["import_timeout_s"] == RewardConfig.import_timeout_s:  # likewise
+            d["reward"].pop("import_timeout_s")
+        if self.loop.wandb is None:  # likewise
+            d["loop"].pop("wandb")
+        d["correction"].pop("preset")  # always None here: a preset is saved as its fields
+        for section, (cls, keys) in _LATER_KEYS.items():  # at defaults: saved as before they existed
+            for k in keys:
+                if d[section][k] == cls.__dataclass_fields__[k].default:
+                    d[section].pop(k)
+        if not self.actor.fp8:  # likewise
+            d["actor"].pop("fp8")
+        # replay options at their defaults: as before they existed
+        for k in ("gates", "check", "min_overlap", "partial", "bias_meter_rows"):
+            if d["replay"][k] == ReplayConfig.model_fields[k].default:
+                d["replay"].pop(k)
+        for k in _LATER_MEGATRON_KEYS:  # likewise
+            if d["actor"]["megatron"][k] == getattr(MegatronOptions(), k):
+                d["actor"]["megatron"].pop(k)
+        return d
+
+    def hash(self, *sections: str) -> str:
+        """Short stable hash of the named sections (all when none), e.g. for caches.
+        A default `actor.megatron` and an unset `rollout.sampling_mask_replay` are left out (a
+        default `cluster` and an unset `actor.lr_trigger` too, by `to_dict`), so configs hash
+        as they did before they existed (runs written then still resume); any other value
+        changes the hash."""
+        d = self.to_dict()
+        if self.actor.megatron == MegatronOptions():
+            d["actor"].pop("megatron")
+        else:  # megatron options added later are left out at their defaults, likewise
+            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel"):
+                if getattr(self.actor.megatron, k) == getattr(MegatronOptions(), k):
+                    d["actor"]["megatron"].pop(k)
+        if self.rollout.sampling_mask_replay is None:
+            d["rollout"].pop("sampling_mask_replay")
+        if self.loop.max_staleness == 0 and "loop" in d:  # synchronous runs hash as before
+            d["loop"].pop("max_staleness", None)
+        # where the API key is read from is not the run's identity; runs written while the key
+        # itself was a (null) config field keep their hash
+        d["rollout"].pop("api_key_file")
+        for k in ("weight_sync", "request_timeout_s", "max_engine_restarts"):  # not the numbers
+            d["rollout"].pop(k, None)
+        d["rollout"]["api_key"] = None
+        for k in ("check", "min_overlap"):  # the validator checks; it changes no numbers
+            d["replay"].pop(k, None)
+        if self.model.path is None:
+            d["model"].pop("path")
+        for name, default in (("data", DataConfig()), ("reward", RewardConfig())):
+            if getattr(self, name) == default:
+                d.pop(name)
+        d = {k: d[k] for k in (sections or d)}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

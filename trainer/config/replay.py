@@ -1,0 +1,83 @@
+"""The experiment's `replay` section (trainer/config/sections.py imports it): the replay mode, the
+replay validator, gate-weight replay, partial replay and the bias meter, and the checks of
+what they need of the other sections (docs/replay.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from lockstep.moe.replay_check import ReplayCheck
+from lockstep.replay import PartialReplay, ReplayMode, ReplayOptions
+from lockstep.trainer.config.types import Float, Section, need
+
+
+class PartialReplayConfig(Section):
+    """Partial replay: replay a (token, layer) route only where the actor's router is unsure
+    enough; elsewhere that layer routes naturally (lockstep.replay.PartialReplay)."""
+
+    rule: Literal["margin", "tolerance"]
+    """margin: replay where the router margin is below threshold (0 = replay off, .inf = full
+    replay); tolerance: replay where the actor's probability mass on the replayed experts is
+    within threshold of the mass on its own top-k (prime-rl #2703)."""
+    threshold: Float = Field(ge=0.0)
+    """The rule's bound (a probability difference; YAML .inf for no bound)."""
+
+
+class ReplayConfig(Section):
+    """Routing replay: which routes the actor's forwards run."""
+
+    mode: ReplayMode = Field(ReplayMode.R3, strict=False)
+    """off: actor routes freely; R2: updates replay the actor's own old-logprob routes;
+    R3: old-logprob and update forwards replay the rollout engine's routes."""
+    check: ReplayCheck = Field(ReplayCheck.SAMPLE, strict=False)
+    """Replay validator in every replayed forward (moe/replay_check.py): each MoE layer got
+    ids, ran them, none left over; `sample` checks every 8th token, `full` all, `off` none."""
+    min_overlap: Float | None = Field(None, ge=0.0, le=1.0)
+    """Validator, pi_old forwards of synchronous runs: least share of replayed expert slots
+    the router's own top-k must agree with (null: halfway between chance K/E and 1; 0: off)."""
+
+    gates: Literal["recompute", "engine"] = "recompute"
+    """Gate weights of the replayed experts: recompute (from the actor's router) or engine
+    (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
+    forward's under R2; straight-through, so the router still learns; docs/replay.md)."""
+
+    partial: PartialReplayConfig | None = None
+    """Replay only where the actor's router is unsure (None: wherever a route exists)."""
+    bias_meter_rows: Float = Field(0.125, ge=0.0, le=1.0)
+    """Fraction of rows the replay bias meter re-runs after each update, replayed and natural
+    (replay_bias/k3; 0 = only the flip rate; docs/replay.md)."""
+
+    def options(self) -> ReplayOptions:
+        """What the actor needs beyond the mode (lockstep.replay.ReplayOptions)."""
+        p = self.partial
+        return ReplayOptions(gates=self.gates, partial=None if p is None else
+                             PartialReplay(p.rule, p.threshold),
+                             bias_meter_rows=self.bias_meter_rows)
+
+
+def check_replay(cfg) -> None:
+    """replay.gates=engine and replay.partial: what they need of the mode, the rollout
+    backend and the actor (`cfg`: the ExperimentConfig being validated)."""
+    rp = cfg.replay
+    if rp.partial is not None:
+        need(rp.mode is not ReplayMode.OFF,
+             "replay.partial narrows where routes are replayed, but replay.mode=off "
+             "replays none; set replay.mode to R2 or R3")
+        need(cfg.actor.backend != "megatron",
+             "replay.partial is not available with actor.backend=megatron: megatron-core's "
+             "RouterReplay replays every token of a layer or none; use actor.backend=torch")
+    if rp.gates != "engine":
+        return
+    need(rp.mode is not ReplayMode.OFF,
+         "replay.gates=engine replays the gate weights of replayed routes, but "
+         "replay.mode=off replays none; set replay.mode to R2 or R3")
+    need(not (rp.mode is ReplayMode.R3 and cfg.rollout.backend == "sglang"),
+         "replay.gates=engine with replay.mode=R3 needs the engine's gate weights, which "
+         "real SGLang does not return (expert ids only); use rollout.backend embedded, ray "
+         "or serve (lockstep's server returns them), or replay.gates=recompute")
+    need(cfg.actor.backend != "megatron",
+         "replay.gates=engine is not available with actor.backend=megatron: megatron-core's "
+         "RouterReplay recomputes the gate weights of replayed ids and takes no given ones; "
+         "use actor.backend=torch or replay.gates=recompute")

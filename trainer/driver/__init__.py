@@ -1,0 +1,1 @@
+"""What the RL loop drives besides the actor: rollout backends, prompts, async generation, agents."""

@@ -1,5 +1,0 @@
-"""megatron-core backend: model mapping, HF <-> Megatron weights, the routing-replay adapter.
-
-Import submodules directly (`lockstep.trainer.megatron.model`, ...); importing this package
-does not import megatron-core.
-"""

@@ -1,0 +1,1 @@
+"""The objective: advantages, policy losses, rollout correction and the statistics they share."""

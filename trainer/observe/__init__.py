@@ -1,0 +1,1 @@
+"""What a run shows: metrics and plots, W&B, expert load, non-finite checks, dumps, diagnosis."""

@@ -1,0 +1,1 @@
+"""What a run leaves on disk: resumable checkpoints and the run directory."""
