@@ -1,4 +1,5 @@
-"""Wire codecs for routes: SGLang's base64 int32, and lockstep's opt-in compact encoding.
+"""Wire codecs for routes: SGLang's base64 int32, vLLM's base64 `.npy`, and lockstep's opt-in
+compact encoding.
 
 SGLang (`meta_info.routed_experts`): base64 of little-endian int32 with shape
 [prompt + completion - 1 - start_len, num_hidden_layers, K]. Its layer axis is EVERY decoder
@@ -18,6 +19,10 @@ E=128 -> 7, E=256 -> 8) as one little-endian bitstream (id i = bits [i*b, (i+1)*
     3      rows mod 256
     4      crc32(<III L, K, E) & 0xFF (layout check)
 
+vLLM (0.32, `choices[i].routed_experts` of `/inference/v1/generate`): base64 of a `.npy` file,
+uint8 (uint16 above 256 experts) [prompt + completion - 1 - routed_experts_prompt_start,
+num_hidden_layers, K]; `decode_vllm` reads it without unpickling anything.
+
 Rows, L, K and E are not spelled out: the decoder already knows what to expect and checks the
 body length ceil(rows*L*K*b/8), the low byte of rows and the layout byte against it. An SGLang
 int32 payload never has a non-zero byte 2 (its first id is < 2**16), so `decode_routes` tells
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import struct
 import zlib
 from collections.abc import Sequence
@@ -132,6 +138,36 @@ def encode_sglang(trace: RoutingTrace, num_hidden_layers: int,
     out_NHK = np.zeros((trace.num_rows, num_hidden_layers, trace.top_k), dtype="<i4")
     out_NHK[:, layers] = trace.ids_NLK.numpy()
     return base64.b64encode(out_NHK.tobytes()).decode("ascii")
+
+
+# ---- vLLM .npy ----------------------------------------------------------------------------
+def decode_vllm(payload: str | bytes, num_tokens_expected: int, num_hidden_layers: int,
+                moe_layer_ids: Sequence[int], top_k: int, num_experts: int,
+                sample: int | None = None, start_len: int = 0) -> RoutingTrace:
+    """vLLM `routed_experts` (base64 `.npy`) -> RoutingTrace (MoE layers only, row 0 at
+    `start_len`, vLLM's `routed_experts_prompt_start`). Errors (RouteError naming the sample):
+    invalid base64, not a plain `.npy` of unsigned integers (object arrays are refused, never
+    unpickled), a shape other than [num_tokens_expected, num_hidden_layers, top_k], ids out of
+    [0, num_experts) or repeated within a row. The layer axis is every decoder layer, as on
+    SGLang's wire; dense layers' rows are dropped."""
+    layers = _check_layer_map(num_hidden_layers, moe_layer_ids)
+    raw = _b64decode(payload, sample)
+    try:
+        arr = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise RouteError(f"{_who(sample)} payload is not a .npy array: {e}") from None
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind != "u":
+        raise RouteError(f"{_who(sample)}: vLLM sends unsigned integer ids, got "
+                         f"{getattr(arr, 'dtype', type(arr).__name__)}")
+    want = (num_tokens_expected, num_hidden_layers, top_k)
+    if arr.shape != want:
+        raise RouteError(f"{_who(sample)}: array of shape {list(arr.shape)}, expected "
+                         f"{list(want)} (rows = prompt + completion - 1 - start {start_len}, "
+                         f"num_hidden_layers, top_k)")
+    ids_NLK = torch.from_numpy(np.ascontiguousarray(arr[:, layers]))
+    if ids_NLK.dtype != compact_dtype(num_experts):  # kept without a copy when already compact
+        ids_NLK = ids_NLK.to(torch.int64)
+    return RoutingTrace(ids_NLK, num_experts, start=start_len, sample=sample)
 
 
 # ---- compact ------------------------------------------------------------------------------

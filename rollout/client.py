@@ -145,6 +145,8 @@ class HTTPBackend(RolloutBackend):
     """
 
     WEIGHT_SYNC = ("auto", "distributed", "tensor", "disk")
+    GENERATE_PATH = "/generate"
+    VERSION_PATH = "/model_info"  # what reports the server's weight version
 
     def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
                  max_concurrency: int = 64, timeout_s: float = 600.0, retries: int = 3,
@@ -268,12 +270,12 @@ class HTTPBackend(RolloutBackend):
                         req, rid=f"{req.rid}-resent{attempt}")  # a rid the server has not seen
                     body = self.request_body(sent)  # refuses before sending what SGLang refuses
                     async with sem:
-                        resp = await self._post(session, "/generate", body)
-                    items = resp if isinstance(resp, list) else [resp]
+                        resp = await self._post(session, self.GENERATE_PATH, body)
+                    items = self.items(resp)
                     if len(items) != req.sampling.n:
                         raise RolloutError(f"request {i}: asked n={req.sampling.n}, server "
                                            f"answered {len(items)} results")
-                    if not any(map(_aborted, items)):  # (an aborted one may lack routes)
+                    if not any(map(self.aborted, items)):  # (an aborted one may lack routes)
                         out = [self.parse(item, sent, i, j0 + j) for j, item in enumerate(items)]
                         return out if sent is req else [dataclasses.replace(r, rid=req.rid)
                                                         for r in out]
@@ -283,6 +285,14 @@ class HTTPBackend(RolloutBackend):
                                    f"resent at most {self.abort_retries} times)")
             per_req = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         return [res for group in per_req for res in group]
+
+    def items(self, resp: Any) -> list:
+        """The per-sample answers of one /generate response (SGLang: a list for n > 1)."""
+        return resp if isinstance(resp, list) else [resp]
+
+    def aborted(self, item: Any) -> bool:
+        """Whether a per-sample answer is an aborted sample (not a finished one)."""
+        return _aborted(item)
 
     def parse(self, item: dict, req: GenerateRequest, i: int, j: int) -> GenerationResult:
         """One SGLang response object -> GenerationResult (contract checked, sample named)."""
@@ -401,9 +411,8 @@ class HTTPBackend(RolloutBackend):
             return True
         auto = self.weight_sync == "auto"
         try:
-            self._sync = DistributedWeightSync(
-                [self.url], api_key=self.api_key,
-                timeout_s=min(self.timeout.total, 60.0) if auto else self.timeout.total)
+            self._sync = self._new_sync(
+                min(self.timeout.total, 60.0) if auto else self.timeout.total)
         except RolloutError as e:
             if not auto:
                 raise
@@ -415,6 +424,10 @@ class HTTPBackend(RolloutBackend):
                   f"{self._sync.group_name!r} (distributed)")
         return True
 
+    def _new_sync(self, timeout_s: float) -> DistributedWeightSync:
+        """Join the server's weight-update group (SGLang's /init_weights_update_group)."""
+        return DistributedWeightSync([self.url], api_key=self.api_key, timeout_s=timeout_s)
+
     def _push_distributed(self, buckets, weight_version: str) -> str:
         """A failed push leaves the group unusable: it is destroyed here (the next push
         joins a new one)."""
@@ -424,7 +437,7 @@ class HTTPBackend(RolloutBackend):
             self.close()
             raise
         self.last_push = {"mode": "distributed", **stats}
-        return self._check_version(self._get_sync("/model_info"), weight_version,
+        return self._check_version(self._get_sync(self.VERSION_PATH), weight_version,
                                    "update_weights_from_distributed")
 
     async def _push_tensor(self, buckets, weight_version: str) -> str:
@@ -508,6 +521,13 @@ class HTTPBackend(RolloutBackend):
             self._sync.close()
             self._sync = None
 
+    def _keep_only(self, written: Path) -> None:
+        """The server holds the weights in memory: keep only the newest folder written."""
+        for old in self._written:
+            if Path(old) != Path(written):
+                shutil.rmtree(old, ignore_errors=True)
+        self._written = [written]
+
     async def _from_disk(self, source, weight_version: str | None, written) -> str:
         body: dict[str, Any] = {"model_path": str(source), "flush_cache": True,
                                 "abort_all_requests": False}
@@ -517,11 +537,8 @@ class HTTPBackend(RolloutBackend):
             resp = await self._post(s, "/update_weights_from_disk", body)
         if not isinstance(resp, dict) or not resp.get("success"):
             raise RolloutError(f"update_weights_from_disk({source}) failed: {resp!r}")
-        if written is not None:  # the server holds them in memory: keep only the newest folder
-            for old in self._written:
-                if Path(old) != Path(written):
-                    shutil.rmtree(old, ignore_errors=True)
-            self._written = [written]
+        if written is not None:
+            self._keep_only(written)
         info = await self.get("/model_info")
         if weight_version is None:  # a folder pushed without a version: take the server's
             weight_version = info.get("weight_version") if isinstance(info, dict) else None

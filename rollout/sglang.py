@@ -202,6 +202,8 @@ class SGLangServer:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(errors="replace")
 
+    NAME = "SGLang"
+
     def start(self, timeout_s: float = 900.0) -> "SGLangServer":
         """Spawn the server (own process group) and block until `/health` answers 200. The
         API key goes in a private YAML file (`--config`, SGLang reads it at start-up), removed
@@ -214,6 +216,15 @@ class SGLangServer:
             fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(f"api-key: {json.dumps(self.cfg.api_key)}\n")  # JSON string = YAML
+        try:
+            return self._spawn(self.cfg.command(config), timeout_s)
+        finally:
+            if key_dir is not None:
+                shutil.rmtree(key_dir, ignore_errors=True)
+
+    def _spawn(self, argv: list[str], timeout_s: float) -> "SGLangServer":
+        """Start `argv` in its own process group with `cfg.env()`, logging to `log_path`
+        (mode 0600), and wait for /health; stopped again when that fails."""
         if self.log_path:
             out = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                                     0o600), "ab")
@@ -221,7 +232,7 @@ class SGLangServer:
             out = subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                self.cfg.command(config), stdout=out, stderr=subprocess.STDOUT,
+                argv, stdout=out, stderr=subprocess.STDOUT,
                 env=self.cfg.env(), start_new_session=True,
                 preexec_fn=_die_with_parent if self.die_with_parent else None)
             self.wait_healthy(timeout_s)
@@ -229,8 +240,6 @@ class SGLangServer:
             self.stop(grace_s=5.0)
             raise
         finally:
-            if key_dir is not None:
-                shutil.rmtree(key_dir, ignore_errors=True)
             if out is not subprocess.DEVNULL:
                 out.close()
         return self
@@ -239,7 +248,7 @@ class SGLangServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise SGLangError(f"SGLang exited with code {self.proc.returncode} before it was "
+                raise SGLangError(f"{self.NAME} exited with code {self.proc.returncode} before it was "
                                   f"healthy; command: {' '.join(self.cfg.command())}; "
                                   f"log {self.log_path or '(not kept)'} ends:\n{self._log_tail()}")
             try:
@@ -249,7 +258,7 @@ class SGLangServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1.0)
-        raise SGLangError(f"SGLang at {self.cfg.url} not healthy within {timeout_s:g}s "
+        raise SGLangError(f"{self.NAME} at {self.cfg.url} not healthy within {timeout_s:g}s "
                           f"(start-up timeout); log {self.log_path or '(not kept)'} ends:\n"
                           f"{self._log_tail()}")
 

@@ -219,15 +219,15 @@ class HTTPCalls:
 
         async def one(session: aiohttp.ClientSession, g: Group, j0: int,
                       wreq: GenerateRequest) -> None:
-            resp = await client._post(session, "/generate", client.request_body(wreq))
-            items = resp if isinstance(resp, list) else [resp]
+            resp = await client._post(session, client.GENERATE_PATH, client.request_body(wreq))
+            items = client.items(resp)
             if len(items) != wreq.sampling.n:
                 raise RolloutError(f"{slot}: request {wreq.rid} asked n={wreq.sampling.n}, "
                                    f"answered {len(items)} results")
             for j, item in enumerate(items):
-                res = client.parse(item, wreq, g.pos, j0 + j)
-                if res.finish_reason.get("type") == "abort":  # not a finished sample
+                if client.aborted(item):  # not a finished sample (it may lack routes)
                     raise Aborted(f"{slot}: request {wreq.rid} sample {j} was aborted")
+                res = client.parse(item, wreq, g.pos, j0 + j)
                 res = dataclasses.replace(res, rid=g.req.rid, index=j0 + j)
                 fleet.keep(slot, (g.req.rid, j0 + j), res, store)
 

@@ -169,11 +169,8 @@ class DistributedWeightSync:
             self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
             self.world_size = 1 + sum(sizes)
             port = master_port or free_port(master_addr)
-            body = lambda i: {"master_address": master_addr, "master_port": port,  # noqa: E731
-                              "rank_offset": self.rank_offsets[i], "world_size": self.world_size,
-                              "group_name": self.group_name, "backend": self.backend}
             asked = True
-            posts = [self._pool.submit(self._post, i, "/init_weights_update_group", body(i))
+            posts = [self._pool.submit(self._post, i, *self._join_request(i, master_addr, port))
                      for i in range(len(self.urls))]
             self.group = self._run_with(posts, "init_weights_update_group", lambda: WeightGroup(
                 master_addr, port, 0, self.world_size, self.group_name, self.backend,
@@ -187,6 +184,35 @@ class DistributedWeightSync:
     def engine(self, i: int) -> str:
         return f"engine {i} ({self.urls[i]})"
 
+    # -- the wire (SGLang's; VLLMWeightSync overrides these) ---------------------------------
+    def _join_request(self, i: int, master_addr: str, port: int) -> tuple[str, dict]:
+        return "/init_weights_update_group", {
+            "master_address": master_addr, "master_port": port,
+            "rank_offset": self.rank_offsets[i], "world_size": self.world_size,
+            "group_name": self.group_name, "backend": self.backend}
+
+    def _bucket_request(self, names: list[str], dtypes: list, shapes: list, last: bool,
+                        weight_version: str) -> tuple[str, dict]:
+        body: dict[str, Any] = {
+            "names": names, "dtypes": [dtype_name(d) for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": self.group_name,
+            "flush_cache": last, "abort_all_requests": False,
+            "load_format": "flattened_bucket"}
+        if last:
+            body["weight_version"] = str(weight_version)
+        return "/update_weights_from_distributed", body
+
+    def _send(self, flat, bucket: Bucket) -> None:
+        """This rank's side of one bucket: one broadcast of its bytes."""
+        self.group.broadcast(flat)
+
+    def _leave_request(self) -> tuple[str, dict]:
+        return "/destroy_weights_update_group", {"group_name": self.group_name}
+
+    def _answered(self, resp: Any) -> bool:
+        """Whether a 200 answer reports success (SGLang: `success: true`)."""
+        return isinstance(resp, dict) and resp.get("success") is True
+
     # -- push ------------------------------------------------------------------------------
     def push(self, buckets: Iterable[Bucket], weight_version: str) -> dict:
         """Broadcast `buckets` (consumed once, in order) to every engine; the last bucket
@@ -199,6 +225,7 @@ class DistributedWeightSync:
         cur = next(it, None)
         if cur is None:
             raise ValueError("push: no buckets to send")
+        self.version = str(weight_version)  # what the sessions close with (vLLM's finish)
         self._begin_sessions(lambda: itertools.chain([cur], it))
         try:
             total, count = self._push_buckets(cur, it, weight_version)
@@ -215,18 +242,12 @@ class DistributedWeightSync:
             last = nxt is None
             flat, names, dtypes, shapes = flatten_bucket(cur)
             flat = flat.to(self.group.device)
-            body: dict[str, Any] = {
-                "names": names, "dtypes": [dtype_name(d) for d in dtypes],
-                "shapes": [list(s) for s in shapes], "group_name": self.group_name,
-                "flush_cache": last, "abort_all_requests": False,
-                "load_format": "flattened_bucket"}
-            if last:
-                body["weight_version"] = str(weight_version)
-            posts = [self._pool.submit(self._post, i, "/update_weights_from_distributed", body)
+            path, body = self._bucket_request(names, dtypes, shapes, last, weight_version)
+            posts = [self._pool.submit(self._post, i, path, body)
                      for i in range(len(self.urls))]
             try:
-                self._run_with(posts, f"update_weights_from_distributed (bucket {count})",
-                               lambda: self.group.broadcast(flat))
+                self._run_with(posts, f"{path.lstrip('/')} (bucket {count})",
+                               lambda: self._send(flat, cur))
             except PushRefused as e:
                 if count:  # earlier buckets may be loaded (SGLang loads each as it arrives)
                     raise RolloutError(str(e)) from None
@@ -240,8 +261,7 @@ class DistributedWeightSync:
     def _begin_sessions(self, rest) -> None:
         """Open a weight-update session on every engine; a refusal closes those opened and
         raises PushRefused (nothing was sent); `rest()` gives the buckets not sent."""
-        futs = [self._pool.submit(self._post, i, "/begin_weight_update", {})
-                for i in range(len(self.urls))]
+        futs = [self._pool.submit(self._open_session, i) for i in range(len(self.urls))]
         errors, opened = [], []
         for i, f in enumerate(futs):
             try:
@@ -251,17 +271,16 @@ class DistributedWeightSync:
                 errors.append(e)
         if errors:
             for i in opened:
-                self._quiet_post(i, "/end_weight_update")
+                self._quiet_close(i)
             refused = all(isinstance(e, PushRefused) for e in errors)
             raise (PushRefused(f"weight sync: {errors[0]}", rest()) if refused
                    else RolloutError(f"weight sync: {errors[0]}"))
 
     def _end_sessions(self, strict: bool) -> None:
         """Close every engine's session; after a good push, a refusal is an error."""
-        futs = [self._pool.submit(self._post, i, "/end_weight_update", {}, 30.0)
+        futs = [self._pool.submit(self._close_session, i, 30.0)
                 for i in range(len(self.urls))] if strict else [
-                self._pool.submit(self._quiet_post, i, "/end_weight_update")
-                for i in range(len(self.urls))]
+                self._pool.submit(self._quiet_close, i) for i in range(len(self.urls))]
         for f in futs:
             try:
                 f.result(60)
@@ -270,6 +289,18 @@ class DistributedWeightSync:
             except Exception:  # a pool shut down by a failed collective: best effort
                 if strict:
                     raise
+
+    def _open_session(self, i: int) -> None:
+        self._post(i, "/begin_weight_update", {})
+
+    def _close_session(self, i: int, timeout_s: float) -> None:
+        self._post(i, "/end_weight_update", {}, timeout_s)
+
+    def _quiet_close(self, i: int) -> None:
+        try:
+            self._close_session(i, 5.0)
+        except Exception:  # a dead engine, or one that already dropped it
+            pass
 
     def _quiet_post(self, i: int, path: str, body: dict | None = None) -> None:
         try:
@@ -290,8 +321,7 @@ class DistributedWeightSync:
         """/destroy_weights_update_group on every engine that answers (best effort), from a
         fresh pool: the sync's own threads may still wait on a failed call's answers."""
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            for f in [pool.submit(self._quiet_post, i, "/destroy_weights_update_group",
-                                  {"group_name": self.group_name})
+            for f in [pool.submit(self._quiet_post, i, *self._leave_request())
                       for i in range(len(self.urls))]:
                 f.result(15)
 
@@ -385,7 +415,7 @@ class DistributedWeightSync:
 
     def _post(self, i: int, path: str, body: dict, timeout_s: float | None = None) -> Any:
         resp = self._request(i, "POST", path, body, timeout_s or self.timeout_s)
-        if not isinstance(resp, dict) or resp.get("success") is not True:
+        if not self._answered(resp):
             raise PushRefused(f"{self.engine(i)}: POST {path} answered {resp!r}"[:800])
         return resp
 

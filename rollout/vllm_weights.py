@@ -1,0 +1,82 @@
+"""Trainer side of vLLM's native weight sync: `DistributedWeightSync` (rollout/weight_sync.py,
+the same rank layout, buckets, bounded waits and failure rules) speaking vLLM 0.32's routes.
+
+    sync = VLLMWeightSync(["http://a:8000"])           # /init_weight_transfer_engine
+    sync.push(actor.export_weights(bucket_bytes), "7")  # pause, start, update per bucket,
+    sync.close()                                        # finish(version), resume; shutdown
+
+Per server: `POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
+rank_offset, world_size, group_name}}` once (the server's workers join the trainer's group as
+ranks rank_offset .. rank_offset + world - 1, `world` from `GET /get_world_size`); per push
+`POST /pause?mode=wait` (running samples finish, new ones wait) and `/start_weight_update`,
+then per bucket `POST /update_weights {"update_info": {names, dtype_names, shapes, packed:
+true}}` answered while the trainer broadcasts the bucket as one uint8 buffer, then
+`/finish_weight_update {"weight_version"}` and `/resume`. The transport is the server's
+`--weight-transfer-config` backend: vLLM's `nccl` on GPUs (the same fields), lockstep's
+`lockstep_gloo` (rollout/vllm_plugin) on CPUs. A pause, start or join that a server refuses
+raises `PushRefused` (nothing changed; `auto` then goes to disk).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .types import PushRefused, RolloutError
+from .weight_sync import DistributedWeightSync, dtype_name
+
+
+class VLLMWeightSync(DistributedWeightSync):
+    """Rank 0 of a weight-transfer group over vLLM servers (module docstring)."""
+
+    def _server_info(self, i: int) -> Any:
+        from .vllm_client import server_config
+        info = server_config(self._request(i, "GET", "/server_info?config_format=json", None,
+                                           min(self.timeout_s, 60.0)))
+        world = self._request(i, "GET", "/get_world_size?include_dp=true", None, 30.0)
+        info["tp_size"] = int(world.get("world_size", 1)) if isinstance(world, dict) else 1
+        if info["weight_transfer_backend"] is None:
+            raise PushRefused(f"{self.engine(i)}: vLLM runs without --weight-transfer-config")
+        # the backend of the trainer's end follows the server's transport
+        info["device"] = "cuda" if info["weight_transfer_backend"] != "lockstep_gloo" else "cpu"
+        return info
+
+    def _join_request(self, i: int, master_addr: str, port: int) -> tuple[str, dict]:
+        return "/init_weight_transfer_engine", {"init_info": {
+            "master_address": master_addr, "master_port": port,
+            "rank_offset": self.rank_offsets[i], "world_size": self.world_size,
+            **({"group_name": self.group_name} if self.backend == "gloo" else {"packed": False})}}
+
+    def _bucket_request(self, names: list[str], dtypes: list, shapes: list, last: bool,
+                        weight_version: str) -> tuple[str, dict]:
+        return "/update_weights", {"update_info": {
+            "names": names, "dtype_names": [dtype_name(d) for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+            **({"packed": True} if self.backend == "gloo" else {})}}
+
+    def _send(self, flat, bucket) -> None:
+        """gloo (lockstep's backend): the bucket's bytes in one broadcast; NCCL (vLLM's, not
+        packed): one broadcast per tensor, in order, as its receiver allocates them."""
+        if self.backend == "gloo":
+            return self.group.broadcast(flat)
+        for _, t in bucket:
+            self.group.broadcast(t.detach().to(self.group.device).contiguous())
+
+    def _leave_request(self) -> tuple[str, dict]:
+        return "/shutdown_weight_transfer_engine", {}
+
+    def _answered(self, resp: Any) -> bool:
+        return isinstance(resp, dict) and "error" not in resp  # vLLM: {"message"} or {"status"}
+
+    def _open_session(self, i: int) -> None:
+        try:
+            self._post(i, "/pause?mode=wait", {})
+            self._post(i, "/start_weight_update", {})
+        except RolloutError as e:  # before any tensor was sent: nothing changed
+            self._quiet_post(i, "/resume")
+            raise PushRefused(str(e)) from None
+
+    def _close_session(self, i: int, timeout_s: float) -> None:
+        try:
+            self._post(i, "/finish_weight_update", {"weight_version": self.version}, timeout_s)
+        finally:
+            self._post(i, "/resume", {}, timeout_s)
