@@ -147,6 +147,7 @@ class HTTPBackend(RolloutBackend):
     WEIGHT_SYNC = ("auto", "distributed", "tensor", "disk")
     GENERATE_PATH = "/generate"
     VERSION_PATH = "/model_info"  # what reports the server's weight version
+    SYNC_CLS = DistributedWeightSync  # the trainer's end of the server's weight-update group
 
     def __init__(self, url: str, model_cfg: ModelConfig, api_key: str | None = None,
                  max_concurrency: int = 64, timeout_s: float = 600.0, retries: int = 3,
@@ -426,7 +427,7 @@ class HTTPBackend(RolloutBackend):
 
     def _new_sync(self, timeout_s: float) -> DistributedWeightSync:
         """Join the server's weight-update group (SGLang's /init_weights_update_group)."""
-        return DistributedWeightSync([self.url], api_key=self.api_key, timeout_s=timeout_s)
+        return self.SYNC_CLS([self.url], api_key=self.api_key, timeout_s=timeout_s)
 
     def _push_distributed(self, buckets, weight_version: str) -> str:
         """A failed push leaves the group unusable: it is destroyed here (the next push

@@ -172,7 +172,7 @@ class HTTPCalls:
                  weight_sync: str = "distributed", weights_dir: str | Path | None = None,
                  max_concurrency: int = 64,
                  fan_out_samples: bool = False, sampling_mask_max_tokens: int = 4096,
-                 bucket_bytes: int = 64 << 20):
+                 bucket_bytes: int = 64 << 20, client_cls: type[HTTPBackend] = HTTPBackend):
         if weight_sync not in ("auto", "distributed", "disk"):
             raise ValueError(f"Fleet: weight_sync must be 'auto', 'distributed' or 'disk', got "
                              f"{weight_sync!r}")
@@ -180,6 +180,7 @@ class HTTPCalls:
             raise ValueError(f"Fleet: weight_sync={weight_sync!r} needs weights_dir (a folder "
                              f"every server can read)")
         self.cfg, self.api_key = model_cfg, api_key
+        self.client_cls = client_cls  # the servers' wire: HTTPBackend (SGLang) or VLLMBackend
         self.weight_sync = "distributed" if weight_sync == "auto" else weight_sync
         self.auto_sync = weight_sync == "auto"
         self.weights_dir = None if weights_dir is None else Path(weights_dir)
@@ -194,7 +195,7 @@ class HTTPCalls:
     def attach(self, fleet: Any, slot: EngineSlot, info: dict | None = None) -> None:
         """A client for the slot's server (a new one after a relaunch: a new URL)."""
         if slot.url:
-            slot.client = HTTPBackend(
+            slot.client = self.client_cls(
                 slot.url, self.cfg, api_key=self.api_key, max_concurrency=self.max_concurrency,
                 timeout_s=fleet.request_timeout_s, retries=1, backoff_s=0.2,
                 sampling_mask_max_tokens=self.sampling_mask_max_tokens,
@@ -286,12 +287,11 @@ class HTTPCalls:
 
     def _push_distributed(self, fleet: Any, source: Any, version: str,
                           targets: list[EngineSlot]) -> None:
-        from lockstep.rollout.weight_sync import DistributedWeightSync
         urls = [s.url for s in targets]
         if self._sync is None or self._sync_urls != urls:  # a new member: a new group
             self.close()
             try:
-                self._sync = DistributedWeightSync(urls, master_addr=_master_addr(urls),
+                self._sync = self.client_cls.SYNC_CLS(urls, master_addr=_master_addr(urls),
                                                    api_key=self.api_key,
                                                    timeout_s=fleet.request_timeout_s)
             except PushRefused as e:  # an engine refused to join

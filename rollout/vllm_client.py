@@ -62,6 +62,23 @@ def server_config(info: Any) -> dict:
             "weight_transfer_backend": wt.get("backend")}
 
 
+def detect_engine(url: str, api_key: str | None = None, timeout_s: float = 60.0) -> str:
+    """`vllm` when the server at `url` answers /server_info with vLLM's `vllm_config`, else
+    `sglang` (real SGLang and lockstep serve)."""
+    import json
+    import urllib.error
+    import urllib.request
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(url.rstrip("/") + "/server_info", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            info = json.loads(r.read() or b"null")
+    except (OSError, ValueError) as e:
+        raise RolloutError(f"rollout.engine=auto: GET {url}/server_info failed ({e}); set "
+                           f"rollout.engine to sglang or vllm") from None
+    return "vllm" if isinstance(info, dict) and "vllm_config" in info else "sglang"
+
+
 class VLLMBackend(HTTPBackend):
     """`HTTPBackend` over vLLM's wire (module docstring). `weight_sync`: `auto` (default in the
     loop) and `distributed` push through vLLM's native weight transfer (/pause?mode=wait,
@@ -74,6 +91,7 @@ class VLLMBackend(HTTPBackend):
     WEIGHT_SYNC = ("auto", "distributed", "disk")
     GENERATE_PATH = "/inference/v1/generate"
     VERSION_PATH = "/weight_info"
+    SYNC_CLS = VLLMWeightSync
 
     def __init__(self, url: str, model_cfg: ModelConfig, **kw: Any):
         kw.setdefault("compact_routes", False)
@@ -240,9 +258,6 @@ class VLLMBackend(HTTPBackend):
                                     {"request_ids": [REQUEST_PREFIX + r for r in rids]})
 
     # -- weights --------------------------------------------------------------------------------
-    def _new_sync(self, timeout_s: float):
-        return VLLMWeightSync([self.url], api_key=self.api_key, timeout_s=timeout_s)
-
     async def _push_tensor(self, buckets, weight_version: str) -> str:
         raise RolloutError("rollout.weight_sync=tensor is lockstep serve's; vLLM takes "
                            "'distributed' (its native weight transfer) or 'disk'")

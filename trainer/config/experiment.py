@@ -174,7 +174,7 @@ class ExperimentConfig(Section):
             for k in ("max_total_tokens", "bind", "extra_env"):
                 if d["rollout"]["sglang"][k] == getattr(SGLangOptions(), k):
                     d["rollout"]["sglang"].pop(k)
-        for k in ("weight_sync", "env", *_FLEET_KEYS):  # at defaults: saved as before they existed
+        for k in ("weight_sync", "env", "engine", *_FLEET_KEYS):  # at defaults: as before they existed
             if d["rollout"][k] == RolloutConfig.model_fields[k].default:
                 d["rollout"].pop(k)
         if d["reward"]["import_timeout_s"] == RewardConfig.import_timeout_s:  # likewise
@@ -217,7 +217,7 @@ class ExperimentConfig(Section):
         # where the API key is read from is not the run's identity; runs written while the key
         # itself was a (null) config field keep their hash
         d["rollout"].pop("api_key_file")
-        for k in ("weight_sync", "request_timeout_s", "max_engine_restarts"):  # not the numbers
+        for k in ("weight_sync", "request_timeout_s", "max_engine_restarts", "engine"):  # not numbers
             d["rollout"].pop(k, None)
         d["rollout"]["api_key"] = None
         for k in ("check", "min_overlap"):  # the validator checks; it changes no numbers

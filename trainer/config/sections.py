@@ -91,6 +91,11 @@ class RolloutConfig(Section):
     urls: list[str] | None = None
     """http backend: several running servers behind one balancing client (lockstep.rollout.fleet)
     instead of `url`."""
+    engine: Literal["auto", "sglang", "vllm"] = "auto"
+    """http backend: the wire the server(s) at url/urls speak: sglang (SGLang's /generate: real
+    SGLang or lockstep serve), vllm (vLLM 0.32's /inference/v1/generate and its native weight
+    sync; docs/rollout.md "vLLM"), or auto (asked of the first server's /server_info once, and
+    said in the log)."""
     api_key_file: str | None = None
     """http backend: file holding the server's bearer token (first line). The token itself is
     never part of the config (it would be saved in config.yaml and show in `ps`): it comes from

