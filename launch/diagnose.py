@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="RUN/checkpoints/step_<n> (or its hf/ folder)")
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--dump", metavar="FILE", help="diagnose a rollout dump offline")
-    p.add_argument("--url", help="generate with a live SGLang-compatible server")
+    p.add_argument("--url", help="generate with a live server (SGLang-compatible, or vLLM: "
+                                 "rollout.engine, detected unless set)")
     p.add_argument("--config", help="experiment YAML (default: the run's config.yaml)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--task", help="task name (addition, sort) instead of the run's")
@@ -129,7 +130,6 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     describes (or the server at `url`) and record the actor's view: a `StepRecord`."""
     import torch
 
-    from lockstep.rollout.client import HTTPBackend
     from lockstep.rollout.tasks import Task
     from lockstep.rollout.types import GenerateRequest
     from lockstep.trainer.actor.batch import collate
@@ -162,8 +162,11 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
                     for (ids, _), r in zip(rows, template)]
     if url is not None:
         from lockstep.trainer.config.load import rollout_api_key
-        backend = HTTPBackend(url, cfg.model, api_key=rollout_api_key(ro),
-                              max_concurrency=prompts, timeout_s=ro.request_timeout_s)
+        from lockstep.trainer.driver.rollouts import http_client_class
+        client = http_client_class(ro.engine, url, rollout_api_key(ro), print,  # SGLang or vLLM
+                                   ro.request_timeout_s)
+        backend = client(url, cfg.model, api_key=rollout_api_key(ro),
+                         max_concurrency=prompts, timeout_s=ro.request_timeout_s)
     else:
         backend = make_rollout(cfg, model, weight_version,
                                max_len=source.max_prompt_len + loop.max_new_tokens,

@@ -73,9 +73,10 @@ def detect_engine(url: str, api_key: str | None = None, timeout_s: float = 60.0)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             info = json.loads(r.read() or b"null")
-    except (OSError, ValueError) as e:
-        raise RolloutError(f"rollout.engine=auto: GET {url}/server_info failed ({e}); set "
-                           f"rollout.engine to sglang or vllm") from None
+    except (OSError, ValueError) as e:  # refused, no answer within timeout_s, not JSON
+        raise RolloutError(f"rollout.engine=auto: GET {url}/server_info failed or got no answer "
+                           f"within {timeout_s:g}s ({e}); set rollout.engine to sglang or "
+                           f"vllm") from None
     return "vllm" if isinstance(info, dict) and "vllm_config" in info else "sglang"
 
 

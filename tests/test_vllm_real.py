@@ -6,7 +6,8 @@ on it) serves the whole module; the tests run in file order (the later ones push
 - The wire: engine detection, n > 1 with seeds (sample j = seed + j), routes decoded from
   .npy, abort by vLLM's request name and the aborted sample resent.
 - Route agreement on the folder's weights: vLLM vs our fp32 engine vs transformers (fp32),
-  written to docs/rollout.md with LOCKSTEP_WRITE_VLLM_TABLES=1.
+  the table in docs/rollout.md (LOCKSTEP_WRITE_VLLM_TABLES=1 rewrites it and the wire table:
+  `LOCKSTEP_WRITE_VLLM_TABLES=1 python -m pytest -q tests/test_vllm_real.py`).
 - Multi-turn trajectories (rollout/agent.py): each later turn asks only its new route rows
   (routed_experts_prompt_start); the stitched routes equal one prefill of the whole trajectory
   on our fp32 engine.
@@ -130,8 +131,11 @@ def test_route_agreement_vllm_engine_transformers_fp32(vllm, toy_folder):
         worst = max(worst, float((t.input_logprobs[1:] - o.input_logprobs[1:n]).abs().max()))
     assert agree_ours == rows and agree_hf == rows, (agree_ours, agree_hf, rows)
     assert worst < 1e-5
-    _record("route_agreement_fp32", {"rows": rows, "vllm_vs_engine": agree_ours,
-                                     "vllm_vs_transformers": agree_hf, "max_logprob_diff": worst})
+    lp = "< 1e-6" if worst < 1e-6 else f"{worst:.1e}"
+    _docs_block("vllm-route-table", "\n".join([
+        "| dtype | (token, layer) rows | vLLM = lockstep engine | vLLM = transformers top-k | "
+        "max \\|prompt log-prob vLLM - engine\\| |", "|---|---|---|---|---|",
+        f"| fp32 | {rows} | {agree_ours} | {agree_hf} | {lp} |"]))
 
 
 def test_multi_turn_stitched_routes_equal_one_prefill(vllm, toy_folder, tmp_path):
@@ -211,8 +215,6 @@ def test_r3_steps_over_vllms_native_weight_sync(vllm, tmp_path):
     assert max(d for _, d in checks) < 1e-5, checks
     assert len(metrics) == 3 and metrics[-1]["replay/mode"] == "R3"
     assert not (tmp_path / "run" / "weights").exists()  # nothing written for the pushes
-    _record("r3_native_sync", {"pushes": len(checks), "max_logprob_diff": max(
-        d for _, d in checks)})
 
 
 def test_disk_push_reloads_the_pushed_weights(vllm, toy_folder, tmp_path):
@@ -243,7 +245,8 @@ def test_top_p_mask_replay_with_n_samples(vllm, tmp_path):
 
 def test_agent_toy_three_steps_with_stitched_routes(vllm, tmp_path):
     out = tmp_path / "run"
-    cfg = _config(AGENT, vllm, "rollout.prompts_per_step=4", "rollout.env.max_turns=2")
+    cfg = _config(AGENT, vllm, "rollout.prompts_per_step=4", "rollout.env.max_turns=2",
+                  "actor.mini_batch_size=16", "actor.micro_batch_size=16")
     Trainer(cfg, out, progress=False, log=lambda s: None).run()
     m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(m) == 3 and m[-1]["replay/mode"] == "R3"
@@ -256,10 +259,13 @@ def test_wire_suite_answers_as_the_docs_table_says(vllm):
     vllm_wire.check_docs(vllm_wire.run(vllm))
 
 
-def _record(key: str, value) -> None:
-    """What the docs' vLLM tables are generated from (LOCKSTEP_WRITE_VLLM_TABLES=1)."""
+def _docs_block(name: str, generated: str) -> None:
+    """docs/rollout.md between `<!-- name:start -->` and `<!-- name:end -->` must be
+    `generated`; LOCKSTEP_WRITE_VLLM_TABLES=1 rewrites it instead."""
+    docs = CONFIGS.parent / "docs" / "rollout.md"
+    head, rest = docs.read_text().split(f"<!-- {name}:start -->")
+    now, tail = rest.split(f"<!-- {name}:end -->")
     if os.environ.get("LOCKSTEP_WRITE_VLLM_TABLES") == "1":
-        path = Path(os.environ.get("LOCKSTEP_VLLM_TABLES", "/tmp/lockstep-vllm-tables.json"))
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[key] = value
-        path.write_text(json.dumps(data, indent=1))
+        docs.write_text(f"{head}<!-- {name}:start -->\n{generated}\n<!-- {name}:end -->{tail}")
+        now = generated
+    assert now.strip() == generated, f"docs/rollout.md's {name} is stale (module docstring)"

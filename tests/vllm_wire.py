@@ -75,7 +75,7 @@ STEPS = [
     ("resume", "POST", "/resume", {}, "200 {status}"),
     ("pause?mode=bogus", "POST", "/pause?mode=bogus", {}, "400"),
     ("update_weight_version w9", "POST", "/update_weight_version", {"new_version": "w9"},
-     "200 {success}"),
+     "200 {new_version, success}"),
     ("weight_info after it", "GET", "/weight_info", None, "200 {weight_version}"),
     ("get_world_size", "GET", "/get_world_size", None, "200 {world_size}"),
     ("generate after the weight calls", "POST", G, {"token_ids": P, "sampling_params": SP},
