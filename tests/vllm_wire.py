@@ -25,7 +25,9 @@ import numpy as np
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "rollout.md"
 START, END = "<!-- vllm-wire-table:start -->", "<!-- vllm-wire-table:end -->"
 G = "/inference/v1/generate"
-SP = {"max_tokens": 3, "temperature": 1.0, "top_k": 17, "seed": 3, "logprobs": 0}
+# ignore_eos: every answer's length (and so its shape) is the same whatever the weights
+SP = {"max_tokens": 3, "temperature": 1.0, "top_k": 17, "seed": 3, "logprobs": 0,
+      "ignore_eos": True}
 P = [1, 5, 7, 3, 9]
 
 # (label, method, path, body, expected "status shape" or status alone)
@@ -90,7 +92,8 @@ KNOWN = {
     "silently means off): VLLMBackend builds the body from typed fields only",
     "unknown top-level key": "vLLM ignores unknown top-level keys: as above",
     "max_tokens past max_model_len": "vLLM clamps max_tokens to what fits in max_model_len "
-    "(12 tokens here) instead of refusing",
+    "(12 of the 20 asked here) instead of refusing; VLLMBackend checks the answer's length "
+    "like any other",
     "update_weights before init": "vLLM answers a refusal by its workers with HTTP 500 "
     "('Call to collective_rpc method failed: Worker failed with error ...'), not 400: "
     "VLLMWeightSync reads a refused pause/start/join as nothing changed (auto -> disk)",
@@ -116,7 +119,8 @@ def call(url: str, method: str, path: str, body) -> tuple[int, object]:
 
 
 def shape(v) -> str:
-    """The keys clients read: gen(ids per choice, finish; routes shape, mask lengths)."""
+    """The keys clients read: gen(ids, finish, log-probs, routes shape, masks per choice);
+    the masks' sizes depend on the weights, so only their count is shown."""
     if isinstance(v, dict) and isinstance(v.get("choices"), list):
         parts = []
         for c in v["choices"]:
@@ -126,7 +130,7 @@ def shape(v) -> str:
             mask = c.get("sampling_mask")
             lp = "lp" if (c.get("logprobs") or {}).get("content") else "no lp"
             parts.append(f"{len(c.get('token_ids') or [])} ids {c.get('finish_reason')}, {lp}, "
-                         f"routes {routes}, mask {[len(m) for m in mask] if mask else None}")
+                         f"routes {routes}, {len(mask) if mask else 'no'} masks")
         prompt = " + prompt_logprobs" if v.get("prompt_logprobs") else ""
         return "gen(" + "; ".join(parts) + ")" + prompt
     if isinstance(v, dict):
