@@ -16,6 +16,9 @@ on it) serves the whole module; the tests run in file order (the later ones push
   served prompt log-probs equal our fp32 engine's within 1e-5 and routes are identical. This
   is the test that catches vLLM's CPU fused-MoE re-pack bug
   (`LOCKSTEP_VLLM_MOE_REPACK=0 pytest ... -k r3_steps` fails it).
+- `lockstep diagnose --url` against the server after the R3 run.
+- 2 R2 steps; the replay validator checks every replayed token in the R3 and R2 runs
+  (replay.check=full).
 - The disk fallback path (reload_weights) serves the pushed weights too.
 - top_p 0.9 with sampling-mask replay and 4 samples per prompt in one request.
 - 3 steps of the agent toy (toy_agent_r3.yaml) over vLLM with stitched routes.
@@ -23,6 +26,7 @@ on it) serves the whole module; the tests run in file order (the later ones push
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -209,12 +213,28 @@ def test_r3_steps_over_vllms_native_weight_sync(vllm, tmp_path):
     """Default rollout.weight_sync (auto): the initial push and one per step go through
     vLLM's weight transfer (lockstep_gloo), never disk; the server serves exactly the pushed
     weights after each (fp32: prompt log-probs within 1e-5, identical routes)."""
-    checks, logs, metrics = _run_checked(_config(TOY, vllm), tmp_path / "run")
+    checks, logs, metrics = _run_checked(_config(TOY, vllm, "replay.check=full"),
+                                         tmp_path / "run")
     assert [mode for mode, _ in checks] == ["distributed"] * 4, checks  # initial + 3 steps
     assert not any("through disk" in line for line in logs), logs
     assert max(d for _, d in checks) < 1e-5, checks
     assert len(metrics) == 3 and metrics[-1]["replay/mode"] == "R3"
     assert not (tmp_path / "run" / "weights").exists()  # nothing written for the pushes
+    # lockstep diagnose --url against the server, which holds the last checkpoint's weights
+    from lockstep.launch.diagnose import diagnose_checkpoint
+    report = diagnose_checkpoint(tmp_path / "run" / "checkpoints" / "step_3", [], url=vllm)
+    assert report["header"]["source"].startswith("url:")
+    assert math.isfinite(report["metrics"]["rollout_corr/k3_kl"])
+
+
+def test_r2_steps_over_vllm(vllm, tmp_path):
+    """R2 (the actor replays its own old-policy routes) over vLLM: 2 steps, the validator on
+    every replayed token."""
+    out = tmp_path / "run"
+    Trainer(_config(TOY, vllm, "replay.mode=R2", "replay.check=full", "loop.steps=2"), out,
+            progress=False, log=lambda s: None).run()
+    m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 2 and m[-1]["replay/mode"] == "R2"
 
 
 def test_disk_push_reloads_the_pushed_weights(vllm, toy_folder, tmp_path):
