@@ -38,8 +38,8 @@ from lockstep.moe.model import MoEModel
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.rollout.vllm_client import VLLMBackend
-from lockstep.trainer.backends import http_client_class
-from lockstep.trainer.config import load_config
+from lockstep.trainer.driver.rollouts import http_client_class
+from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer
 
 from vllm_fixtures import vllm_server
