@@ -44,6 +44,8 @@ FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_sch
 def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
     """The model's weights under its family's HF names (experts unstacked; views, no copies).
 
+    gpt-oss keeps transformers' stacked tensors (`mlp.router.{weight,bias}`,
+    `mlp.experts.{gate_up_proj,gate_up_proj_bias,down_proj,down_proj_bias}`, `self_attn.sinks`).
     Mixtral's experts are `block_sparse_moe.experts.{e}.w1|w3|w2` (gate|up|down) and its router
     `block_sparse_moe.gate`; the others use `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`,
     with `mlp.gate.e_score_correction_bias` (sigmoid routers), `mlp.shared_experts.*`
@@ -55,10 +57,17 @@ def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        mixer = "linear_attn." if cfg.layer_type(i) == "linear_attention" else "self_attn."
         for name, t in layer.self_attn.named_parameters():
-            sd[p + "self_attn." + name] = t
+            sd[p + mixer + name] = t
         if layer.is_moe:
             mlp = layer.mlp
+            if cfg.model_type == "gpt_oss":  # stacked experts, as transformers stores them
+                m = p + "mlp."
+                sd[m + "router.weight"], sd[m + "router.bias"] = mlp.gate.weight, mlp.gate.bias
+                for name, t in mlp.experts.named_parameters():
+                    sd[m + "experts." + name] = t
+                continue
             if cfg.model_type == "mixtral":
                 m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
             else:

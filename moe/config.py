@@ -1,6 +1,8 @@
 """Typed model configuration that reads and writes Hugging Face `config.json` of the MoE
-architectures we run: Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 (`glm4_moe`) and DeepSeek-V3
-(also Kimi-K2 and Moonlight, which are DeepSeek-V3 folders).
+architectures we run: Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 (`glm4_moe`), DeepSeek-V3
+(also Kimi-K2 and Moonlight, which are DeepSeek-V3 folders), gpt-oss, Qwen3-Next and
+Qwen3.5-MoE (`qwen3_5_moe_text`); moe/config_families.py holds the later families' checks
+and spellings.
 
 One dataclass covers them all: the architecture is `model_type`, and every difference between
 the families is a typed field (router family, expert bias, groups, scaling factor, shared
@@ -22,30 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A config.json (or ModelConfig) that is not a valid configuration of a supported MoE."""
-
-
-def need(cond: bool, msg: str, error: type[Exception] = ConfigError) -> None:
-    """Raise `error(msg)` unless `cond`: the one validator the typed configs share."""
-    if not cond:
-        raise error(msg)
-
-
-def strict_kwargs(cls: type, d: Any, what: str | None = None,
-                  error: type[Exception] = ConfigError) -> dict[str, Any]:
-    """`d` checked as keyword arguments of dataclass `cls`: an unknown key raises `error`
-    naming it and listing the valid ones ("<what>: unknown keys [...]; valid keys are [...]",
-    `what` defaulting to the class name). Returns a copy to pass as `cls(**kw)`."""
-    what = what or cls.__name__
-    if not isinstance(d, dict):
-        raise error(f"{what} must be a mapping, got {type(d).__name__}")
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(str(k) for k in d if k not in valid)
-    if unknown:
-        raise error(f"{what}: unknown keys {unknown}; valid keys are {valid}")
-    return dict(d)
+from .checks import ConfigError, need, strict_kwargs  # noqa: F401 (re-exported)
+from .config_families import (LAYER_TYPES, NEW_FAMILY_READERS,  # noqa: F401
+                              NEW_FAMILY_WRITERS, _LINEAR_HF_FIELDS, validate_new_families)
 
 
 # Keys of a HF config.json that carry no information for us and are accepted silently.
@@ -66,7 +47,11 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
+MODEL_TYPES = tuple(ARCHITECTURES)
 _IGNORED_PER_ARCH = {
     "mixtral": {"router_jitter_noise"},
     "glm4_moe": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts"},
@@ -75,8 +60,16 @@ _IGNORED_PER_ARCH = {
                     "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux"},
 }
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
-MODEL_TYPES = tuple(ARCHITECTURES)
-
+# Fields added with gpt-oss, Qwen3-Next / Qwen3.5, DeepSeek-V3.2 / GLM-5 and MTP: experiment
+# configs leave them out at the family's value, so older runs save and hash as before.
+LATER_FIELDS = ("layer_types", "sliding_window", "attention_sinks", "attention_out_bias",
+                "router_bias", "expert_mlp_bias", "swiglu_limit", "swiglu_alpha",
+                "norm_unit_offset", "attn_output_gate", "linear_conv_kernel_dim",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "index_topk", "index_head_dim", "index_n_heads",
+                "indexer_rope_interleave", "indexer_types", "num_nextn_predict_layers")
+# Families whose matmuls MoEModel.set_precision(fp8=True) maps (moe/checkpoint.py FP8_WEIGHTS).
+_FP8_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 
 # Fields an HF config.json must give (the dataclass defaults are the toy model's).
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -89,7 +82,8 @@ class ModelConfig:
     are Qwen3-MoE's, and `for_architecture(model_type, ...)` fills in another family's."""
 
     model_type: Literal[MODEL_TYPES] = "qwen3_moe"
-    """Architecture: one of ARCHITECTURES (qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3)."""
+    """Architecture: one of ARCHITECTURES (qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3,
+    gpt_oss, qwen3_next, qwen3_5_moe_text)."""
     vocab_size: int = 32
     """Number of token ids, including special tokens."""
     hidden_size: int = 96
@@ -175,6 +169,55 @@ class ModelConfig:
     """YaRN context extension as DeepSeek-V3 / Kimi-K2 release it (deepseek_v3 only):
     {rope_type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
     mscale_all_dim}; None = plain RoPE."""
+    # -- families added since: gpt-oss, Qwen3-Next / Qwen3.5-MoE, DeepSeek-V3.2 / GLM-5 ------
+    layer_types: list[str] | None = None
+    """Per decoder layer: full_attention, sliding_attention (gpt-oss) or linear_attention
+    (Gated DeltaNet: Qwen3-Next, Qwen3.5-MoE); None = every layer full attention."""
+    sliding_window: int | None = None
+    """Keys a sliding_attention layer sees: the query's own position and the W-1 before it."""
+    attention_sinks: bool | None = None
+    """Per-head learned sink logit in the attention softmax, dropped after it (gpt-oss)."""
+    attention_out_bias: bool | None = None
+    """o_proj carries a bias (gpt-oss, whose attention_bias covers q, k, v and o)."""
+    router_bias: bool | None = None
+    """The router linear has a (trainable) bias added to its logits (gpt-oss)."""
+    expert_mlp_bias: bool | None = None
+    """Experts' gate_up and down projections carry biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU: gate clamped above, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate); None = plain SiLU(gate) * up."""
+    swiglu_alpha: float = 1.702
+    """Sigmoid gain of the clamped SwiGLU."""
+    norm_unit_offset: bool | None = None
+    """RMSNorms scale by (1 + weight), weights zero-initialised (Qwen3-Next, Qwen3.5)."""
+    attn_output_gate: bool | None = None
+    """Gated attention: q_proj also yields a per-head gate, the output is times sigmoid(gate)
+    (Qwen3-Next, Qwen3.5)."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: width of the causal depthwise convolution over q, k, v."""
+    linear_key_head_dim: int = 0
+    """Gated DeltaNet: query/key head width."""
+    linear_value_head_dim: int = 0
+    """Gated DeltaNet: value head width."""
+    linear_num_key_heads: int = 0
+    """Gated DeltaNet: query/key heads."""
+    linear_num_value_heads: int = 0
+    """Gated DeltaNet: value heads (a multiple of the key heads)."""
+    index_topk: int = 0
+    """DeepSeek sparse attention: key positions the lightning indexer keeps per query; 0 =
+    no indexer (dense attention)."""
+    index_head_dim: int = 0
+    """Indexer query/key width (its first qk_rope_head_dim dims are rotated)."""
+    index_n_heads: int = 0
+    """Indexer query heads."""
+    indexer_rope_interleave: bool | None = None
+    """The indexer rotates interleaved pairs (GLM-5) instead of half-split (DeepSeek-V3.2)."""
+    indexer_types: list[str] | None = None
+    """Per decoder layer: full (runs its indexer) or shared (reuses the previous full layer's
+    choice; GLM-5); None = every layer full."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction layers after the decoder (DeepSeek-V3, GLM): loaded and saved,
+    never part of the policy's forward or of route replay (docs/model.md "MTP layers")."""
     path: str | None = None
     """Experiment configs only (never in config.json): an HF folder (config, safetensors,
     tokenizer) whose weights are the initial policy; the fields above then come from its
@@ -221,6 +264,42 @@ class ModelConfig:
             return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def layer_type(self, i: int) -> str:
+        """Decoder layer i's token mixer: full_attention, sliding_attention or
+        linear_attention."""
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        """Decoder layers with Gated DeltaNet linear attention (a recurrent state, no KV)."""
+        return [i for i in range(self.num_hidden_layers)
+                if self.layer_type(i) == "linear_attention"]
+
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek sparse attention: MLA whose keys a lightning indexer selects per query."""
+        return self.index_topk > 0
+
+    def indexer_shared(self, i: int) -> bool:
+        """Decoder layer i reuses the previous full layer's indexer choice (GLM-5)."""
+        return self.indexer_types is not None and self.indexer_types[i] == "shared"
+
+    @property
+    def indexer_layer_ids(self) -> list[int]:
+        """Decoder layers that run their own indexer: the indexer-replay layer axis."""
+        if not self.is_dsa:
+            return []
+        return [i for i in range(self.num_hidden_layers) if not self.indexer_shared(i)]
+
+    @property
+    def num_indexer_layers(self) -> int:
+        return len(self.indexer_layer_ids)
+
+    @property
+    def supports_fp8(self) -> bool:
+        """Block-FP8 matmuls are mapped for the families before gpt-oss only."""
+        return self.model_type in _FP8_FAMILIES
+
     @property
     def score_function(self) -> str:
         """Megatron's moe_router_score_function: 'softmax' or 'sigmoid'."""
@@ -245,6 +324,13 @@ class ModelConfig:
             return (self.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
                     self.v_head_dim)
         return self.num_key_value_heads, self.head_dim, self.head_dim
+
+    def family_default(self, name: str) -> Any:
+        """What field `name` holds in this family when it is not given."""
+        if name in _BASE_DEFAULTS:
+            return _FAMILY_DEFAULTS[self.model_type].get(name, _BASE_DEFAULTS[name])
+        f = self.__dataclass_fields__[name]
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
     def partial_dict(self) -> dict[str, Any]:
         """asdict() with the fields that tell the families apart set to None where they hold
@@ -298,14 +384,24 @@ class ModelConfig:
                  f"config.json (that family has {name}={want!r}); choose another model_type")
         if self.model_type == "deepseek_v3":
             need(self.is_mla, "model_type deepseek_v3 needs kv_lora_rank (MLA)")
-        if self.model_type == "mixtral":
+        if self.model_type in ("gpt_oss", "qwen3_next", "qwen3_5_moe_text"):
+            need(self.attention_out_bias == self.attention_bias,
+                 f"{self.model_type}'s attention_bias covers q, k, v and o: attention_out_bias "
+                 f"must equal attention_bias")
+        if self.model_type in ("qwen3_next", "qwen3_5_moe_text"):
+            need(self.shared_expert_intermediate_size > 0,
+                 f"model_type {self.model_type} needs shared_expert_intermediate_size > 0 (its "
+                 f"MoE blocks always have the gated shared expert)")
+        if self.model_type in ("mixtral", "gpt_oss"):
             need(self.intermediate_size == self.moe_intermediate_size,
-                 f"mixtral has no dense layers and one expert width (intermediate_size): "
+                 f"{self.model_type} has no dense layers and one expert width "
+                 f"(intermediate_size): "
                  f"intermediate_size={self.intermediate_size} must equal "
                  f"moe_intermediate_size={self.moe_intermediate_size}")
         if self.model_type == "qwen2_moe":
             need(self.shared_expert_intermediate_size > 0,
                  "model_type qwen2_moe needs shared_expert_intermediate_size > 0")
+        validate_new_families(self)
         need(0 < self.partial_rotary_factor <= 1,
              f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         need(self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
@@ -386,7 +482,8 @@ class ModelConfig:
                               f"{list(ARCHITECTURES)}")
         _merge_aliases(d, "num_experts", ("num_local_experts", "n_routed_experts"))
         missing = [k for k in _REQUIRED_HF_KEYS if k not in d and not (
-            k == "moe_intermediate_size" and model_type == "mixtral" and "intermediate_size" in d)]
+            k == "moe_intermediate_size" and model_type in ("mixtral", "gpt_oss")
+            and "intermediate_size" in d)]
         if missing:  # never filled from the toy defaults: that would be another model
             raise ConfigError(f"config is missing required MoE field(s) {missing}; a "
                               f"{model_type} config.json has them all")
@@ -433,6 +530,8 @@ class ModelConfig:
         if model_type == "mixtral":
             # Mixtral's intermediate_size is the expert width; it has no dense layers.
             d["moe_intermediate_size"] = d.get("intermediate_size", 14336)
+        if model_type in NEW_FAMILY_READERS:
+            NEW_FAMILY_READERS[model_type](d)
         if model_type == "deepseek_v3":
             d["head_dim"] = d.get("qk_rope_head_dim", 64)  # as transformers' DeepseekV3Config
             if d.get("attention_bias"):
@@ -477,6 +576,8 @@ class ModelConfig:
             d.update(sliding_window=None)
             d.pop("num_experts")
             d.pop("moe_intermediate_size")
+        elif mt in NEW_FAMILY_WRITERS:
+            NEW_FAMILY_WRITERS[mt](self, d)
         else:  # glm4_moe, deepseek_v3: DeepSeek spelling of the expert count
             d["n_routed_experts"] = d.pop("num_experts")
             d["num_nextn_predict_layers"] = 0
@@ -544,12 +645,24 @@ _FAMILY_HF_FIELDS = {
                     "n_shared_experts", "first_k_dense_replace", "rope_interleave",
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "rope_scaling"),
+    # attention_bias covers q, k, v and o (attention_out_bias follows it); intermediate_size
+    # is the expert width (no dense layers), as Mixtral's
+    "gpt_oss": ("layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha",
+                "attention_bias", "attention_out_bias", "rope_scaling"),
+    # attention_bias covers q, k, v and o; every MoE block has the gated shared expert
+    "qwen3_next": ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                   "shared_expert_intermediate_size", "attention_bias", "attention_out_bias",
+                   "partial_rotary_factor", *_LINEAR_HF_FIELDS),
+    "qwen3_5_moe_text": ("shared_expert_intermediate_size", "attention_bias",
+                         "attention_out_bias", "partial_rotary_factor", *_LINEAR_HF_FIELDS),
 }
 # Values of the fields that tell the families apart: Qwen3-MoE's, then each family's own.
 _BASE_DEFAULTS: dict[str, Any] = dict(
     router="softmax_topk", norm_topk_prob=True, expert_bias=False, n_shared_experts=0,
     first_k_dense_replace=0, attention_bias=False, qk_norm=True, partial_rotary_factor=1.0,
-    rope_interleave=False)
+    rope_interleave=False, attention_sinks=False, attention_out_bias=False, router_bias=False,
+    expert_mlp_bias=False, swiglu_limit=None, norm_unit_offset=False, attn_output_gate=False,
+    indexer_rope_interleave=False)
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {},
     "qwen2_moe": dict(qk_norm=False, attention_bias=True, norm_topk_prob=False),
@@ -558,12 +671,23 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                      first_k_dense_replace=1, partial_rotary_factor=0.5),
     "deepseek_v3": dict(qk_norm=False, router="sigmoid", expert_bias=True, n_shared_experts=1,
                         first_k_dense_replace=3, rope_interleave=True),
+    "gpt_oss": dict(qk_norm=False, router="topk_softmax", attention_bias=True,
+                    attention_out_bias=True, attention_sinks=True, router_bias=True,
+                    expert_mlp_bias=True, swiglu_limit=7.0),
+    "qwen3_next": dict(norm_unit_offset=True, attn_output_gate=True, partial_rotary_factor=0.25),
+    "qwen3_5_moe_text": dict(norm_unit_offset=True, attn_output_gate=True,
+                             partial_rotary_factor=0.25),
 }
 _ARCH_FIELDS = ("router", "n_group", "topk_group", "routed_scaling_factor", "expert_bias",
                 "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace",
                 "attention_bias", "qk_norm", "partial_rotary_factor", "rope_interleave",
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                 "v_head_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                "rope_scaling")
+                "rope_scaling", "layer_types", "sliding_window", "attention_sinks",
+                "attention_out_bias", "router_bias", "expert_mlp_bias", "swiglu_limit",
+                "swiglu_alpha", "norm_unit_offset", "attn_output_gate", "linear_conv_kernel_dim",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "index_topk", "index_head_dim", "index_n_heads",
+                "indexer_rope_interleave", "indexer_types", "num_nextn_predict_layers")
 _YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast",
               "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")

@@ -87,6 +87,14 @@ def fp8_block_size(folder: Path) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+def _model_type(folder: Path) -> str | None:
+    """config.json's model_type, None when there is no readable config.json."""
+    try:
+        return json.loads(regular_file(folder / "config.json").read_text()).get("model_type")
+    except (CheckpointError, ValueError, AttributeError):
+        return None
+
+
 def weight_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors file names of an HF folder and the index's weight map (None without
     an index), checked: the folder exists, the index parses, it names files inside it."""
@@ -127,6 +135,8 @@ class LazyHF(Mapping[str, torch.Tensor]):
         self._shapes: dict[str, torch.Size] = {}
         self._scales: dict[str, tuple[Path, str]] = {}  # FP8 weight -> where its scales are
         self._block = fp8_block_size(self.folder) or (128, 128)
+        # gpt-oss's HF names are the stacked expert tensors themselves: nothing to split
+        self._split_stacked = _model_type(self.folder) != "gpt_oss"
         files, weight_map = weight_files(self.folder)
         stored: dict[str, Path] = {}
         for name in files:
@@ -277,7 +287,7 @@ class LazyHF(Mapping[str, torch.Tensor]):
         return f
 
     def _add(self, key: str, path: Path, shape: list[int]) -> None:
-        m = _FUSED.match(key)
+        m = _FUSED.match(key) if self._split_stacked else None
         if not m:
             self._where[key] = (path, key, None, "")
             self._shapes[key] = torch.Size(shape)

@@ -22,6 +22,8 @@ from ..kernels.routes import RouteError, check_gates_BTLK, check_routes_BTLK
 from .config import ModelConfig
 from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, grouped_linear, linear,
                      rope_cos_sin)
+from .gpt_oss import GptOssExperts
+from .mixers import layer_norm, token_mixer
 from .replay_check import RouteCheck
 from .router import bias_update, expert_load, partial_replay_mask, route, router_probs
 
@@ -95,14 +97,16 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router (E, D)
+        # router (E, D); gpt-oss's has a logit bias
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.expert_bias:
             # Selection-only bias (aux-loss-free balancing); a buffer: no gradient, kept fp32.
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = GptOssExperts(cfg) if cfg.swiglu_limit is not None else \
+            Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.n_shared_experts:  # DeepSeek-V3 / GLM-4.5: always on, weight 1
             self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_expert_width)
         if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: scaled by a sigmoid gate
@@ -116,7 +120,7 @@ class MoEBlock(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
-        router_logits_NE = linear(x_ND.to(w.dtype), w).float()
+        router_logits_NE = linear(x_ND.to(w.dtype), w, self.gate.bias).float()
         if partial is not None and replay_ids_NK is not None:
             replay_mask_N = replay_mask_N & partial_replay_mask(
                 router_logits_NE, self.cfg, replay_ids_NK, partial.rule, partial.threshold)
@@ -138,9 +142,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
+        self.self_attn = token_mixer(cfg, layer_idx)  # attention, or linear attention
+        self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.mlp = MoEBlock(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
@@ -152,7 +156,7 @@ class MoEModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = layer_norm(cfg, cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else \
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compute_dtype = torch.float32
@@ -170,6 +174,9 @@ class MoEModel(nn.Module):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std)
+        for m in self.modules():  # zero-centred norms, linear attention's decay rates
+            if hasattr(m, "reset_family_parameters"):
+                m.reset_family_parameters()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -185,6 +192,9 @@ class MoEModel(nn.Module):
         checkpoints leave them). The weights it quantises stay fp32 (not rounded to dtype
         first): they quantise to what an FP8 export of the fp32 weights holds, the weights a
         trainer pushes to an FP8 engine (docs/precision.md)."""
+        if fp8 and not self.cfg.supports_fp8:
+            raise ValueError(f"block-FP8 matmuls are not mapped for model_type "
+                             f"{self.cfg.model_type!r} (docs/precision.md)")
         quantised = [m for m in self.modules()
                      if isinstance(m, (Attention, MLAttention, DenseMLP, Experts))]
         if fp8:

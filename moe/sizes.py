@@ -21,9 +21,20 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of `moe.model.KVCache.allocate(cfg, slots, max_len, dtype)`."""
+    """Bytes of `moe.cache.allocate_cache(cfg, slots, max_len, dtype)`: the KV cache, and the
+    linear-attention states and indexer keys of the families that have them."""
     heads, dk, dv = cfg.kv_cache_dims
-    return cfg.num_hidden_layers * slots * heads * max_len * (dk + dv) * dtype.itemsize
+    n = cfg.num_hidden_layers * slots * heads * max_len * (dk + dv) * dtype.itemsize
+    L = len(cfg.linear_layer_ids)
+    if L:
+        C = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        n += L * slots * (C * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+                          + cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                          * cfg.linear_value_head_dim * 4)
+    if cfg.is_dsa:
+        n += cfg.num_indexer_layers * slots * max_len * cfg.index_head_dim * dtype.itemsize
+    return n
 
 
 def memory_of(device: str | torch.device) -> tuple[int, str]:

@@ -30,7 +30,8 @@ from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_sta
                               read_hf_state_dict)
 from ..kernels.dtypes import BY_NAME, ENGINE_PRECISIONS, FP8, PRECISIONS, base_precision
 from ..moe.config import strict_kwargs
-from ..moe.model import KVCache, MoEModel
+from ..moe.cache import allocate_cache
+from ..moe.model import MoEModel
 from ..moe.sizes import check_fits, kv_cache_bytes
 from .decode import cached_forward_step, decode_step, make_decode_weights
 from .sampling import RowUniforms, SamplingTensors, sample
@@ -145,7 +146,10 @@ class Engine:
                    f"tokens x {mcfg.num_hidden_layers} layers)", buffers, dev,
                    "lower the engine's max_len (`lockstep serve --max-len`; it defaults to the "
                    "model's max_position_embeddings) or its max_running")
-        self.cache = KVCache.allocate(mcfg, S, M, dtype=dtype, device=dev)
+        self.cache = allocate_cache(mcfg, S, M, dtype=dtype, device=dev)
+        # Linear-attention states are those after a row's last token: prefill rows of one
+        # prompt length at a time (no right padding).
+        self._prefill_by_length = bool(mcfg.linear_layer_ids)
         # uint16 has no index_put on CPU: store int16 bits and view as uint16 on the way out.
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
         self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype, device=dev)
@@ -336,7 +340,14 @@ class Engine:
             batch.append(self.waiting.pop(0))
             free -= req.sampling.n
             width = new_width
-        return self._prefill(batch) if batch else []
+        if not batch:
+            return []
+        if not self._prefill_by_length:
+            return self._prefill(batch)
+        groups: dict[int, list[GenerateRequest]] = {}
+        for r in batch:
+            groups.setdefault(len(r.input_ids), []).append(r)
+        return [res for group in groups.values() for res in self._prefill(group)]
 
     def _prefill(self, reqs: list[GenerateRequest]) -> list[GenerationResult]:
         Bp, T, dev = len(reqs), max(len(r.input_ids) for r in reqs), self.device

@@ -22,6 +22,14 @@ FAMILIES = {
                                             first_k_dense_replace=1, attention_bias=True)),
     "deepseek_mla": ("deepseek_v3", dict(n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                          first_k_dense_replace=1, **MLA)),
+    "gptoss_biased_topk_softmax": ("gpt_oss", dict(intermediate_size=16, sliding_window=3,
+                                                   layer_types=["sliding_attention",
+                                                                "full_attention"] * 1
+                                                   + ["sliding_attention"])),
+    "qwen35_hybrid_gated_shared": ("qwen3_5_moe_text", dict(
+        shared_expert_intermediate_size=24, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"])),
 }
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.config import LATER_FIELDS, ConfigError, ModelConfig
 from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
@@ -160,6 +160,9 @@ class ExperimentConfig(Section):
         `actor.lr_trigger` are left out, so saved configs and hashes read as before they
         existed."""
         d = plain(self)
+        for k in LATER_FIELDS:  # model fields of the later families, at the family's value
+            if d["model"][k] == self.model.family_default(k):
+                d["model"].pop(k)
         if self.cluster == ClusterConfig():
             d.pop("cluster")
         else:  # the plan's keys at their defaults: as before they existed (runs resume)
