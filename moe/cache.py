@@ -55,6 +55,14 @@ class ModelCache(KVCache):
         if self.index_k is not None:
             self.index_k[:, dst, :length] = self.index_k[:, src, :length]
 
+    # -- the lightning indexer -------------------------------------------------------------
+    def index_keys(self, layer: int, rows, keys_BTD: torch.Tensor) -> torch.Tensor:
+        """Store this forward's indexer keys at the rows' positions (`rows`: a CacheRows), return
+        all keys 0..length-1 of the rows' slots [B, M, Di]."""
+        ck = self.index_k[layer]                                        # [S, M, Di]
+        ck[rows.slots_B[:, None], rows.positions_BT] = keys_BTD.to(ck.dtype)
+        return ck[:, :rows.length].index_select(0, rows.slots_B)
+
     # -- linear attention ------------------------------------------------------------------
     def linear_states(self, layer: int, slots_B: torch.Tensor, continuing_B: torch.Tensor):
         """(conv [B, C, W-1], state [B, H, Dk, Dv]) of the rows' slots; zeros for rows that

@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from .checks import ConfigError, need, strict_kwargs  # noqa: F401 (re-exported)
 from .config_families import (LAYER_TYPES, NEW_FAMILY_READERS,  # noqa: F401
-                              NEW_FAMILY_WRITERS, _LINEAR_HF_FIELDS, validate_new_families)
+                              NEW_FAMILY_WRITERS, _DSA_HF_FIELDS, _LINEAR_HF_FIELDS,
+                              validate_new_families)
 
 
 # Keys of a HF config.json that carry no information for us and are accepted silently.
@@ -50,14 +51,22 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 MODEL_TYPES = tuple(ARCHITECTURES)
+_DSA_IGNORED = {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts", "qk_head_dim",
+                "pretraining_tp", "topk_method", "scoring_func", "ep_size", "moe_layer_freq",
+                "aux_loss_alpha", "seq_aux", "index_topk_freq", "index_skip_topk_offset",
+                "index_topk_pattern"}
 _IGNORED_PER_ARCH = {
     "mixtral": {"router_jitter_noise"},
     "glm4_moe": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts"},
     "deepseek_v3": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts",
                     "qk_head_dim", "pretraining_tp", "topk_method", "scoring_func",
                     "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux"},
+    "deepseek_v32": _DSA_IGNORED,
+    "glm_moe_dsa": _DSA_IGNORED,
 }
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
 # Fields added with gpt-oss, Qwen3-Next / Qwen3.5, DeepSeek-V3.2 / GLM-5 and MTP: experiment
@@ -382,8 +391,11 @@ class ModelConfig:
             need(getattr(self, name) == want,
                  f"{name}={getattr(self, name)!r} is not expressible in a {self.model_type} "
                  f"config.json (that family has {name}={want!r}); choose another model_type")
-        if self.model_type == "deepseek_v3":
-            need(self.is_mla, "model_type deepseek_v3 needs kv_lora_rank (MLA)")
+        if self.model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+            need(self.is_mla, f"model_type {self.model_type} needs kv_lora_rank (MLA)")
+        if self.model_type in ("deepseek_v32", "glm_moe_dsa"):
+            need(self.is_dsa, f"model_type {self.model_type} needs index_topk > 0 (its lightning "
+                              f"indexer)")
         if self.model_type in ("gpt_oss", "qwen3_next", "qwen3_5_moe_text"):
             need(self.attention_out_bias == self.attention_bias,
                  f"{self.model_type}'s attention_bias covers q, k, v and o: attention_out_bias "
@@ -584,10 +596,10 @@ class ModelConfig:
         if mt == "glm4_moe":
             d["use_qk_norm"] = d.pop("qk_norm")
             d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
-        if mt == "deepseek_v3":
+        if mt in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
             d.update(attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc")
-            if d.pop("rope_scaling") is not None:
-                d["rope_parameters"].update(self.rope_scaling)
+        if mt == "deepseek_v3" and d.pop("rope_scaling") is not None:
+            d["rope_parameters"].update(self.rope_scaling)
         return d
 
     @classmethod
@@ -655,6 +667,9 @@ _FAMILY_HF_FIELDS = {
                    "partial_rotary_factor", *_LINEAR_HF_FIELDS),
     "qwen3_5_moe_text": ("shared_expert_intermediate_size", "attention_bias",
                          "attention_out_bias", "partial_rotary_factor", *_LINEAR_HF_FIELDS),
+    # MLA (always interleaved, q_lora_rank required) with the lightning indexer
+    "deepseek_v32": _DSA_HF_FIELDS,
+    "glm_moe_dsa": (*_DSA_HF_FIELDS, "indexer_types"),
 }
 # Values of the fields that tell the families apart: Qwen3-MoE's, then each family's own.
 _BASE_DEFAULTS: dict[str, Any] = dict(
@@ -677,6 +692,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_next": dict(norm_unit_offset=True, attn_output_gate=True, partial_rotary_factor=0.25),
     "qwen3_5_moe_text": dict(norm_unit_offset=True, attn_output_gate=True,
                              partial_rotary_factor=0.25),
+    "deepseek_v32": dict(qk_norm=False, router="sigmoid", expert_bias=True, n_shared_experts=1,
+                         first_k_dense_replace=3, rope_interleave=True),
+    "glm_moe_dsa": dict(qk_norm=False, router="sigmoid", expert_bias=True, n_shared_experts=1,
+                        first_k_dense_replace=3, rope_interleave=True,
+                        indexer_rope_interleave=True),
 }
 _ARCH_FIELDS = ("router", "n_group", "topk_group", "routed_scaling_factor", "expert_bias",
                 "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace",

@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from .config import ModelConfig
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+_DSA_HF_FIELDS = ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+                  "n_shared_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_scaling",
+                  "index_topk", "index_head_dim", "index_n_heads")
 _LINEAR_HF_FIELDS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
 
@@ -110,9 +114,55 @@ def _write_qwen_hybrid(cfg: "ModelConfig", d: dict[str, Any]) -> None:
         d["use_sliding_window"] = False
 
 
+def _read_dsa(d: dict[str, Any]) -> None:
+    """DeepSeek-V3.2 / GLM-5: head_dim is the rotary width (as transformers'), the MLP and
+    attention layer-type lists must say what first_k_dense_replace and DSA say, and GLM-5's
+    indexer schedule may be given as a pattern or a frequency."""
+    from .checks import ConfigError
+
+    d["head_dim"] = d.get("qk_rope_head_dim", 64)
+    if d.pop("attention_bias", False) or d.pop("mlp_bias", False):
+        raise ConfigError("attention_bias / mlp_bias = true with MLA is not supported")
+    L, k = d["num_hidden_layers"], d.setdefault("first_k_dense_replace", 3)
+    want = ["dense"] * min(k, L) + ["sparse"] * max(L - k, 0)
+    if d.get("mlp_layer_types", want) != want:
+        raise ConfigError(f"mlp_layer_types {d['mlp_layer_types']!r} is not first_k_dense_replace"
+                          f"={k} dense layers then sparse ones (the only layout supported)")
+    d.pop("mlp_layer_types", None)
+    if d.get("layer_types", ["indexed_attention"] * L) != ["indexed_attention"] * L:
+        raise ConfigError(f"layer_types {d['layer_types']!r}: every layer of a DSA model is "
+                          f"indexed_attention")
+    d.pop("layer_types", None)
+    d.pop("qk_head_dim", None)
+    pattern, freq = d.pop("index_topk_pattern", None), d.pop("index_topk_freq", None)
+    offset = d.pop("index_skip_topk_offset", 2)
+    if d.get("indexer_types") is None and pattern is not None:
+        d["indexer_types"] = [{"F": "full", "S": "shared"}[c] for c in pattern] \
+            if isinstance(pattern, str) else list(pattern)
+    elif d.get("indexer_types") is None and freq is not None and freq > 1:
+        d["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                              for i in range(L)]
+    if d.get("indexer_types") == ["full"] * L:
+        d["indexer_types"] = None
+
+
+def _write_dsa(cfg: "ModelConfig", d: dict[str, Any]) -> None:
+    L = cfg.num_hidden_layers
+    d["n_routed_experts"] = d.pop("num_experts")
+    k = cfg.first_k_dense_replace
+    d["mlp_layer_types"] = ["dense"] * min(k, L) + ["sparse"] * max(L - k, 0)
+    d["layer_types"] = ["indexed_attention"] * L
+    if cfg.model_type == "glm_moe_dsa" and cfg.indexer_types is None:
+        d["indexer_types"] = ["full"] * L
+    if d.pop("rope_scaling") is not None:
+        d["rope_parameters"].update(cfg.rope_scaling)
+
+
 # config.json spellings of the families added since (read before the common checks, written
 # after the common fields)
 NEW_FAMILY_READERS = {"gpt_oss": _read_gpt_oss, "qwen3_next": _read_qwen_hybrid,
-                       "qwen3_5_moe_text": _read_qwen_hybrid}
+                      "qwen3_5_moe_text": _read_qwen_hybrid, "deepseek_v32": _read_dsa,
+                      "glm_moe_dsa": _read_dsa}
 NEW_FAMILY_WRITERS = {"gpt_oss": _write_gpt_oss, "qwen3_next": _write_qwen_hybrid,
-                       "qwen3_5_moe_text": _write_qwen_hybrid}
+                      "qwen3_5_moe_text": _write_qwen_hybrid, "deepseek_v32": _write_dsa,
+                      "glm_moe_dsa": _write_dsa}

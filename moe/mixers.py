@@ -1,7 +1,8 @@
 """Which token mixer (attention kind) and norm each decoder layer runs, from the config.
 
-Every mixer is called as `mixer(x_BTD, cos, sin_signed, cache_rows)` and returns [B, T, D]; the
-families differ in what they do inside (moe/layers.py, moe/gpt_oss.py)."""
+Every mixer is called as `mixer(x_BTD, cos, sin_signed, cache_rows)` (DSA's also with the
+forward's `IndexerReplay`) and returns [B, T, D]; the families differ in what they do inside
+(moe/layers.py, moe/gpt_oss.py, moe/gated_attention.py, moe/deltanet.py, moe/dsa.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn as nn
 
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
+from .dsa import DSAttention
 from .gated_attention import GatedAttention, OffsetRMSNorm
 from .gpt_oss import SinkAttention
 from .layers import Attention, MLAttention, RMSNorm
@@ -18,6 +20,8 @@ def token_mixer(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     """The attention module of decoder layer `layer_idx`."""
     if cfg.layer_type(layer_idx) == "linear_attention":
         return GatedDeltaNet(cfg, layer_idx)
+    if cfg.is_dsa:
+        return DSAttention(cfg, layer_idx)
     if cfg.is_mla:
         return MLAttention(cfg, layer_idx)
     if cfg.attn_output_gate:

@@ -22,6 +22,7 @@ from ..kernels.routes import RouteError, check_gates_BTLK, check_routes_BTLK
 from .config import ModelConfig
 from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, grouped_linear, linear,
                      rope_cos_sin)
+from .dsa import indexer_replay
 from .gpt_oss import GptOssExperts
 from .mixers import layer_norm, token_mixer
 from .replay_check import RouteCheck
@@ -46,6 +47,11 @@ class ModelOutput:
     replayed_BTL: torch.Tensor | None = None
     """bool: where each MoE layer ran the given ids (the replay mask, narrowed per layer by
     partial replay); None when nothing was given."""
+    indexer_BTLK: torch.Tensor | None = None
+    """DSA families: int64 key positions each token attended to per indexer layer (the given
+    ones where replayed), ascending, -1 padded to index_topk; None for the others."""
+    indexer_natural_BTLK: torch.Tensor | None = None
+    """DSA families: the indexers' own picks from the same pass."""
 
 
 class DenseMLP(nn.Module):
@@ -242,14 +248,19 @@ class MoEModel(nn.Module):
                 compute_logits: bool = True,
                 routed_gates_BTLK: torch.Tensor | None = None,
                 replay_check: RouteCheck | None = None,
-                partial_replay=None) -> ModelOutput:
+                partial_replay=None,
+                indexer_topk_BTLK: torch.Tensor | None = None,
+                indexer_mask_BT: torch.Tensor | None = None) -> ModelOutput:
         """`routed_experts_BTLK` (+ `replay_mask_BT`, default all True) replays expert ids;
         `routed_gates_BTLK` (any float dtype, same shape) replays their gate weights too, where
         the mask is set (straight-through: the forward uses them, the router's gradient is that
         of its own gates at those ids). `replay_check` (with `routed_experts_BTLK`): every MoE
         router reports the ids it ran to it, and it is finished after the last layer
         (moe/replay_check.py). `partial_replay` (`lockstep.replay.PartialReplay`) replays a
-        (token, layer) only where that layer's router is unsure enough."""
+        (token, layer) only where that layer's router is unsure enough. DSA families:
+        `indexer_topk_BTLK` (request-local key positions, -1 padded, [B, T, indexer layers,
+        index_topk]; + `indexer_mask_BT`, default all True) replays the lightning indexer's
+        picks (moe/dsa.py)."""
         cfg = self.cfg
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -280,8 +291,17 @@ class MoEModel(nn.Module):
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
         routes, natural, router_logits, gates, replayed = [], [], [], [], []
+        sparse = None
+        if cfg.is_dsa:
+            sparse = indexer_replay(cfg, indexer_topk_BTLK, indexer_mask_BT, B, T,
+                                    input_ids_BT.device)
+        elif indexer_topk_BTLK is not None:
+            raise RouteError(f"indexer_topk given, but model_type {cfg.model_type} has no "
+                             f"lightning indexer")
         for layer in self.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin_signed, cache_rows)
+            h = layer.input_layernorm(x)
+            x = x + (layer.self_attn(h, cos, sin_signed, cache_rows) if sparse is None else
+                     layer.self_attn(h, cos, sin_signed, cache_rows, sparse))
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
                 l = len(routes)
@@ -312,6 +332,8 @@ class MoEModel(nn.Module):
                         else empty.to(self.compute_dtype)),
             replayed_BTL=(torch.stack(replayed, 1).view(B, T, -1)
                           if replay_mask_N is not None and replayed else None),
+            indexer_BTLK=None if sparse is None else torch.stack(sparse.used, 2),
+            indexer_natural_BTLK=None if sparse is None else torch.stack(sparse.natural, 2),
             router_logits_LNE=router_logits,
         )
 

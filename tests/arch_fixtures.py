@@ -9,6 +9,11 @@ import torch
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2,
               bos_token_id=1, pad_token_id=0)
+_DSA = dict(num_hidden_layers=4, num_key_value_heads=4, intermediate_size=48,
+            moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=24,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+            index_topk=4, index_head_dim=16, index_n_heads=8)
 HF_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
@@ -43,6 +48,11 @@ HF_FAMILIES = {
         shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, attention_bias=True)),
+    # MLA with the lightning indexer keeping 4 of up to 13 keys; GLM-5 shares every second
+    # layer's pick
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(_DSA)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        _DSA, indexer_types=["full", "shared", "full", "shared"])),
 }
 
 
@@ -58,6 +68,8 @@ def write_hf_folder(family: str, out: Path, seed: int = 0, **overrides) -> Path:
         for name, t in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 t.normal_(0.0, 0.5)  # decisive routing: ties would make top-k ambiguous
+            if ".indexer." in name and "norm" not in name:
+                t.normal_(0.0, 0.5)  # an indexer whose scores are spread: no ties at the k-th
             if name.endswith(("sinks", "router.bias", "_proj_bias", "proj.bias")) or \
                     (name.endswith("norm.weight") and not t.detach().ne(0).any()):
                 t.normal_(0.0, 0.5)  # transformers initialises these (and 1 + w norms) to 0
@@ -71,9 +83,15 @@ def write_hf_folder(family: str, out: Path, seed: int = 0, **overrides) -> Path:
 def hf_forward_with_routes(model, ids_BT, with_gates: bool = False):
     """transformers logits [B, T, V] and the router's top-k ids per MoE layer, sorted,
     [B, T, L, K], captured from the router modules' outputs (`with_gates`: also their gate
-    weights [B, T, L, K], in the order of the sorted ids)."""
+    weights [B, T, L, K], in the order of the sorted ids, and the lightning indexers' picks as
+    bool [B, T, indexer layers, T], causal keys only; None without indexers)."""
     B, T = ids_BT.shape
-    captured, weights = [], []
+    captured, weights, picks = [], [], []
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def indexer_hook(_module, _inputs, top_BTK):
+        mask = torch.zeros(B, T, T, dtype=torch.bool).scatter_(-1, top_BTK.long(), True)
+        picks.append(mask & causal)
 
     def hook(_module, _inputs, out):
         ids, order = out[2].reshape(B, T, -1).sort(-1)
@@ -83,6 +101,8 @@ def hf_forward_with_routes(model, ids_BT, with_gates: bool = False):
     handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
                if n.endswith(("mlp.gate", "mlp.router"))
                and type(m).__name__.endswith(("Router", "TopkRouter", "TopKRouter"))]
+    handles += [m.register_forward_hook(indexer_hook) for m in model.modules()
+                if type(m).__name__.endswith("Indexer")]
     try:
         with torch.no_grad():
             logits = model(ids_BT).logits
@@ -90,5 +110,6 @@ def hf_forward_with_routes(model, ids_BT, with_gates: bool = False):
         for h in handles:
             h.remove()
     if with_gates:
-        return logits, torch.stack(captured, 2), torch.stack(weights, 2)
+        return (logits, torch.stack(captured, 2), torch.stack(weights, 2),
+                torch.stack(picks, 2) if picks else None)
     return logits, torch.stack(captured, 2)

@@ -27,7 +27,9 @@ def test_family_matches_transformers_and_its_parity_row(family, tmp_path):
     row = documented_families().get(family)
     assert row is not None, f"docs/model.md's parity table has no row for {family}: run " \
                             "python tests/families_parity.py --write"
-    assert row.count("100%") == len(r["topk_agree"]), row
+    n_index = len(r["indexer_agree"] or [])
+    assert all(a == 1.0 for a in r["indexer_agree"] or []), r["indexer_agree"]
+    assert row.count("100%") == len(r["topk_agree"]) + n_index, row
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -172,3 +174,61 @@ def test_engine_decode_equals_the_full_forward_in_fp32(family, tmp_path):
         want = lp.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
         assert (r.output_logprobs - want).abs().max().item() <= 1e-5
         assert torch.equal(r.routes_NLK.long(), out.routes_BTLK[0, :P + R - 1])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_rope_layout_is_the_familys(family, tmp_path):
+    """DeepSeek-V3.2's indexer rotates half-split pairs, GLM-5's interleaved ones: the other
+    layout breaks parity with transformers (the picks and the logits move)."""
+    import transformers as tf
+
+    folder = write_hf_folder(family, tmp_path / family)
+    ours = load_hf(folder).eval()
+    assert ours.cfg.indexer_rope_interleave == (family == "glm_moe_dsa")
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(1))
+    swapped = copy.deepcopy(ours)
+    for layer in swapped.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.interleave = not layer.self_attn.indexer.interleave
+    r = parity(swapped, hf, ids)
+    assert r["logit_diff"] > 1e-3
+    assert min(r["indexer_agree"]) < 0.9
+
+
+def test_glm5_shared_layers_reuse_the_previous_pick(tmp_path):
+    """GLM-5's shared layers have no indexer; their attention uses the last full layer's keys."""
+    ours = load_hf(write_hf_folder("glm_moe_dsa", tmp_path / "g")).eval()
+    assert [layer.self_attn.indexer is None for layer in ours.layers] == [False, True, False, True]
+    assert ours.cfg.indexer_layer_ids == [0, 2]
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = ours(ids)
+    assert out.indexer_BTLK.shape == (2, 13, 2, 4)
+
+
+def test_replaying_indexer_picks(tmp_path):
+    """The model's own picks replayed reproduce its forward bit for bit; picks shifted by one
+    position, or taken from the other sample, change the logits; a replay mask limits it."""
+    from lockstep.kernels.routes import RouteError
+
+    ours = load_hf(write_hf_folder("deepseek_v32", tmp_path / "d")).eval()
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = ours(ids)
+        picks = out.indexer_BTLK
+        same = ours(ids, indexer_topk_BTLK=picks.to(torch.int32))
+        assert torch.equal(same.logits_BTV, out.logits_BTV)
+        assert torch.equal(same.indexer_natural_BTLK, picks)
+        T = torch.arange(13)[None, :, None, None]
+        shifted = torch.where(picks > 0, picks - 1, picks)  # one position earlier, still causal
+        assert (ours(ids, indexer_topk_BTLK=shifted).logits_BTV - out.logits_BTV).abs().max() \
+            > 1e-4
+        other = picks.flip(0)
+        other = torch.where(other <= T, other, -1)
+        assert (ours(ids, indexer_topk_BTLK=other).logits_BTV - out.logits_BTV).abs().max() > 1e-4
+        none = torch.zeros(2, 13, dtype=torch.bool)
+        masked = ours(ids, indexer_topk_BTLK=shifted, indexer_mask_BT=none)
+        assert torch.equal(masked.logits_BTV, out.logits_BTV)
+        with pytest.raises(RouteError, match="indexer_topk must be integer"):
+            ours(ids, indexer_topk_BTLK=picks[:, :, :2])

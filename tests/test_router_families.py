@@ -30,6 +30,9 @@ FAMILIES = {
         shared_expert_intermediate_size=24, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_num_key_heads=2, linear_num_value_heads=4,
         layer_types=["linear_attention", "linear_attention", "full_attention"])),
+    "dsv32_indexed_mla": ("deepseek_v32", dict(n_group=2, topk_group=1, first_k_dense_replace=1,
+                                               index_topk=3, index_head_dim=8, index_n_heads=4,
+                                               **MLA)),
 }
 
 
