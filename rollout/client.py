@@ -26,6 +26,9 @@ from ..moe.model import MoEModel
 from ..replay.codec import (ENCODING_COMPACT, ENCODING_INT32, ENCODING_REQUEST_FIELD,
                             decode_routes, routes_encoding)
 from ..replay.gates import GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, decode_gates
+from ..replay.indexer_codec import (INDEXER_ENCODING_FIELD, INDEXER_META_FIELD,
+                                    INDEXER_REQUEST_FIELD, INDEXER_START_FIELD, decode_indexer,
+                                    indexer_encoding, int32_rows, wire_layer_sources)
 from ..replay.trace import RouteError
 from .engine import Engine
 from .types import EngineDown, GenerateRequest, GenerationResult, PushRefused, RolloutError
@@ -254,6 +257,12 @@ class HTTPBackend(RolloutBackend):
             body[ENCODING_REQUEST_FIELD] = ENCODING_COMPACT
         if req.return_gates:
             body[GATES_REQUEST_FIELD] = True
+        if req.return_indexer_topk:
+            body[INDEXER_REQUEST_FIELD] = True
+            if req.indexer_start:
+                body[INDEXER_START_FIELD] = req.indexer_start
+            if self.compact_routes:
+                body[INDEXER_ENCODING_FIELD] = "compact"
         return body
 
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
@@ -330,6 +339,7 @@ class HTTPBackend(RolloutBackend):
             routes = trace.ids_NLK
         gates = (self._gates(meta, req, P + R - 1 - req.routes_start, who) if req.return_gates
                  else None)
+        picks = self._indexer(meta, req, P + R - 1, who) if req.return_indexer_topk else None
         if meta.get("weight_version") is None:
             raise RolloutError(f"{who}: meta_info has no weight_version (the server must report "
                                f"the weights that generated each sample)")
@@ -355,7 +365,7 @@ class HTTPBackend(RolloutBackend):
             sampling_logprobs=None if sel is None else torch.tensor(sel, dtype=torch.float32),
             finish_reason=finish, weight_version=version,
             routes_NLK=routes, routes_start=req.routes_start if routes is not None else 0,
-            gates_NLK=gates,
+            gates_NLK=gates, indexer=picks,
             input_logprobs=None if inp is None else torch.tensor(
                 [float("nan") if e[0] is None else float(e[0]) for e in inp]),
             top_logprobs=None if "output_top_logprobs" not in meta else [
@@ -363,6 +373,25 @@ class HTTPBackend(RolloutBackend):
             sampling_mask=None if mask is None else [torch.tensor(m, dtype=torch.int32)
                                                      for m in mask],
             support_logprobs=support_lp)
+
+    def _indexer(self, meta: dict, req: GenerateRequest, rows: int, who: str):
+        """The indexer picks of a `return_indexer_topk` request, rows from `indexer_start`. A
+        real SGLang ignores our start field and sends every row (int32): then the rows before
+        the start are dropped here."""
+        payload = meta.get(INDEXER_META_FIELD)
+        if payload is None:
+            raise RolloutError(f"{who}: no meta_info.{INDEXER_META_FIELD} (launch SGLang with "
+                               f"--enable-return-indexer-topk; it captures on CUDA / NPU only)")
+        c, start = self.cfg, req.indexer_start
+        sources = wire_layer_sources([c.indexer_shared(i) for i in range(c.num_hidden_layers)])
+        full = start > 0 and indexer_encoding(payload) == "int32" and \
+            int32_rows(payload, len(sources), c.index_topk) == rows
+        try:
+            if full:  # every row from position 0 (SGLang's answer)
+                return decode_indexer(payload, rows, sources, c.index_topk, 0).slice(start, rows)
+            return decode_indexer(payload, rows - start, sources, c.index_topk, start)
+        except RouteError as e:
+            raise RolloutError(f"{who}: {e}") from None
 
     def _gates(self, meta: dict, req: GenerateRequest, rows: int, who: str) -> torch.Tensor:
         """The gate weights of a `return_gates` request (lockstep's extension, replay/gates.py);

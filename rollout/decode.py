@@ -46,10 +46,12 @@ def make_decode_weights(model: MoEModel) -> "DecodeWeights | None":
 @torch.no_grad()
 def cached_forward_step(model: MoEModel, ids_B: torch.Tensor, pos_B: torch.Tensor,
                         cache: KVCache, slots_B: torch.Tensor):
-    """decode_step for any family: one cached forward of T = 1. Same returns as decode_step."""
+    """decode_step for any family: one cached forward of T = 1. Same returns as decode_step,
+    plus (DSA families) the indexer picks [B, indexer layers, index_topk], else None."""
     out = model(ids_B[:, None], positions_BT=pos_B[:, None], kv_cache=cache,
                 cache_slots_B=slots_B, compute_logits=False)
-    return model.logits(out.hidden_BTD[:, 0]), out.routes_BTLK[:, 0], out.gates_BTLK[:, 0]
+    picks = None if out.indexer_BTLK is None else out.indexer_BTLK[:, 0]
+    return model.logits(out.hidden_BTD[:, 0]), out.routes_BTLK[:, 0], out.gates_BTLK[:, 0], picks
 
 
 def _fingerprint(model: MoEModel) -> tuple:

@@ -35,6 +35,7 @@ from ..moe.model import MoEModel
 from ..moe.sizes import check_fits, kv_cache_bytes
 from .decode import cached_forward_step, decode_step, make_decode_weights
 from .sampling import RowUniforms, SamplingTensors, sample
+from ..replay.indexer import IndexerTrace
 from .types import GenerateRequest, GenerationResult, RequestError
 
 DTYPES = {n: BY_NAME[n].torch for n in PRECISIONS}  # our spellings -> torch
@@ -154,6 +155,8 @@ class Engine:
         self.route_dtype = torch.uint8 if mcfg.num_experts <= 256 else torch.int16
         self.routes_SMLK = torch.zeros(S, M, L, K, dtype=self.route_dtype, device=dev)
         self.gates_SMLK: torch.Tensor | None = None  # made by the first return_gates request
+        # made by the first return_indexer_topk request (DSA families)
+        self.indexer_SMLK: torch.Tensor | None = None
         self.tokens_SM = torch.zeros(S, M, dtype=torch.long, device=dev)      # generated ids
         self.logprobs_SM = torch.zeros(S, M, dtype=torch.float32, device=dev)
         self.sel_logprobs_SM = torch.zeros(S, M, dtype=torch.float32, device=dev)
@@ -209,6 +212,16 @@ class Engine:
             raise RequestError(f"routes_start (routed_experts_start_len)={s!r} must be in "
                                f"[0, {top}] for a prompt of {len(ids)} tokens and "
                                f"max_new_tokens={sp.max_new_tokens}")
+        if req.return_indexer_topk:
+            cfg = self.model.cfg
+            if not cfg.is_dsa:
+                raise RequestError(f"return_indexer_topk: model_type {cfg.model_type} has no "
+                                   f"lightning indexer (DSA families: deepseek_v32, "
+                                   f"glm_moe_dsa)")
+            s = req.indexer_start
+            if not (isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= top):
+                raise RequestError(f"indexer_start (lockstep_indexer_topk_start_len)={s!r} must "
+                                   f"be in [0, {top}] for a prompt of {len(ids)} tokens")
         if req.return_gates and not (req.return_routes and self.cfg.capture_routes):
             raise RequestError("return_gates needs the routes too (return_routes, and an engine "
                                "with capture_routes)")
@@ -224,6 +237,18 @@ class Engine:
                    "lower the engine's max_len or max_running")
         self.gates_SMLK = torch.zeros(S, M, L, K, dtype=dtype, device=self.device)
 
+    def _allocate_indexer(self) -> None:
+        """The per-slot indexer-pick buffer (int16 when positions fit), made once a request
+        asks for picks; from then on every step records them."""
+        S, M = self.routes_SMLK.shape[:2]
+        cfg = self.model.cfg
+        L, K = cfg.num_indexer_layers, cfg.index_topk
+        dtype = torch.int16 if M <= 32767 else torch.int32
+        check_fits(f"the engine's indexer-pick buffer ({S} slots x max_len {M} x {L} indexer "
+                   f"layers x index_topk {K})", S * M * L * K * dtype.itemsize, self.device,
+                   "lower the engine's max_len or max_running")
+        self.indexer_SMLK = torch.full((S, M, L, K), -1, dtype=dtype, device=self.device)
+
     def add_request(self, req: GenerateRequest) -> str:
         """Queue a request; returns its rid (assigned when empty)."""
         self.validate(req)
@@ -234,6 +259,8 @@ class Engine:
             raise RequestError(f"rid {req.rid!r} is already queued or running")
         if req.return_gates and self.gates_SMLK is None:
             self._allocate_gates()
+        if req.return_indexer_topk and self.indexer_SMLK is None:
+            self._allocate_indexer()
         self._live[req.rid] = req.sampling.n
         self.waiting.append(req)
         return req.rid
@@ -378,6 +405,8 @@ class Engine:
                 self.routes_SMLK[s.slot, :P] = out.routes_BTLK[b, :P].to(self.route_dtype)
             if self.gates_SMLK is not None and s.req.return_gates:
                 self.gates_SMLK[s.slot, :P] = out.gates_BTLK[b, :P]
+            if self.indexer_SMLK is not None and s.req.return_indexer_topk:
+                self.indexer_SMLK[s.slot, :P] = out.indexer_BTLK[b, :P].to(self.indexer_SMLK.dtype)
             if s.req.return_input_logprobs:  # same prompt for all n samples: computed once
                 if id(s.req) not in prompt_lp:
                     prompt_lp[id(s.req)] = self._input_logprobs(out.hidden_BTD[b, :P], s.req)
@@ -399,9 +428,10 @@ class Engine:
         gen_B = self.gen_S[active_B]
         pos_B = self.prompt_len_S[active_B] + gen_B - 1
         last_B = self.tokens_SM[active_B, gen_B - 1]
+        picks_BLK = None
         if self._decode_weights is None:  # a family without the fused step (rollout/decode.py)
-            logits_BV, routes_BLK, gates_BLK = cached_forward_step(self.model, last_B, pos_B,
-                                                                   self.cache, active_B)
+            logits_BV, routes_BLK, gates_BLK, picks_BLK = cached_forward_step(
+                self.model, last_B, pos_B, self.cache, active_B)
         else:
             if not self._decode_weights.current(self.model):  # written outside update_weights
                 self._decode_weights = make_decode_weights(self.model)
@@ -411,6 +441,8 @@ class Engine:
             self.capture_step(active_B, pos_B, routes_BLK)
             if self.gates_SMLK is not None:
                 self.gates_SMLK[active_B, pos_B] = gates_BLK
+        if self.indexer_SMLK is not None:
+            self.indexer_SMLK[active_B, pos_B] = picks_BLK.to(self.indexer_SMLK.dtype)
         return self._sample_and_record(logits_BV, active_B, None)
 
     def capture_step(self, slots_B: torch.Tensor, pos_B: torch.Tensor,
@@ -546,13 +578,17 @@ class Engine:
         gates = None
         if self.gates_SMLK is not None and seq.req.return_gates:
             gates = self.gates_SMLK[slot, seq.req.routes_start:P + R - 1].to("cpu", copy=True)
+        picks = None
+        if self.indexer_SMLK is not None and seq.req.return_indexer_topk:
+            s0 = seq.req.indexer_start
+            picks = IndexerTrace(self.indexer_SMLK[slot, s0:P + R - 1].to("cpu", copy=True), s0)
         res = GenerationResult(
             rid=seq.req.rid, index=seq.index, prompt_ids=list(seq.req.input_ids),
             output_ids=self.tokens_SM[slot, :R].tolist(),
             output_logprobs=self.logprobs_SM[slot, :R].to("cpu", copy=True),
             sampling_logprobs=self.sel_logprobs_SM[slot, :R].to("cpu", copy=True),
             finish_reason=reason, weight_version=self.weight_version, routes_NLK=routes,
-            routes_start=seq.req.routes_start, gates_NLK=gates,
+            routes_start=seq.req.routes_start, gates_NLK=gates, indexer=picks,
             input_logprobs=seq.input_logprobs, top_logprobs=seq.top_logprobs,
             input_top_logprobs=seq.input_top_logprobs, sampling_mask=seq.sampling_mask,
             support_logprobs=seq.support_logprobs)

@@ -12,6 +12,9 @@ from aiohttp import web
 
 from ..replay.codec import ENCODING_INT32, ENCODING_REQUEST_FIELD, ENCODINGS, encode_routes
 from ..replay.gates import GATES_REQUEST_FIELD, GATES_RESPONSE_FIELD, encode_gates
+from ..replay.indexer_codec import (ENCODINGS as INDEXER_ENCODINGS, INDEXER_ENCODING_FIELD,
+                                    INDEXER_META_FIELD, INDEXER_REQUEST_FIELD,
+                                    INDEXER_START_FIELD, encode_indexer, wire_layer_sources)
 from ..replay.trace import RoutingTrace
 from .engine import Engine
 from .request_fields import check_generate_fields
@@ -49,6 +52,7 @@ class _Parsed:
     routes: bool
     encoding: str
     mask_mode: str | None
+    indexer_encoding: str = "int32"
 
 
 def parse_generate(body: Any, vocab_size: int | None = None,
@@ -108,6 +112,12 @@ def parse_generate(body: Any, vocab_size: int | None = None,
             raise RequestError(f"{GATES_REQUEST_FIELD}=true needs return_routed_experts=true "
                                f"(gate weights come with the experts they weight)")
         rstart = check_type("routed_experts_start_len", g("routed_experts_start_len", 0), int)
+        picks = check_type(INDEXER_REQUEST_FIELD, g(INDEXER_REQUEST_FIELD, False), bool)
+        pstart = check_type(INDEXER_START_FIELD, g(INDEXER_START_FIELD, 0), int)
+        penc = g(INDEXER_ENCODING_FIELD, "int32")
+        if penc not in INDEXER_ENCODINGS:
+            raise RequestError(f"{INDEXER_ENCODING_FIELD}={penc!r}; valid: "
+                               f"{list(INDEXER_ENCODINGS)}"[:300])
         mask = check_type("return_sampling_mask", g("return_sampling_mask", False), bool)
         mode = g("sampling_logprobs_mode", None)
         rid = g("rid", None)
@@ -140,11 +150,12 @@ def parse_generate(body: Any, vocab_size: int | None = None,
         req = GenerateRequest(list(p), sp, rid=rid or uuid.uuid4().hex, return_routes=routes,
                               routes_start=rstart if routes else 0,
                               return_gates=gates,
+                              return_indexer_topk=picks, indexer_start=pstart if picks else 0,
                               return_input_logprobs=rl and start >= 0,
                               top_logprobs_num=top_n if rl else 0,
                               return_sampling_mask=mask,
                               return_support_logprobs=mask and mode == "support")
-        out.append(_Parsed(req, rl, start, routes, encoding, mode if mask else None))
+        out.append(_Parsed(req, rl, start, routes, encoding, mode if mask else None, penc))
     rids = [x.req.rid for x in out]
     if len(set(rids)) != len(rids):
         raise RequestError(f"rid values must be distinct within a batch, got {rids}"[:300])
@@ -215,6 +226,10 @@ def build_response(res: GenerationResult, p: _Parsed, engine: Engine, n: int) ->
         if p.req.return_gates:  # lockstep's extension (replay/gates.py)
             meta[GATES_RESPONSE_FIELD] = (None if res.gates_NLK is None else
                                           encode_gates(res.gates_NLK))
+    if p.req.return_indexer_topk:  # SGLang's field (replay/indexer_codec.py)
+        sources = wire_layer_sources([cfg.indexer_shared(i) for i in range(cfg.num_hidden_layers)])
+        meta[INDEXER_META_FIELD] = None if res.indexer is None else \
+            encode_indexer(res.indexer, p.indexer_encoding, sources)
     return {"output_ids": res.output_ids, "meta_info": meta}
 
 

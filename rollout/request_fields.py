@@ -20,10 +20,11 @@ from .types import RequestError
 SERVED = (
     "rid", "input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_routed_experts", "routed_experts_start_len",
-    "return_sampling_mask", "sampling_logprobs_mode", "stream",
+    "return_sampling_mask", "sampling_logprobs_mode", "stream", "return_indexer_topk",
 )
 # Our extensions to the wire (a real SGLang server would not accept them in strict mode).
-EXTENSIONS = ("lockstep_routed_experts_encoding", "lockstep_return_routed_gates")
+EXTENSIONS = ("lockstep_routed_experts_encoding", "lockstep_return_routed_gates",
+              "lockstep_indexer_topk_start_len", "lockstep_indexer_topk_encoding")
 # SGLang fields that label, log or route a request: no effect on one lockstep server.
 NO_EFFECT = (
     "session_id", "log_metrics", "routed_dp_rank", "data_parallel_rank",
@@ -38,7 +39,7 @@ NOT_SUPPORTED = (
     "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
     "use_audio_in_video", "video_config", "token_ids_logprob", "return_flat_raw_top_logprobs",
     "return_flat_raw_top_logprobs_b64", "return_flat_raw_output_top_logprobs",
-    "return_hidden_states", "return_indexer_topk", "modalities", "session_params", "lora_path",
+    "return_hidden_states", "modalities", "session_params", "lora_path",
     "lora_id", "custom_logit_processor", "positional_embed_overrides", "require_reasoning",
     "max_thinking_tokens", "return_bytes", "return_entropy", "return_prompt_token_ids",
     "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch",

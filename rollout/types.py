@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..moe.config import need as _need
+from ..replay.indexer import IndexerTrace
 from ..replay.trace import RoutingTrace
 
 
@@ -208,6 +209,11 @@ class GenerateRequest:
     return_gates: bool = False
     """Also record the gate weights the engine combined those experts with (a lockstep
     extension: `replay.gates: engine`; needs return_routes)."""
+    return_indexer_topk: bool = False
+    """DSA models: also record each token's lightning-indexer picks (SGLang's
+    `return_indexer_topk`; replay.indexer), rows from `indexer_start`."""
+    indexer_start: int = 0
+    """First position whose picks are returned (a later turn asks only for new rows)."""
     return_input_logprobs: bool = False
     """Also return log-probs of the prompt tokens (first one has none)."""
     top_logprobs_num: int = 0
@@ -245,6 +251,9 @@ class GenerationResult:
     gates_NLK: torch.Tensor | None = None
     """Gate weights of those experts as the engine combined them, rows as routes_NLK's, in
     its compute dtype (bf16/fp16/fp32); None unless `return_gates`."""
+    indexer: IndexerTrace | None = None
+    """DSA models: the key positions each token attended to per indexer layer, rows from
+    the request's `indexer_start` (replay/indexer.py); None unless `return_indexer_topk`."""
     input_logprobs: torch.Tensor | None = None
     """[P] fp32, entry 0 is NaN (the first prompt token has no prediction)."""
     top_logprobs: list[list[tuple[float, int]]] | None = None
