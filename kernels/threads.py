@@ -7,8 +7,8 @@ default policy and 8 s with `OMP_WAIT_POLICY=PASSIVE` (waiting threads sleep). S
 `OMP_WAIT_POLICY=PASSIVE` into the environment of each of its processes unless the user set
 `OMP_WAIT_POLICY` already (`ACTIVE` brings the spinning back):
 
-- the CLI (`lockstep ...`, `python -m lockstep.launch.cli`): `set_wait_policy()` runs first
-  thing in `launch/cli.py`, before anything imports torch (OpenMP reads the variable once,
+- every entry point (`lockstep ...`, `python -m lockstep.launch.serve`): `set_wait_policy()`
+  runs when `launch/entry.py` is imported, their first import, before anything imports torch (OpenMP reads the variable once,
   when torch loads it); servers and SGLang launched from it inherit the environment;
 - Ray actor ranks and engine workers: `worker_env()` is in their `runtime_env`.
 

@@ -19,6 +19,8 @@ import socket
 import sys
 import traceback
 
+from lockstep.launch import entry  # first: sets the wait policy before torch loads
+
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 
 _DTYPES = list(PRECISIONS)
@@ -212,9 +214,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m lockstep.launch.serve --model DIR ...` (same as `lockstep serve`)."""
-    from lockstep.launch.cli import main as cli_main
-
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return entry.run(entry.command_parser([add_parser]),
+                     ["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
