@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockstep.trainer.state.rundir import report_dir_problem
 from lockstep.trainer.observe.metrics import history_problem, read_metrics, summarize, write_plots
+from lockstep.trainer.state.rundir import report_dir_problem
 
 COMPARE_MARKER = ".lockstep-compare"  # --out's plots were written by lockstep compare
 COLUMNS = ("reward/first_mean", "reward/last_mean", "rollout_corr/k3_kl_mean",

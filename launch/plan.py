@@ -28,11 +28,11 @@ from lockstep.launch.plan_estimate import (GiB, Estimates, _stage_chunks,  # noq
                                           count_params)
 from lockstep.launch.plan_placement import Placement, _colocated_note, gpus_needed
 from lockstep.launch.plan_render import render
-from lockstep.trainer.config.megatron import stage_layer_counts
+from lockstep.trainer.actor.build import colocation_refusal
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import load_config
+from lockstep.trainer.config.megatron import stage_layer_counts
 from lockstep.trainer.config.types import ExperimentConfigError
-from lockstep.trainer.actor.build import colocation_refusal
 
 # the TransformerConfig arguments (trainer/actor/megatron/layout.megatron_args) the plan prints
 _PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",

@@ -9,8 +9,8 @@ import shlex
 from typing import Any
 
 from lockstep.rollout.colocate import RANK_SHARE, SERVER_SHARE, engine_bundles
-from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal
+from lockstep.trainer.config.experiment import ExperimentConfig
 
 
 class Placement:

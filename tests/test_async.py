@@ -17,7 +17,7 @@ from lockstep.trainer.observe.expert_load import COUNT_KEY
 from lockstep.trainer.loop import Trainer, run_hash
 from lockstep.trainer.driver.pipeline import allowed_versions
 from lockstep.trainer.objective.losses import grpo_advantages
-from lockstep.trainer.actor.rank import stats_values
+from lockstep.trainer.objective.stats import stats_values
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # the toy, smaller; lr and an entropy bonus so the weights move even where rewards are all 0

@@ -24,7 +24,8 @@ from lockstep.trainer.objective.correction import correct  # noqa: E402
 from lockstep.trainer.observe.dump import ACTOR_FIELDS, read_dump  # noqa: E402
 from lockstep.trainer.actor.group import ActorGroupError  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
-from lockstep.trainer.actor.rank import shuffle_seed, stats_values  # noqa: E402
+from lockstep.trainer.actor.rank import shuffle_seed
+from lockstep.trainer.objective.stats import stats_values
 
 from kill_fixtures import kill_when_written  # noqa: E402
 

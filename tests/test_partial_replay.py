@@ -18,7 +18,8 @@ from lockstep.trainer.config.load import load_config
 from lockstep.trainer.config.sections import ActorConfig
 from lockstep.trainer.objective.correction import CorrectionConfig
 from lockstep.trainer.objective.losses import LossConfig
-from lockstep.trainer.actor.rank import UpdateInputs, stats_values
+from lockstep.trainer.actor.rank import UpdateInputs
+from lockstep.trainer.objective.stats import stats_values
 
 from server_fixtures import ENGINE, model  # noqa: F401 (pytest fixture)
 

@@ -9,7 +9,7 @@ import torch
 from lockstep.replay import routing_divergence
 from lockstep.trainer.actor.torch_actor import TorchActor
 from lockstep.trainer.config.sections import ActorConfig
-from lockstep.trainer.actor.rank import add_stats, route_stats, stats_values
+from lockstep.trainer.objective.stats import add_stats, route_stats, stats_values
 from test_actor import _batch, _model
 
 

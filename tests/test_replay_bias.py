@@ -13,7 +13,8 @@ from lockstep.trainer.actor.torch_actor import TorchActor
 from lockstep.trainer.config.sections import ActorConfig
 from lockstep.trainer.objective.correction import CorrectionConfig
 from lockstep.trainer.objective.losses import LossConfig
-from lockstep.trainer.actor.rank import UpdateInputs, stats_values
+from lockstep.trainer.actor.rank import UpdateInputs
+from lockstep.trainer.objective.stats import stats_values
 from lockstep.trainer.actor.replay_bias import sampled_rows
 
 from server_fixtures import model  # noqa: F401 (pytest fixture)

@@ -29,28 +29,29 @@ from lockstep.rollout.env import EnvPool
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import Batch, collate
-from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
-from lockstep.trainer.state.checkpoint import (LoopState, latest_checkpoint, load_latest,
-                                         save_actor_checkpoint, set_rng_state)
 from lockstep.trainer.actor.build import colocates_fleet, make_actor, run_reference
-from lockstep.trainer.driver.rollouts import make_rollout, needs_initial_push
+from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs
+from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import save_config
-from lockstep.trainer.observe.nonfinite import check_step, check_weight_names, from_step_error
-from lockstep.trainer.objective.correction import (CorrectionResult, correct, is_split_metrics,
-                                         version_split_metrics)
+from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
 from lockstep.trainer.driver.data import DatasetSource, TaskSource, check_data_on_resume
+from lockstep.trainer.driver.lr_trigger import LRTrigger
+from lockstep.trainer.driver.pipeline import RolloutPipeline
+from lockstep.trainer.driver.rollouts import make_rollout, needs_initial_push
+from lockstep.trainer.driver.warmstart import WarmstartResult, cache_key, warm_start
+from lockstep.trainer.objective.correction import (correct, CorrectionResult, is_split_metrics,
+                                                   version_split_metrics)
+from lockstep.trainer.objective.losses import grpo_advantages
+from lockstep.trainer.objective.stats import stats_values
 from lockstep.trainer.observe.dump import maybe_dump
 from lockstep.trainer.observe.expert_load import step_load_metrics
-from lockstep.trainer.objective.losses import grpo_advantages
-from lockstep.trainer.driver.lr_trigger import LRTrigger
 from lockstep.trainer.observe.metrics import (MetricsWriter, read_metrics, save_history, summarize,
-                                     write_plots)
-from lockstep.trainer.driver.pipeline import RolloutPipeline
-from lockstep.trainer.actor.rank import OldLogprobs, UpdateInputs, shuffle_seed, stats_values
-from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
+                                              write_plots)
+from lockstep.trainer.observe.nonfinite import check_step, check_weight_names, from_step_error
 from lockstep.trainer.observe.wandb_log import WandbRun
-from lockstep.trainer.driver.warmstart import WarmstartResult, cache_key, warm_start
+from lockstep.trainer.state.checkpoint import (latest_checkpoint, load_latest, LoopState,
+                                               save_actor_checkpoint, set_rng_state)
 
 
 def run_hash(cfg: ExperimentConfig, layout: bool = False) -> str:

@@ -17,8 +17,8 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.rollout import colocate
-from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.actor.rank import resolve_device
+from lockstep.trainer.config.experiment import ExperimentConfig
 
 
 def check_policy_fits(cfg: ExperimentConfig) -> None:

@@ -55,12 +55,13 @@ from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
 from lockstep.rollout.colocate import RANK_SHARE
-from lockstep.trainer.actor.build import colocates_fleet
 from lockstep.trainer.actor.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
-from lockstep.trainer.config.experiment import ExperimentConfig
-from lockstep.trainer.actor.rank import (OldLogprobs, UpdateInputs, UpdateResult, add_stats,
-                                   resolve_device, shuffle_seed)
+from lockstep.trainer.actor.build import colocates_fleet
+from lockstep.trainer.actor.rank import (OldLogprobs, resolve_device, shuffle_seed, UpdateInputs,
+                                         UpdateResult)
 from lockstep.trainer.actor.versions import stale_versions
+from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.objective.stats import add_stats
 
 
 class ActorGroupError(RuntimeError):

@@ -61,62 +61,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 import torch
 
 from lockstep.moe.buckets import Bucket, bucketize
-from lockstep.moe.replay_check import ReplayCheckError
 from lockstep.moe.checkpoint import hf_state_dict
+from lockstep.moe.replay_check import ReplayCheckError
 from lockstep.replay import ReplayMode, ReplayOptions, old_logprob_plan, update_plan
-from lockstep.replay.route_divergence import compare_routes
 from lockstep.trainer.actor.batch import Batch, minibatch_schedule, trim_batch
-from lockstep.trainer.objective.correction import CorrectionConfig
-from lockstep.trainer.observe.expert_load import counted_tokens, load_count_stats
-from lockstep.trainer.objective.losses import LossConfig, policy_loss
 from lockstep.trainer.actor.versions import KeptVersions, positions, stale_versions, versions_of
+from lockstep.trainer.objective.correction import CorrectionConfig
+from lockstep.trainer.objective.losses import LossConfig, policy_loss
+from lockstep.trainer.objective.stats import Stats, route_stats
+from lockstep.trainer.observe.expert_load import counted_tokens, load_count_stats
 
-Stats = dict[str, tuple[float, float]]
-"""metric name -> (sum, count) of one rank, or added over ranks."""
-
-ZERO_IF_EMPTY = ("replay/mismatch",)  # nothing replayed = nothing mismatched
 SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
 """Loss terms normalised by the whole mini-batch's counts: a micro-batch's value is its share,
 and the shares add up to the mini-batch's value (the other metrics are token means)."""
-
-
-def add_stats(parts: list[Stats]) -> Stats:
-    """Add ranks' (sum, count) pairs, key order of the first rank."""
-    out: Stats = {}
-    for part in parts:
-        for k, (s, c) in part.items():
-            s0, c0 = out.get(k, (0.0, 0.0))
-            out[k] = (s0 + s, c0 + c)
-    return out
-
-
-def stats_values(stats: Stats) -> dict[str, float]:
-    """sum / count per metric (NaN where nothing was counted, 0 for ZERO_IF_EMPTY)."""
-    return {k: s / c if c else (0.0 if k in ZERO_IF_EMPTY else math.nan)
-            for k, (s, c) in stats.items()}
-
-
-def route_stats(a_BTLK: torch.Tensor, b_BTLK: torch.Tensor, valid_BT: torch.Tensor,
-                prefix: str, layer_names, first: bool) -> Stats:
-    """`lockstep.replay.routing_divergence`'s metrics as (sum, count) pairs, so ranks add
-    them. `first`: this rank reports the token count (the group's rank 0)."""
-    cmp = compare_routes(a_BTLK, b_BTLK, valid_BT)
-    L = cmp.flip_BTL.shape[-1]
-    n = float(cmp.valid_BT.sum())
-    flips_L = cmp.flip_BTL.sum(dim=(0, 1), dtype=torch.float64)
-    out: Stats = {f"{prefix}/num_tokens": (n, 1.0 if first else 0.0),
-                  f"{prefix}/flip_rate": (float(flips_L.sum()), n * L)}
-    for i, f in zip(layer_names, flips_L.tolist()):
-        out[f"{prefix}/flip_rate/layer_{int(i)}"] = (f, n)
-    out[f"{prefix}/token_any_flip"] = (float(cmp.any_flip_BT.sum()), n)
-    out[f"{prefix}/topk_overlap"] = (float(cmp.overlap_BTL.sum(dtype=torch.float64)), n * L)
-    return out
 
 
 def split_route_stats(batch: Batch, natural_BTLK: torch.Tensor, layer_names, first: bool,

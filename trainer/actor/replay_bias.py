@@ -10,7 +10,8 @@ Every step under R2/R3, on the rank, after the update:
   (`replay.bias_meter_rows`; rows drawn by a generator seeded with the step, the global RNG
   untouched), one extra no-grad forward of those rows twice, once replaying the update's
   routes and once routing naturally, under the updated weights; with
-  log r = log pi_natural - log pi_replayed of each response token, k3 = r - 1 - log r
+  log r = log pi_natural - log pi_replayed of each response token (clamped to +-20 as
+  everywhere: objective/stats.py), k3 = r - 1 - log r
   (an estimate of KL(pi_replayed || pi_natural) on the sampled tokens, as the rollout-
   correction metrics estimate theirs) and |log r|. 0 under replay off by definition.
 
@@ -24,8 +25,8 @@ import math
 
 import torch
 
-from lockstep.replay.route_divergence import compare_routes
 from lockstep.trainer.actor.batch import Batch, trim, trim_batch
+from lockstep.trainer.objective.stats import k3, log_ratio, route_stats
 
 
 def flip_stats(used_BTLK: torch.Tensor, natural_BTLK: torch.Tensor, token_BT: torch.Tensor,
@@ -33,13 +34,8 @@ def flip_stats(used_BTLK: torch.Tensor, natural_BTLK: torch.Tensor, token_BT: to
     """replay_bias/flip_rate overall and per layer (module docstring)."""
     if not replays:
         return {"replay_bias/flip_rate": (0.0, 1.0 if first else 0.0)}
-    cmp = compare_routes(used_BTLK, natural_BTLK, token_BT)
-    n, L = float(cmp.valid_BT.sum()), cmp.flip_BTL.shape[-1]
-    flips_L = cmp.flip_BTL.sum(dim=(0, 1), dtype=torch.float64)
-    out = {"replay_bias/flip_rate": (float(flips_L.sum()), n * L)}
-    for i, f in zip(layer_names, flips_L.tolist()):
-        out[f"replay_bias/flip_rate/layer_{int(i)}"] = (f, n)
-    return out
+    st = route_stats(used_BTLK, natural_BTLK, token_BT, "replay_bias", layer_names, first)
+    return {k: v for k, v in st.items() if k.startswith("replay_bias/flip_rate")}
 
 
 def sampled_rows(b: int, fraction: float, step: int) -> torch.Tensor:
@@ -66,8 +62,8 @@ def kl_stats(actor, batch: Batch, routes_BTLK, replay_mask_BT, gates_BTLK, rows:
     lp = actor.shard_logprobs(sub, trim(routes_BTLK, both, t), mask, gates_BTLK=None if
                               gates_BTLK is None else trim(gates_BTLK, both, t)).logprobs_BT
     resp = sub.response_mask_BT[:n]
-    log_r = (lp[n:] - lp[:n])[resp].double()
-    k3 = (log_r.exp() - 1 - log_r).sum()
+    log_r = log_ratio(lp[n:], lp[:n])[resp].double()
+    k3_sum = k3(log_r).sum()
     count = float(resp.sum())
-    return {"replay_bias/k3": (float(k3), count),
+    return {"replay_bias/k3": (float(k3_sum), count),
             "replay_bias/abs_logp_diff": (float(log_r.abs().sum()), count)}

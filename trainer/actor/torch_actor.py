@@ -42,10 +42,11 @@ from lockstep.moe.replay_check import (LOGPROB_FORWARD, UPDATE_FORWARD, ReplayCh
                                        sample_slice)
 from lockstep.replay import ReplayOptions, compact_dtype
 from lockstep.trainer.actor.batch import (Batch, micro_batches, minibatch_schedule, trim, trim_batch)
-from lockstep.trainer.actor.checkpoint import (MOMENTS, Part, check_adam, common_step, num_parts,
-                                         part_of, read_moments)
+from lockstep.trainer.actor.checkpoint import (check_adam, common_step, MOMENTS, num_parts, Part,
+                                               part_of, read_moments)
+from lockstep.trainer.actor.rank import RankActor
 from lockstep.trainer.config.sections import ActorConfig
-from lockstep.trainer.actor.rank import RankActor, Stats
+from lockstep.trainer.objective.stats import Stats
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 from lockstep.rollout.agent import ERROR_KINDS
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.types import GenerationResult
+from lockstep.trainer.objective.stats import k3, log_ratio
 
 MAX_TURN_METRICS = 8  # per-turn metrics for turns 0..7 (later turns are in the totals)
 
@@ -89,10 +90,9 @@ def trajectory_metrics(results: Sequence[GenerationResult], prefix: str = "agent
 
 def turn_k3(turn_BT: torch.Tensor, response_mask_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,
             rollout_logprobs_BT: torch.Tensor) -> dict[str, float]:
-    """agent/k3_kl/turn_<t>: mean exp(lr) - 1 - lr over turn t's sampled tokens, lr = pi_old -
-    mu_old clamped to +-20 (rollout_corr/k3_kl's definition, one turn at a time)."""
-    lr_BT = (old_logprobs_BT.float() - rollout_logprobs_BT.float()).clamp(-20, 20)
-    k3_BT = lr_BT.exp() - 1 - lr_BT
+    """agent/k3_kl/turn_<t>: the mean k3 over turn t's sampled tokens of log r = pi_old - mu_old
+    (objective/stats.py: clamped to +-20)."""
+    k3_BT = k3(log_ratio(old_logprobs_BT.float(), rollout_logprobs_BT.float()))
     out = {}
     for t in range(min(int(turn_BT.max()) + 1, MAX_TURN_METRICS)):
         m_BT = response_mask_BT & (turn_BT == t)

@@ -18,8 +18,8 @@ from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal
 from lockstep.trainer.actor.rank import resolve_device
-from lockstep.trainer.config.load import rollout_api_key
 from lockstep.trainer.config.experiment import ExperimentConfig
+from lockstep.trainer.config.load import rollout_api_key
 
 
 # -- the rollout backend ---------------------------------------------------------------------

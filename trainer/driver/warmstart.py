@@ -34,9 +34,9 @@ from lockstep.moe.checkpoint import (CheckpointError, load_hf_state_dict, read_h
                                      save_hf)
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Problem, Task
-from lockstep.trainer.state.checkpoint import verify_manifest, write_manifest
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.sections import WarmstartConfig
+from lockstep.trainer.state.checkpoint import verify_manifest, write_manifest
 
 RESULT_FILE = "warmstart.json"
 DEMO_SEED_OFFSET = 1_000_003  # demonstration and evaluation streams differ from the RL stream's

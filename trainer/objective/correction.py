@@ -37,10 +37,11 @@ import torch
 
 from lockstep.moe.config import strict_kwargs
 from lockstep.trainer.objective.presets import PRESETS, VERL_FIELDS, expand_preset
-from lockstep.trainer.objective.rollout_corr import (
-    IS_LEVELS, LOSS_TYPES, SAFETY_BOUND, _Mask, _checked_zero_pad, _masked_mean,
-    _prefixed, compute_rollout_correction_and_rejection_mask,
-    parse_is_threshold, parse_rs_options, parse_rs_thresholds)
+from lockstep.trainer.objective.rollout_corr import (_checked_zero_pad, _Mask, _prefixed,
+                                                     compute_rollout_correction_and_rejection_mask,
+                                                     IS_LEVELS, LOSS_TYPES, parse_is_threshold,
+                                                     parse_rs_options, parse_rs_thresholds)
+from lockstep.trainer.objective.stats import clamp_log_ratio, k3, masked_mean
 
 
 # ---------------------------------------------------------------- typed API
@@ -97,9 +98,9 @@ def prob_diff_mask(old_logprobs, rollout_logprobs, response_mask, eps: float):
     diff = (old_logprobs.exp() - rollout_logprobs.exp()).abs()
     keep = diff <= eps
     mask_b = response_mask.bool()
-    m = {"prob_diff_mean": _masked_mean(diff, response_mask).item(),
+    m = {"prob_diff_mean": masked_mean(diff, response_mask).item(),
          "prob_diff_max": diff.masked_fill(~mask_b, 0.0).max().item(),
-         "prob_diff_masked_fraction": _masked_mean((~keep).float(), response_mask).item(),
+         "prob_diff_masked_fraction": masked_mean((~keep).float(), response_mask).item(),
          "prob_diff_seq_masked_fraction": ((~keep) & mask_b).any(-1).float().mean().item()}
     return (response_mask * keep).to(response_mask.dtype), m
 
@@ -177,8 +178,8 @@ def is_split_metrics(logprobs, old_logprobs, rollout_logprobs, response_mask) ->
 def _ratio_part(mk: _Mask, part: str, lr, m: dict[str, float]):
     """`is_split/<part>_*` of the zero-padded log ratio `lr` into `m`; returns its masked
     deviation from the mean and its variance."""
-    lr_c = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    e = torch.exp(lr_c)  # 1 on padding
+    lr_c = clamp_log_ratio(lr)
+    e = torch.exp(lr_c)  # 1 on padding, so k3 is 0 there
     r_z = e * mk.f
     mu = mk.mean(lr)
     dev = (lr - mu).mul_(mk.f)
@@ -188,7 +189,7 @@ def _ratio_part(mk: _Mask, part: str, lr, m: dict[str, float]):
     m[f"is_split/{part}_min"] = mk.min(r_z).item()
     m[f"is_split/{part}_log_mean"] = mu.item()
     m[f"is_split/{part}_log_std"] = var.sqrt().item()
-    m[f"is_split/{part}_k3"] = mk.mean(e.sub_(1).sub_(lr_c)).item()  # r - 1 - log r: 0 on padding
+    m[f"is_split/{part}_k3"] = mk.mean(k3(lr_c, e)).item()
     return dev, var
 
 

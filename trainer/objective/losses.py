@@ -19,6 +19,7 @@ import torch
 
 from lockstep.moe.config import strict_kwargs
 from lockstep.trainer.objective.correction import CorrectionConfig, correct
+from lockstep.trainer.objective.stats import k3, log_ratio, masked_mean
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # verl 0.9.1 `kl_penalty` names: kl/k1 = log(pi/ref), abs = |log(pi/ref)|, mse/k2 = half its square,
@@ -31,10 +32,6 @@ RATIO_LEVELS = ("token", "sequence")  # sequence = GSPO
 # dppo_tv / dppo_kl = DPPO's binary-TV / binary-KL trust masks (arXiv 2602.04879)
 LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl")
 OPSM_LOGPROBS = ("rollout", "old")
-
-
-def _masked_mean(v, mask):
-    return (torch.where(mask.bool(), v, torch.zeros_like(v)) * mask).sum() / (mask.sum() + 1e-8)
 
 
 @dataclass
@@ -146,8 +143,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     elif base in ("mse", "k2"):
         value = 0.5 * (logprobs - ref_logprobs).square()
     else:
-        d = (ref_logprobs - logprobs).clamp(-20, 20)
-        value = (torch.exp(d) - d - 1).clamp(-10, 10)
+        value = k3(log_ratio(ref_logprobs, logprobs)).clamp(-10, 10)
     if not estimator.endswith("+"):
         return value
     k2 = 0.5 * (logprobs - ref_logprobs).square()
@@ -161,17 +157,17 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_rat
     ratio = exp(clamp(logprobs - old, +-20)); per token max(-A r, -A clip(r, 1-lo, 1+hi)); for A < 0
     additionally capped at -A c (dual clip). Multiplied by detached `is_weights` when given.
     """
-    neg_kl = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    neg_kl = log_ratio(logprobs, old_logprobs)
     ratio = torch.exp(neg_kl)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped = torch.maximum(loss1, loss2)
-    metrics = {"actor/pg_clipfrac": _masked_mean((loss2 > loss1).float(), response_mask).item(),
-               "actor/ppo_kl": _masked_mean(-neg_kl, response_mask).item()}
+    metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
+               "actor/ppo_kl": masked_mean(-neg_kl, response_mask).item()}
     if clip_ratio_c is not None:
         loss3 = -advantages * clip_ratio_c
         lower_hit = (clipped > loss3) & (advantages < 0)
-        metrics["actor/pg_clipfrac_lower"] = _masked_mean(lower_hit.float(), response_mask).item()
+        metrics["actor/pg_clipfrac_lower"] = masked_mean(lower_hit.float(), response_mask).item()
         clipped = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
     else:
         metrics["actor/pg_clipfrac_lower"] = 0.0
@@ -196,8 +192,8 @@ def gspo_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_l
     if is_weights is not None:
         per_tok = per_tok * is_weights.detach()
     loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    metrics = {"actor/pg_clipfrac": _masked_mean((loss2 > loss1).float(), response_mask).item(),
-               "actor/ppo_kl": _masked_mean(-neg_kl.detach(), response_mask).item(),
+    metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
+               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask).item(),
                "actor/pg_clipfrac_lower": 0.0}
     return loss, metrics
 
@@ -216,7 +212,7 @@ def dppo_loss(logprobs, old_logprobs, advantages, response_mask, *, divergence="
     The gradient is -A sg(min(r, c)) grad log pi on kept tokens (TIS-truncated at c = clip_ratio_c,
     None: no truncation). Metrics: `actor/pg_clipfrac` = fraction of tokens the trust mask drops,
     `actor/pg_clipfrac_lower` = fraction kept with r > c, `actor/ppo_kl`."""
-    neg_kl = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    neg_kl = log_ratio(logprobs, old_logprobs)
     ratio = torch.exp(neg_kl)
     truncated = (ratio if clip_ratio_c is None else ratio.clamp(max=clip_ratio_c)).detach()
     with torch.no_grad():
@@ -234,9 +230,9 @@ def dppo_loss(logprobs, old_logprobs, advantages, response_mask, *, divergence="
         per_tok = per_tok * is_weights.detach()
     loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     over_c = torch.zeros_like(keep) if clip_ratio_c is None else (ratio.detach() > clip_ratio_c).float()
-    metrics = {"actor/pg_clipfrac": _masked_mean(1.0 - keep, response_mask).item(),
-               "actor/ppo_kl": _masked_mean(-neg_kl.detach(), response_mask).item(),
-               "actor/pg_clipfrac_lower": _masked_mean(over_c * keep, response_mask).item()}
+    metrics = {"actor/pg_clipfrac": masked_mean(1.0 - keep, response_mask).item(),
+               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask).item(),
+               "actor/pg_clipfrac_lower": masked_mean(over_c * keep, response_mask).item()}
     return loss, metrics
 
 
@@ -247,7 +243,7 @@ def reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, *, los
     if is_weights is not None:
         per_tok = per_tok * is_weights.detach()
     loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    return loss, {"actor/ppo_kl": _masked_mean(rollout_logprobs - logprobs.detach(), response_mask).item()}
+    return loss, {"actor/ppo_kl": masked_mean(rollout_logprobs - logprobs.detach(), response_mask).item()}
 
 
 def opsm_mask(logprobs, behaviour_logprobs, advantages, response_mask, delta: float):
@@ -261,8 +257,8 @@ def opsm_mask(logprobs, behaviour_logprobs, advantages, response_mask, delta: fl
         seq_kl = (lr * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
         drop = (advantages < 0) & (seq_kl > delta)[:, None]
         keep = (~drop).to(logprobs.dtype)
-    metrics = {"actor/opsm_masked_fraction": _masked_mean(drop.float(), response_mask).item(),
-               "actor/opsm_kl": _masked_mean(lr, response_mask).item()}
+    metrics = {"actor/opsm_masked_fraction": masked_mean(drop.float(), response_mask).item(),
+               "actor/opsm_kl": masked_mean(lr, response_mask).item()}
     return keep, metrics
 
 
@@ -270,7 +266,7 @@ def unbiased_kl_penalty(logprobs, old_logprobs, ref_logprobs, estimator: str) ->
     """DeepSeek-V3.2's unbiased KL(pi_theta || ref) from samples of pi_old: the per-token estimate
     times r = pi_theta/pi_old (log r clamped +-20, gradient through r as in slime's
     `--use-unbiased-kl`); for low_var_kl/k3 the product is clamped to [-10, 10] as well."""
-    r = torch.exp((logprobs - old_logprobs.detach()).clamp(-20.0, 20.0))
+    r = torch.exp(log_ratio(logprobs, old_logprobs.detach()))
     kl = r * kl_penalty(logprobs, ref_logprobs, estimator)
     return kl.clamp(-10, 10) if estimator.rstrip("+") in ("low_var_kl", "k3") else kl
 

@@ -13,22 +13,12 @@ import math
 
 import torch
 
-SAFETY_BOUND = 20.0  # |log ratio| clamp before exp (verl's value)
+from lockstep.trainer.objective.stats import SAFETY_BOUND, k3
+
 IS_LEVELS = ("token", "sequence", "geometric")
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 LOSS_TYPES = ("ppo_clip", "reinforce")
-
-
-def _masked_sum(v, mask, dim=None):
-    # where() first, so NaN/inf outside the mask cannot leak into the sum (verl does the same)
-    s = torch.where(mask.bool(), v, torch.zeros_like(v)) * mask
-    return s.sum() if dim is None else s.sum(dim)
-
-
-def _masked_mean(v, mask, dim=None):
-    n = mask.sum() if dim is None else mask.sum(dim)
-    return _masked_sum(v, mask, dim) / (n + 1e-8)
 
 
 class _Mask:
@@ -403,8 +393,8 @@ def _offpolicy(mk: _Mask, old_z, roll_z, lr_z=None, exp_lr_z=None, rho_z=None):
         return m
     lr_z = old_z - roll_z if lr_z is None else lr_z
     m["kl"] = (-mk.mean(lr_z)).item()
-    e = torch.exp(lr_z) if exp_lr_z is None else exp_lr_z
-    m["k3_kl"] = mk.mean(torch.sub(e, lr_z).sub_(1)).item()  # exp(lr) - lr - 1: 0 on padding
+    # verl's k3_kl takes the unclamped log ratio; 0 on padding (exp(0) - 0 - 1)
+    m["k3_kl"] = mk.mean(k3(lr_z, exp_lr_z)).item()
     mean_roll = mk.row_mean(roll_z)
     m["rollout_ppl"] = torch.exp(-mean_roll).mean().item()
     m["rollout_log_ppl"] = (-mean_roll).mean().item()

@@ -35,25 +35,15 @@ import torch
 
 from lockstep.replay import compare_routes
 from lockstep.trainer.objective.correction import correct, CorrectionConfig
-from lockstep.trainer.objective.rollout_corr import (compute_offpolicy_metrics, parse_is_threshold,
-                                                     SAFETY_BOUND)
+from lockstep.trainer.objective.rollout_corr import compute_offpolicy_metrics, parse_is_threshold
+from lockstep.trainer.objective.stats import clamp_log_ratio, k3
 from lockstep.trainer.observe.dump import StepRecord
-from lockstep.trainer.observe.expert_load import (ACTOR_PREFIX, ROLLOUT_PREFIX, counted_tokens,
-                                          load_counts, load_metrics)
+from lockstep.trainer.observe.expert_load import (ACTOR_PREFIX, counted_tokens, load_counts,
+                                                  load_metrics, ROLLOUT_PREFIX)
 
 DEFAULT_TIS = 2.0
 DEFAULT_ICEPOP = "0.5_2.0"
 QUANTILES = (0.0, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 1.0)
-
-
-def _k3(lr: torch.Tensor) -> torch.Tensor:
-    lr = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return torch.exp(lr) - lr - 1
-
-
-def _masked_mean(v: torch.Tensor, m: torch.Tensor) -> float:
-    n = int(m.sum())
-    return float(v[m].double().sum() / n) if n else float("nan")
 
 
 def _stats(v: torch.Tensor) -> dict[str, float]:
@@ -121,7 +111,7 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
 
     # k3 exactly as training computes rollout_corr/k3_kl (fp32), for all three forwards
     lr_BT = t["old_logprobs"] - t["rollout_logprobs"]
-    k3_BT = _k3(lr_BT)
+    k3_BT = k3(clamp_log_ratio(lr_BT))
     k3_old, k3_nat, k3_rep = (
         compute_offpolicy_metrics(t[k], t["rollout_logprobs"], mask_f)["k3_kl"]
         for k in ("old_logprobs", "natural_logprobs", "replayed_logprobs"))
@@ -132,7 +122,7 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
     flipped_BT = pred_flip_BT & resp_BT
     k3_sum = float(k3_BT[resp_BT].sum())
     tis, (ice_lo, ice_hi) = _thresholds(h["correction"])
-    w_N = torch.exp(lr_BT.clamp(-SAFETY_BOUND, SAFETY_BOUND))[resp_BT]
+    w_N = torch.exp(clamp_log_ratio(lr_BT))[resp_BT]
     n_resp = max(int(resp_BT.sum()), 1)
     metrics.update({
         "diagnose/num_samples": rec.size,
@@ -190,7 +180,7 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
             "k3_kl": float(k3_BT[:, p][r].mean()) if r.any() else None})
 
     # -- IS weights ------------------------------------------------------------------------
-    logw = lr_BT[resp_BT].double().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    logw = clamp_log_ratio(lr_BT[resp_BT].double())
     span = max(float(logw.abs().max()) if len(logw) else 0.0, math.log(tis) * 1.2, 1e-3)
     w_edges = torch.linspace(-span, span, weight_bins + 1, dtype=torch.float64)
     is_weights = {"stats": _stats(w_N), "log_hist": {

@@ -40,18 +40,18 @@ from lockstep.moe.model import MoEModel
 from lockstep.moe.replay_check import ReplayCheck
 from lockstep.replay import ReplayMode, compact_dtype, old_logprob_plan
 from lockstep.trainer.actor.batch import Batch
-from lockstep.trainer.actor.torch_actor import LogprobResult, LossFn, lr_lambda, run_minibatches
-from lockstep.trainer.config.sections import ActorConfig
-from lockstep.trainer.actor.rank import RankActor
 from lockstep.trainer.actor.megatron import convert
-from lockstep.trainer.config.megatron import (actor_options, chunk_layers, ddp_args,
-                                              optimizer_args, precision_problems)
 from lockstep.trainer.actor.megatron.model import (build_model_chunks, initialize_parallel,
                                                    is_last_stage, transformer_config)
-from lockstep.trainer.config.megatron import MegatronOptions
 from lockstep.trainer.actor.megatron.reference import ShardReference
 from lockstep.trainer.actor.megatron.replay import RouteReplay
 from lockstep.trainer.actor.megatron.schedule import Schedule, moe_slice
+from lockstep.trainer.actor.rank import RankActor
+from lockstep.trainer.actor.torch_actor import LogprobResult, LossFn, lr_lambda, run_minibatches
+from lockstep.trainer.config.megatron import (actor_options, chunk_layers, ddp_args,
+                                              optimizer_args, precision_problems)
+from lockstep.trainer.config.megatron import MegatronOptions
+from lockstep.trainer.config.sections import ActorConfig
 
 
 

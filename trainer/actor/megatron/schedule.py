@@ -20,12 +20,12 @@ from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.replay_check import LOGPROB_FORWARD, UPDATE_FORWARD
 from lockstep.moe.router import router_margin
 from lockstep.trainer.actor.batch import Batch
-from lockstep.trainer.actor.torch_actor import LossFn
 from lockstep.trainer.actor.batch import micro_batches, trim, trim_batch
 from lockstep.trainer.actor.megatron.logprob import vocab_parallel_logprobs
 from lockstep.trainer.actor.megatron.model import (forward_logits, is_last_stage, padded_length,
                                              token_logprobs_entropy)
 from lockstep.trainer.actor.megatron.replay import Mode
+from lockstep.trainer.actor.torch_actor import LossFn
 
 
 def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.Tensor:
