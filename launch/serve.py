@@ -128,9 +128,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ServeError(f"--max-request-mb must be in (0, 65536], got {args.max_request_mb}")
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in [0, 65535], got {args.port}")
-    from lockstep.rollout.engine import engine_device
+    from lockstep.kernels.device import resolve_device
     try:
-        engine_device(args.device)
+        resolve_device(args.device, "--device")
     except RuntimeError:  # torch's parse error lists every device type torch knows
         raise ServeError(f"--device {args.device}: expected 'cpu', 'cuda', 'cuda:N' or "
                          f"'auto'") from None

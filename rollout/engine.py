@@ -28,6 +28,7 @@ import torch
 
 from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_state_dict,
                               read_hf_state_dict)
+from ..kernels.device import resolve_device
 from ..kernels.dtypes import BY_NAME, ENGINE_PRECISIONS, FP8, PRECISIONS, base_precision
 from ..moe.config import strict_kwargs
 from ..moe.cache import allocate_cache
@@ -109,16 +110,6 @@ class _Seq:
     support_logprobs: list | None = None
 
 
-def engine_device(device: str) -> torch.device:
-    """EngineConfig.device -> a torch.device ("auto": cuda when this process sees a GPU)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"EngineConfig.device={device!r} but torch sees no CUDA device here")
-    return dev
-
-
 class Engine:
     """Batched generation with exact route and log-prob capture. Owns (and casts) `model`."""
 
@@ -126,7 +117,7 @@ class Engine:
                  weight_version: str = "0"):
         self.cfg = cfg = cfg or EngineConfig()
         mcfg = model.cfg
-        self.device = dev = engine_device(cfg.device)
+        self.device = dev = resolve_device(cfg.device, "EngineConfig.device")
         self.model = model.eval().requires_grad_(False)
         dtype = DTYPES[base_precision(cfg.dtype)]
         self.model.set_precision(dtype, router_dtype=DTYPES.get(cfg.router_dtype),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.kernels.device import resolve_device
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
@@ -79,8 +80,8 @@ def check_megatron_world(cfg: ExperimentConfig) -> None:
     m = cfg.actor.megatron
     if cfg.cluster.actor_ranks > 1:  # the Ray actor group hosts one megatron rank per member
         from lockstep.trainer.config.megatron import check_layout
-        check_layout(m, cfg.cluster.actor_ranks, on_gpu=cfg.cluster.device == "cuda" or (
-            cfg.cluster.device == "auto" and torch.cuda.is_available()), cfg=cfg.model)
+        on_gpu = resolve_device(cfg.cluster.device, here=False).type == "cuda"
+        check_layout(m, cfg.cluster.actor_ranks, on_gpu=on_gpu, cfg=cfg.model)
         return
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != 1:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from lockstep.kernels.device import resolve_device
 from lockstep.moe.model import MoEModel
 from lockstep.rollout import colocate
-from lockstep.trainer.actor.rank import resolve_device
 from lockstep.trainer.config.experiment import ExperimentConfig
 
 
@@ -35,7 +35,7 @@ def check_policy_fits(cfg: ExperimentConfig) -> None:
                f"num_hidden_layers={m.num_hidden_layers}, num_experts={m.num_experts}, "
                f"moe_intermediate_size={m.moe_intermediate_size}, vocab_size={m.vocab_size}) "
                f"as the actor's weights, gradients and AdamW moments plus the engine's copy",
-               n * per_param, resolve_device(cfg.cluster.device),
+               n * per_param, str(resolve_device(cfg.cluster.device)),
                "check the model section's sizes (`lockstep plan CONFIG` prints the estimate "
                "per GPU), or spread it over an actor group (cluster.actor_ranks, "
                "actor.backend=megatron)")
@@ -67,7 +67,7 @@ def make_actor(cfg: ExperimentConfig, weights: MoEModel | Mapping[str, torch.Ten
         load_hf_state_dict(model, weights)
         weights = model
     return TorchActor(weights, cfg.actor, total_updates, temperature=temperature,
-                      dp_group=dp_group, device=resolve_device(cfg.cluster.device),
+                      dp_group=dp_group, device=str(resolve_device(cfg.cluster.device)),
                       replay=cfg.replay.options(), replay_check=cfg.replay.check,
                       min_overlap=replay_min_overlap(cfg))
 
@@ -86,7 +86,7 @@ def run_reference(cfg: ExperimentConfig, run_dir: Path, initial: MoEModel | None
     if not in_driver or cfg.actor.backend == "megatron":
         return reference_folder_for_run(cfg, run_dir, initial)
     return ReferencePolicy.for_run(cfg, run_dir, initial,
-                                   device=resolve_device(cfg.cluster.device))
+                                   device=str(resolve_device(cfg.cluster.device)))
 
 
 def rank_reference(cfg: ExperimentConfig, actor, source: str | Mapping[str, torch.Tensor]):
@@ -102,7 +102,7 @@ def rank_reference(cfg: ExperimentConfig, actor, source: str | Mapping[str, torc
     model = MoEModel(cfg.model)
     load_hf_state_dict(model, LazyHF(source) if isinstance(source, str) else source)
     return ReferencePolicy(model, cfg.actor, cfg.rollout.temperature,
-                           "cpu" if megatron else resolve_device(cfg.cluster.device))
+                           "cpu" if megatron else str(resolve_device(cfg.cluster.device)))
 
 
 # -- colocation: whether the fleet goes into the actor group's bundles ---------------------

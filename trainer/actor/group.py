@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from lockstep.kernels.device import resolve_device
 from lockstep.kernels.threads import worker_env
 from lockstep.moe.buckets import Bucket
 from lockstep.moe.checkpoint import hf_state_dict
@@ -57,8 +58,7 @@ from lockstep.replay import ReplayMode
 from lockstep.rollout.colocate import RANK_SHARE
 from lockstep.trainer.actor.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
 from lockstep.trainer.actor.build import colocates_fleet
-from lockstep.trainer.actor.rank import (OldLogprobs, resolve_device, shuffle_seed, UpdateInputs,
-                                         UpdateResult)
+from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs, UpdateResult
 from lockstep.trainer.actor.versions import stale_versions
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.objective.stats import add_stats
@@ -211,7 +211,7 @@ class ActorGroup:
         from lockstep.cluster.ray_ops import bundle, init_ray, reserve, spawn
 
         self.cfg, self.world = cfg, cfg.cluster.actor_ranks
-        self.device = resolve_device(cfg.cluster.device)
+        self.device = str(resolve_device(cfg.cluster.device))
         self.infos = [RankInfo(r) for r in range(self.world)]
         self.workers: list[Any] = []
         self.pg = None

@@ -146,15 +146,6 @@ class UpdateInputs:
                                for k, v in parts.items()})
 
 
-def resolve_device(device: str) -> str:
-    """cluster.device -> 'cpu' | 'cuda' ('auto' = cuda when this process sees a GPU)."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("cluster.device=cuda but torch sees no CUDA device here")
-    return device
-
-
 def shuffle_seed(loop_seed: int, step: int) -> int:
     """Seed of step `step`'s mini-batch shuffle (the group plans its shards with it)."""
     return loop_seed * 1_000_003 + step

@@ -7,19 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lockstep.kernels.device import resolve_device
 from lockstep.kernels.dtypes import FP8, base_precision, hf_name
 from lockstep.rollout.sglang import SGLangConfig
 from lockstep.rollout.sglang_options import FLEET_KEYS
 from lockstep.rollout.sglang_options import check as _check
-
-
-def sglang_device(cluster_device: str) -> str:
-    """The SGLang device of `cluster.device`: cpu, or cuda (auto = cuda when this machine
-    sees a GPU)."""
-    if cluster_device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cluster_device
 
 
 def sglang_options_dict(cfg: Any) -> dict[str, Any]:
@@ -37,7 +29,7 @@ def sglang_options_dict(cfg: Any) -> dict[str, Any]:
         enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
         enable_deterministic_inference=sg.deterministic_inference,
         sampling_mask_max_tokens=sg.sampling_mask_max_tokens, random_seed=cfg.loop.seed,
-        device=sglang_device(cfg.cluster.device), max_total_tokens=sg.max_total_tokens,
+        device=resolve_device(cfg.cluster.device, here=False).type, max_total_tokens=sg.max_total_tokens,
         extra_args=list(sg.extra_args), extra_env=dict(e.split("=", 1) for e in sg.extra_env),
         startup_timeout_s=sg.startup_timeout_s, bind=sg.bind)
     if sg.python is not None:
