@@ -14,6 +14,8 @@ push and the next rollout (`Fleet(colocate=True)`).
 
 from __future__ import annotations
 
+from .backends import BACKENDS
+
 SERVER_SHARE = 0.2  # of the bundle's CPU and GPU, for the server actor
 RANK_SHARE = 1.0 - SERVER_SHARE  # for the actor rank in the same bundle
 
@@ -21,7 +23,7 @@ RANK_SHARE = 1.0 - SERVER_SHARE  # for the actor rank in the same bundle
 def colocates(placement: str, backend: str) -> bool:
     """Whether a run with `cluster.placement` and `rollout.backend` puts a fleet of servers
     (serve / sglang) into the actor's bundles."""
-    return placement == "colocated" and backend in ("serve", "sglang")
+    return placement == "colocated" and BACKENDS[backend].colocatable
 
 
 def engine_bundles(ranks: int, engines: int) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
+from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
@@ -35,13 +36,8 @@ BOUND_REASONS = {"rollout.temperature": (
 
 Dtype = Literal[PRECISIONS]  # our spellings in the one dtype table (kernels/dtypes.py)
 EngineDtype = Literal[ENGINE_PRECISIONS]  # the same plus "fp8" (bf16 with block-FP8 matmuls)
-RolloutBackend = Literal["embedded", "http", "ray", "serve", "sglang"]
-WeightSync = Literal["auto", "distributed", "tensor", "disk", "object_store"]
-# weight_sync values each rollout backend takes
-WEIGHT_SYNC_OF: dict[str, tuple[str, ...]] = {
-    "embedded": ("auto",), "ray": ("auto", "object_store"),
-    "http": ("auto", "distributed", "tensor", "disk"),
-    "serve": ("auto", "distributed", "disk"), "sglang": ("auto", "distributed", "disk")}
+RolloutBackend = Literal[tuple(BACKENDS)]
+WeightSync = Literal[tuple(dict.fromkeys(s for b in BACKENDS.values() for s in b.weight_syncs))]
 
 
 class RolloutConfig(Section):
@@ -123,7 +119,7 @@ class RolloutConfig(Section):
              "rollout.backend=http needs rollout.url (the server's base URL) or rollout.urls")
         need(not (self.url and self.urls), "rollout.url and rollout.urls are both set; give "
              "one server as url or several as urls")
-        valid_sync = WEIGHT_SYNC_OF[self.backend]
+        valid_sync = BACKENDS[self.backend].weight_syncs
         need(self.weight_sync in valid_sync,
              f"rollout.weight_sync={self.weight_sync!r} does not apply to "
              f"rollout.backend={self.backend}; valid there: {list(valid_sync)}")

@@ -12,12 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lockstep.kernels.device import resolve_device
 from lockstep.moe.model import MoEModel
 from lockstep.rollout import colocate
+from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal
-from lockstep.trainer.actor.rank import resolve_device
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import rollout_api_key
 
@@ -38,7 +39,7 @@ def http_client_class(engine: str, url: str, api_key: str | None,
 def needs_initial_push(cfg: ExperimentConfig) -> bool:
     """Backends whose servers are pushed the policy's weights at start-up (a given URL's
     server holds unknown weights; a fleet's servers are pushed as make_fleet did)."""
-    return cfg.rollout.backend in ("http", "serve", "sglang")
+    return BACKENDS[cfg.rollout.backend].servers
 
 
 def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: str, *,
@@ -72,7 +73,7 @@ def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: 
         dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
         max_running=ro.batch_size, max_len=max_len, seed=cfg.loop.seed,
         device=str(resolve_device(cfg.cluster.device)))
-    if ro.backend in ("serve", "sglang", "http"):  # a fleet of servers (needs 'ray' but http)
+    if BACKENDS[ro.backend].servers:  # a fleet of servers (needs 'ray' unless given by URL)
         return make_fleet(cfg, model, weight_version, engine_cfg, run_dir, log,
                           actor_pg=actor_pg)
     if ro.backend == "ray":  # the same engines as Ray actors; needs the extra 'ray'
