@@ -48,6 +48,8 @@ def test_r3_actor_runs_exactly_the_rollout_routes(tmp_path):
     m = tr.step(1)
     assert m["replay/mode"] == "R3" and m["replay/mismatch"] == 0.0
     assert m["replay/replayed_fraction"] > 0.8
+    # pi_old vs mu_old twice: one k3 definition (objective/stats.py), so the same bits
+    assert m["is_split/mismatch_k3"] == m["rollout_corr/k3_kl"]
 
 
 def test_replay_off_shows_bf16_vs_fp32_flips_and_r3_lowers_the_mismatch(tmp_path):
@@ -124,7 +126,8 @@ def test_http_backend_step_matches_the_embedded_engine(tmp_path):
 
 def test_bypass_mode_step(tmp_path):
     """verl's bypass (PPO-IS): pi_old := mu_old; IS/RS are recomputed against pi_theta in the
-    loss, whose metrics then come from the current policy."""
+    loss, whose metrics then come from the current policy: the step's rollout_corr/* are the
+    update's alone (the driver's would collide with them: merge_metrics refuses that)."""
     tr = _trainer(tmp_path, "R3", "correction.bypass_mode=true", "correction.rollout_rs=token_k3",
                   "correction.rollout_rs_threshold=0.01")
     m = tr.step(1)
@@ -141,6 +144,15 @@ def test_issue20_loss_and_correction_options_reach_the_step(tmp_path):
     assert {"actor/opsm_masked_fraction", "actor/opsm_kl", "actor/pg_clipfrac"} <= set(m)
     assert m["rollout_corr/m2po_masked_fraction"] > 0  # bf16 engine vs fp32 actor: m2 > 1e-9 somewhere
     assert m["rollout_corr/m2po_m2_mean_kept"] < m["rollout_corr/m2po_m2_mean"]
+
+
+def test_metrics_merge_refuses_a_key_two_parts_write():
+    from lockstep.trainer.observe.metrics import MetricKeyCollision, merge_metrics
+
+    row = merge_metrics(a={"x": 1, "y": 2}, b={"z": 3})
+    assert list(row) == ["x", "y", "z"]
+    with pytest.raises(MetricKeyCollision, match="'y' is written by both a and b"):
+        merge_metrics(a={"x": 1, "y": 2}, b={"y": 3})
 
 
 def test_layer_flip_matrix_orders_layers_and_marks_missing_steps():

@@ -47,8 +47,8 @@ from lockstep.trainer.objective.losses import grpo_advantages
 from lockstep.trainer.objective.stats import stats_values
 from lockstep.trainer.observe.dump import maybe_dump
 from lockstep.trainer.observe.expert_load import step_load_metrics
-from lockstep.trainer.observe.metrics import (MetricsWriter, read_metrics, save_history, summarize,
-                                              write_plots)
+from lockstep.trainer.observe.metrics import (merge_metrics, MetricsWriter, read_metrics,
+                                              save_history, summarize, write_plots)
 from lockstep.trainer.observe.nonfinite import check_step, check_weight_names, from_step_error
 from lockstep.trainer.observe.wandb_log import WandbRun
 from lockstep.trainer.state.checkpoint import (latest_checkpoint, load_latest, LoopState,
@@ -341,10 +341,15 @@ class Trainer:
         split.update(version_split_metrics(old.logprobs_BT, gen_BT, batch.rollout_logprobs_BT,
                                            mask_BT))  # pi_old/mu = version lag x engine
         moe_load = step_load_metrics(batch, old.stats, *self._load_shape())  # rollout/, actor/moe
-        return {"step": step, **self.reward_metrics(rewards_B, batch, group_B), **reward_m,
-                **corr.metrics, **split, **moe_load, "replay/mode": self.mode.value,
-                **stats_values(old.stats), **stats_values(upd.stats), **lr_m, **lag_m,
-                **self.rollout.counters(), "time/rollout_s": gen_s, **t.metrics()}
+        # bypass mode: the update recomputes rollout_corr/* against pi_theta (verl's metrics);
+        # the driver's pi_old-vs-mu_old ones are is_split/mismatch_*
+        driver_corr = {} if cfg.correction.bypass_mode else corr.metrics
+        return merge_metrics(
+            step={"step": step}, rewards=self.reward_metrics(rewards_B, batch, group_B),
+            reward_parts=reward_m, correction=driver_corr, is_split=split, expert_load=moe_load,
+            mode={"replay/mode": self.mode.value}, old_logprobs=stats_values(old.stats),
+            update=stats_values(upd.stats), lr_trigger=lr_m, versions=lag_m,
+            rollout=self.rollout.counters(), time={"time/rollout_s": gen_s, **t.metrics()})
 
     # -- pieces of the step ----------------------------------------------------------------
     def step_requests(self, step: int) -> tuple[list, list[GenerateRequest]]:

@@ -25,8 +25,8 @@ from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
 from lockstep.trainer.config.megatron import MegatronOptions  # no megatron-core import
-from lockstep.trainer.config.types import (ExperimentConfigError, Float, Section,
-                                            dataclass_section, need)
+from lockstep.trainer.config.types import (dataclass_section, ExperimentConfigError, Float, need,
+                                           Section)
 
 
 # why a bound is what it is, added to the message of a value outside it

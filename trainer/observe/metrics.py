@@ -16,7 +16,7 @@ import gzip
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,24 @@ PLOTS = {  # file name -> (title, metric keys)
 
 
 HISTORY_FILE = "metrics.jsonl.gz"  # a checkpoint's copy of metrics.jsonl
+
+
+class MetricKeyCollision(ValueError):
+    """Two parts of a step wrote the same metric key: one would silently replace the other."""
+
+
+def merge_metrics(**parts: Mapping[str, Any]) -> dict[str, Any]:
+    """One metrics row from the step's named parts, in order; a key two parts both write is
+    refused naming the key and both parts (a dict merge would keep the last one's value)."""
+    row: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for part, metrics in parts.items():
+        for k, v in metrics.items():
+            if k in owner:
+                raise MetricKeyCollision(f"metric {k!r} is written by both {owner[k]} and {part}")
+            owner[k] = part
+            row[k] = v
+    return row
 
 
 class MetricsFileError(ValueError):

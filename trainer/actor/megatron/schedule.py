@@ -23,7 +23,7 @@ from lockstep.trainer.actor.batch import Batch
 from lockstep.trainer.actor.batch import micro_batches, trim, trim_batch
 from lockstep.trainer.actor.megatron.logprob import vocab_parallel_logprobs
 from lockstep.trainer.actor.megatron.model import (forward_logits, is_last_stage, padded_length,
-                                             token_logprobs_entropy)
+                                                   token_logprobs_entropy)
 from lockstep.trainer.actor.megatron.replay import Mode
 from lockstep.trainer.actor.torch_actor import LossFn
 
