@@ -19,10 +19,17 @@ PLOTS = {  # file -> caption
     "confusion.png": "Expert confusion: expert the engine used (row) vs the actor's router (column)",
     "expert_load.png": "Share of the routed (token, k) slots per expert and MoE layer: the engine's routes vs the actor's router",
 }
+def _headline(m: dict) -> list[tuple[str, str]]:
+    """HEADLINE without the indexer rows of a model that has no indexer."""
+    return [(k, label) for k, label in HEADLINE if not k.startswith("indexer/") or k in m]
+
+
 HEADLINE = (
     ("routing/flip_rate", "flip rate, (token, layer) pairs"),
     ("routing/token_any_flip", "tokens with >= 1 flipped layer"),
     ("routing/topk_overlap", "top-k overlap"),
+    ("indexer/flip_rate", "indexer flip rate, picked keys (DSA models)"),
+    ("indexer/token_any_flip", "tokens with >= 1 indexer layer flipped"),
     ("rollout_corr/kl", "KL(mu_old || pi_old), k1"),
     ("rollout_corr/k3_kl", "k3 KL"),
     ("rollout_corr/chi2_token", "chi2, token"),
@@ -180,7 +187,7 @@ def summary_text(report: dict) -> str:
              f"{h['engine'].get('lm_head_dtype') or 'same'}), actor {h['actor']['dtype']}, "
              f"{m['diagnose/num_samples']} samples, {m['diagnose/num_response_tokens']} "
              f"response tokens, source {h['source']}"]
-    lines += [f"  {label:48s} {_fmt(m.get(key))}" for key, label in HEADLINE]
+    lines += [f"  {label:48s} {_fmt(m.get(key))}" for key, label in _headline(m)]
     lines.append("  flip rate per layer: " + "  ".join(
         f"L{r['layer']} {r['flip_rate']:.4f}" for r in report["per_layer"]))
     mg = report["margin"]
@@ -208,7 +215,7 @@ def write_html(report: dict, out: Path, plots: list[Path]) -> Path:
         f'<figure><img alt="{html.escape(p.name)}" src="data:image/png;base64,'
         f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(PLOTS[p.name])}'
         f"</figcaption></figure>" for p in plots)
-    head = _table(["metric", "name", "value"], [[label, key, m.get(key)] for key, label in HEADLINE])
+    head = _table(["metric", "name", "value"], [[label, key, m.get(key)] for key, label in _headline(m)])
     layers = _table(["layer", "flip rate", "top-k overlap", "flips", "margin median (flipped)",
                      "margin median (kept)"],
                     [[r["layer"], r["flip_rate"], r["topk_overlap"], r["flips"],

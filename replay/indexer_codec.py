@@ -13,12 +13,11 @@ SGLang ignores them and sends every row in int32):
   the first position returned, for a later turn that has the earlier rows already.
 - `lockstep_indexer_topk_encoding: "compact"` (`INDEXER_ENCODING_FIELD`), instead of "int32"
   (4 bytes per pick: at DeepSeek-V3.2's shape, 61 layers x 2048, 500 KB per token):
-  a row at position p < index_topk
-  picks every key 0..p, so nothing is sent for it; every other (row, layer) is sent either as
-  the gaps between its ascending positions in LEB128 varints ("delta": about a byte per pick
-  when picks are dense or local) or as a bitmap over its p + 1 causal keys ("bitmap":
-  (p + 1) / 8 bytes), whichever is smaller for the whole payload. Header: magic, version,
-  rows, layers, top-k, start, the body's kind.
+  a row at position p < index_topk picks every key 0..p, so nothing is sent for it; every
+  other row is sent either as the gaps between its ascending positions in LEB128 varints
+  ("delta": a byte per pick while gaps stay below 128) or as bitmaps over its p + 1 causal
+  keys ((p + 1) / 8 bytes per layer), whichever is smaller for that row (one flag bit each).
+  Header: magic, version, rows, layers, top-k, start, the bitmaps' bytes.
 
 Decoding validates (replay/indexer.py IndexerTrace): a wrong row count, layer count or
 position is an error naming the sample.
@@ -42,8 +41,7 @@ INDEXER_ENCODING_FIELD = "lockstep_indexer_topk_encoding"
 INDEXER_META_FIELD = "indexer_topk"
 ENCODINGS = ("int32", "compact")
 _MAGIC = b"LSIX"
-_HEADER = struct.Struct("<4sBIHIIB")  # magic, version, rows, layers, top-k, start, kind
-_DELTA, _BITMAP = 0, 1
+_HEADER = struct.Struct("<4sBIHIIQ")  # magic, version, rows, layers, top-k, start, bitmap bytes
 
 
 def _who(sample: int | None) -> str:
@@ -153,17 +151,34 @@ def _unleb128(body: np.ndarray, count: int, who: str) -> np.ndarray:
     return np.add.reduceat(contrib, starts).astype(np.int64)
 
 
-def encode_compact_bytes(trace: IndexerTrace) -> bytes:
-    N, L, K = trace.picks_NLK.shape
+def leb128_sizes(values: np.ndarray) -> np.ndarray:
+    n = np.ones(values.shape, dtype=np.int64)
+    for b in range(1, 10):
+        n += values >= (1 << (7 * b))
+    return n
+
+
+def compact_bodies(trace: IndexerTrace) -> tuple[np.ndarray, bytes, bytes]:
+    """(per chosen row: True where it goes as a bitmap, the bitmaps, the delta varints)."""
+    K, L = trace.top_k, trace.num_layers
     pos = np.arange(trace.start, trace.end)
     chosen = pos + 1 > K                                 # rows with a real choice
     picks = trace.to_int64().numpy()[chosen]             # [n, L, K], all valid
     gaps = np.diff(picks, axis=-1, prepend=-1) - 1       # >= 0 (ascending, distinct)
-    delta = _leb128(gaps.reshape(-1))
+    delta_size = leb128_sizes(gaps).sum((1, 2))
+    as_bitmap = (pos[chosen] + 1 + 7) // 8 * L < delta_size
     bitmap = b"".join(np.packbits(_row_bits(p_LK, p + 1), axis=-1).tobytes()
-                      for p_LK, p in zip(picks, pos[chosen]))
-    kind, body = (_DELTA, delta) if len(delta) <= len(bitmap) else (_BITMAP, bitmap)
-    return _HEADER.pack(_MAGIC, 1, N, L, K, trace.start, kind) + body
+                      for p_LK, p in zip(picks[as_bitmap], pos[chosen][as_bitmap]))
+    return as_bitmap, bitmap, _leb128(gaps[~as_bitmap].reshape(-1))
+
+
+def encode_compact_bytes(trace: IndexerTrace) -> bytes:
+    """Header, one flag bit per row with a choice (1: bitmap), the bitmap rows, the delta
+    rows' varints."""
+    N, L, K = trace.picks_NLK.shape
+    as_bitmap, bitmap, delta = compact_bodies(trace)
+    return (_HEADER.pack(_MAGIC, 1, N, L, K, trace.start, len(bitmap))
+            + np.packbits(as_bitmap.astype(np.uint8)).tobytes() + bitmap + delta)
 
 
 def _row_bits(picks_LK: np.ndarray, width: int) -> np.ndarray:
@@ -177,35 +192,37 @@ def decode_compact_bytes(raw: bytes, rows: int, num_layers: int, top_k: int, sta
     who = _who(sample)
     if len(raw) < _HEADER.size:
         raise RouteError(f"{who}: {len(raw)} bytes, shorter than the compact header")
-    magic, version, N, L, K, s, kind = _HEADER.unpack_from(raw)
-    if version != 1 or kind not in (_DELTA, _BITMAP):
-        raise RouteError(f"{who}: compact version {version} / kind {kind} is not known")
+    magic, version, N, L, K, s, n_bitmap = _HEADER.unpack_from(raw)
+    if version != 1:
+        raise RouteError(f"{who}: compact version {version} is not known")
     if (N, L, K, s) != (rows, num_layers, top_k, start):
         raise RouteError(f"{who}: compact payload holds {N} rows x {L} layers x {K} from "
                          f"position {s}, expected {rows} x {num_layers} x {top_k} from {start}")
-    body = np.frombuffer(raw, dtype=np.uint8, offset=_HEADER.size)
     pos = np.arange(start, start + N)
     chosen = pos + 1 > K
+    n = int(chosen.sum())
+    flags_end = _HEADER.size + (n + 7) // 8
+    body = np.frombuffer(raw, dtype=np.uint8, offset=0)
+    as_bitmap = np.unpackbits(body[_HEADER.size:flags_end])[:n].astype(bool)
     out = np.full((N, L, K), -1, dtype=np.int64)
     for i in np.nonzero(~chosen)[0]:                      # implicit: every causal key
         out[i, :, :pos[i] + 1] = np.arange(pos[i] + 1)
-    n = int(chosen.sum())
-    if kind == _DELTA:
-        gaps = _unleb128(body, n * L * K, who).reshape(n, L, K)
-        out[chosen] = np.cumsum(gaps + 1, axis=-1) - 1
-    else:
-        widths = (pos[chosen] + 1 + 7) // 8
-        if int(widths.sum()) * L != body.size:
-            raise RouteError(f"{who}: the bitmap body has {body.size} bytes, expected "
-                             f"{int(widths.sum()) * L}")
-        off = 0
-        for j, (i, w) in enumerate(zip(np.nonzero(chosen)[0], widths)):
-            bits = np.unpackbits(body[off:off + w * L].reshape(L, w), axis=-1)[:, :pos[i] + 1]
-            off += w * L
-            idx = [np.nonzero(b)[0] for b in bits]
-            if any(len(x) != K for x in idx):
-                raise RouteError(f"{who}: position {pos[i]}'s bitmap does not hold {K} keys")
-            out[i] = np.stack(idx)
+    rows_chosen = np.nonzero(chosen)[0]
+    widths = (pos[rows_chosen[as_bitmap]] + 1 + 7) // 8
+    if int(widths.sum()) * L != n_bitmap or flags_end + n_bitmap > body.size:
+        raise RouteError(f"{who}: the bitmap rows need {int(widths.sum()) * L} bytes, the "
+                         f"payload says {n_bitmap}")
+    off = flags_end
+    for i, w in zip(rows_chosen[as_bitmap], widths):
+        bits = np.unpackbits(body[off:off + w * L].reshape(L, w), axis=-1)[:, :pos[i] + 1]
+        off += w * L
+        idx = [np.nonzero(b)[0] for b in bits]
+        if any(len(x) != K for x in idx):
+            raise RouteError(f"{who}: position {pos[i]}'s bitmap does not hold {K} keys")
+        out[i] = np.stack(idx)
+    n_delta = int((~as_bitmap).sum())
+    gaps = _unleb128(body[off:], n_delta * L * K, who).reshape(n_delta, L, K)
+    out[rows_chosen[~as_bitmap]] = np.cumsum(gaps + 1, axis=-1) - 1
     return IndexerTrace(torch.from_numpy(out), start, sample)
 
 

@@ -10,6 +10,9 @@ last sampled token of a sample never went through the rollout engine, and paddin
 route, so those positions route naturally (their logits never enter the loss). Dense layers have
 no rows: the route tensors' layer axis is the model's MoE layers in order.
 
+Indexer picks (`ReplayOptions.indexer`, DSA models) follow the same plan with their own mode:
+r3 replays the engine's picks in every forward, r2 the old-logprob forward's in the updates.
+
 Gate weights (`ReplayOptions.gates`): "recompute" (the default, as every peer does) lets the
 trainer's router recompute the weights of the replayed experts; "engine" replays the weights
 too, from whoever picked the routes: the rollout engine under R3 (its returned gates), the
@@ -53,6 +56,10 @@ class ReplayMode(str, Enum):
 
 
 GATES = ("recompute", "engine")
+INDEXER_MODES = ("off", "r2", "r3")
+"""Indexer replay (DSA models): off (every forward picks its own keys), r2 (updates replay the
+old-logprob forward's picks), r3 (every forward replays the engine's picks); independent of
+the expert-routing mode (docs/replay.md "Indexer replay")."""
 PARTIAL_RULES = ("margin", "tolerance")
 
 
@@ -84,10 +91,13 @@ class ReplayOptions:
     gates: str = "recompute"  # GATES: recompute the replayed experts' weights, or replay them
     partial: PartialReplay | None = None  # None: replay every position that has a route
     bias_meter_rows: float = 0.125  # rows of the bias meter's extra forward (0 = none)
+    indexer: str = "off"  # INDEXER_MODES: which lightning-indexer picks DSA forwards replay
 
     def __post_init__(self) -> None:
         if self.gates not in GATES:
             raise ValueError(f"replay gates {self.gates!r}; valid: {list(GATES)}")
+        if self.indexer not in INDEXER_MODES:
+            raise ValueError(f"replay indexer {self.indexer!r}; valid: {list(INDEXER_MODES)}")
         if not 0.0 <= self.bias_meter_rows <= 1.0:
             raise ValueError(f"bias_meter_rows must be in [0, 1], got {self.bias_meter_rows!r}")
 

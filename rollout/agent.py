@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from lockstep.replay.indexer import IndexerTrace
 from lockstep.replay.trace import RoutingTrace
 from lockstep.rollout.env import MAX_TURNS, EnvConfig, EnvPool
 from lockstep.rollout.pins import TrajectoriesLost
@@ -175,6 +176,7 @@ class _Live:
     sampling_mask: list | None = None
     trace: RoutingTrace | None = None
     gates: list[torch.Tensor] = field(default_factory=list)  # per turn, rows as the trace's
+    picks: IndexerTrace | None = None  # DSA models: indexer picks, stitched like the routes
     first: GenerationResult | None = None
     info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
     done: bool = False
@@ -368,6 +370,8 @@ class TrajectoryRunner:
                     raise ValueError(f"{t.label}: gate weights {tuple(res.gates_NLK.shape)} "
                                      f"for routes {tuple(res.routes_NLK.shape)}")
                 t.gates.append(res.gates_NLK)
+        if res.indexer is not None:  # a later turn's rows start where the earlier ones end
+            t.picks = res.indexer if t.picks is None else t.picks.extend(res.indexer)
         if finish == "abort":
             self._error(t, "aborted", f"{t.label}: the engine aborted turn "
                                       f"{len(t.info.turns) - 1}")
@@ -427,7 +431,8 @@ class TrajectoryRunner:
                                        max_new_tokens=min(sp.max_new_tokens, room))
         return dataclasses.replace(
             r, input_ids=list(t.ids), sampling=sampling, rid=f"{r.rid}-{t.index}-t{turn}",
-            routes_start=t.trace.end if t.trace is not None else 0, trajectories=(t.name,))
+            routes_start=t.trace.end if t.trace is not None else 0, trajectories=(t.name,),
+            indexer_start=t.picks.end if t.picks is not None else 0)
 
     def _fail(self, t: _Live, scores, label: str) -> None:
         kind = next((k for k in ERROR_KINDS if scores.errors.get(k)), "raised")
@@ -446,6 +451,8 @@ class TrajectoryRunner:
         first = t.first
         if t.trace is not None:
             t.trace.check(P, R, t.trace.num_layers, t.trace.top_k, self.num_experts)
+        if t.picks is not None:
+            t.picks.check(P, R, t.picks.num_layers, t.picks.top_k)
         return GenerationResult(
             rid=first.rid, index=first.index, prompt_ids=t.ids[:P], output_ids=t.ids[P:],
             output_logprobs=torch.cat(t.logprobs), sampling_logprobs=torch.cat(t.sampling_logprobs),
@@ -454,5 +461,6 @@ class TrajectoryRunner:
             weight_version=first.weight_version,
             routes_NLK=None if t.trace is None else t.trace.ids_NLK, routes_start=0,
             gates_NLK=torch.cat(t.gates) if t.gates and len(t.gates) == len(t.info.turns) else None,
+            indexer=t.picks,
             sampling_mask=t.sampling_mask, sampled_mask=torch.tensor(t.sampled, dtype=torch.bool),
             trajectory=t.info)

@@ -35,6 +35,7 @@ from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs
 from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import save_config
+from lockstep.trainer.config.replay import wants_indexer_picks
 from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
 from lockstep.trainer.driver.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.driver.lr_trigger import LRTrigger
@@ -366,10 +367,11 @@ class Trainer:
         base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24)
         # the engine's gate weights: replay.gates=engine under R3 (R2 records the actor's own)
         gates = self.cfg.replay.gates == "engine" and self.mode is ReplayMode.R3
+        picks = wants_indexer_picks(self.cfg)
         return [GenerateRequest(list(p.ids), SamplingParams(
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n), rid=f"s{step}p{i}",
-            return_sampling_mask=ro.mask_replay, return_gates=gates)
+            return_sampling_mask=ro.mask_replay, return_gates=gates, return_indexer_topk=picks)
             for i, p in enumerate(prompts)]
 
     def trigger_lr(self, step: int, batch: Batch, corr: CorrectionResult,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from lockstep.replay import RoutingTrace, batch_traces
+from lockstep.replay import RoutingTrace, batch_indexer_traces, batch_traces
 from lockstep.rollout.types import GenerationResult
 
 
@@ -49,6 +49,11 @@ class Batch:
     turn_BT: torch.Tensor | None = None  # int8, multi-turn trajectories only: the turn index of
     # the token at t (an observation carries the index of the turn it answers), -1 at the first
     # prompt and padding; observation tokens = turn_BT >= 0 and not response_mask_BT
+    rollout_indexer_BTLK: torch.Tensor | None = None  # int32, DSA models: the engine's indexer
+    # picks (request-local key positions per indexer layer, -1 padded; replay/indexer.py)
+    rollout_indexer_valid_BT: torch.Tensor | None = None  # bool: rows that have engine picks
+    recorded_indexer_BTLK: torch.Tensor | None = None  # int32: the old-logprob forward's own
+    # picks (replay.indexer=r2 replays them in the updates; set by policy_update)
 
     @property
     def size(self) -> int:
@@ -117,8 +122,24 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
     routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
     cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
     gates = _gates(results, T, routes) if any(r.gates_NLK is not None for r in results) else None
+    picks, picks_valid = _indexer(results, T, seq_lens)
     return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS,
-                 gates, turn_BT=turn_BT)
+                 gates, turn_BT=turn_BT, rollout_indexer_BTLK=picks,
+                 rollout_indexer_valid_BT=picks_valid)
+
+
+def _indexer(results: Sequence[GenerationResult], T: int, seq_lens: list[int]):
+    """The engine's indexer picks, right-padded (replay/indexer.py); all samples or none."""
+    traces = [r.indexer for r in results]
+    if all(t is None for t in traces):
+        return None, None
+    missing = [b for b, t in enumerate(traces) if t is None]
+    if missing:
+        raise ValueError(f"samples {missing[:8]} of {len(traces)} have no indexer picks; all or "
+                         f"none must")
+    for b, (r, t) in enumerate(zip(results, traces)):
+        t.check(r.prompt_tokens, r.completion_tokens, t.num_layers, t.top_k, sample=b)
+    return batch_indexer_traces(traces, T, seq_lens)
 
 
 def _gates(results: Sequence[GenerationResult], T: int, routes_BTLK) -> torch.Tensor:

@@ -73,7 +73,7 @@ from lockstep.trainer.actor.batch import Batch, minibatch_schedule, trim_batch
 from lockstep.trainer.actor.versions import KeptVersions, positions, stale_versions, versions_of
 from lockstep.trainer.objective.correction import CorrectionConfig
 from lockstep.trainer.objective.losses import LossConfig, policy_loss
-from lockstep.trainer.objective.stats import Stats, route_stats
+from lockstep.trainer.objective.stats import Stats, indexer_stats, route_stats
 from lockstep.trainer.observe.expert_load import counted_tokens, load_count_stats
 
 SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
@@ -205,6 +205,9 @@ class RankActor:
         kept.clear()  # a step never updated (a failed run) leaves nothing behind
         kept[step] = (res.routes_BTLK, res.natural_BTLK,
                       res.gates_BTLK if self.replay_options.replays_gates else None)
+        picks = getattr(res, "indexer_BTLK", None)  # DSA models (the torch actor)
+        if self.replay_options.indexer == "r2":
+            self._kept_picks = (step, picks)
         stats: Stats = {}
         if batch.rollout_routes_BTLK is not None:
             stats = route_stats(batch.rollout_routes_BTLK, res.natural_BTLK,
@@ -213,6 +216,10 @@ class RankActor:
             if batch.turn_BT is not None:  # multi-turn: by sampled / observation token, by turn
                 stats.update(split_route_stats(batch, res.natural_BTLK, self._layer_names(),
                                                self.dp_rank == 0))
+        if picks is not None and batch.rollout_indexer_BTLK is not None:  # beside the routes'
+            stats.update(indexer_stats(batch.rollout_indexer_BTLK, picks,
+                                       batch.rollout_indexer_valid_BT,
+                                       self.model_cfg.indexer_layer_ids, self.dp_rank == 0))
         # the actor's own expert load (its natural top-k), summed over ranks by the driver
         stats.update(load_count_stats(res.natural_BTLK, counted_tokens(
             batch.response_mask_BT, batch.seq_lens_B), self._layer_names(),
@@ -226,6 +233,12 @@ class RankActor:
             raise RuntimeError(f"policy_update(step={step}) without old_logprobs of that step "
                                f"on rank {self.dp_rank} (kept: {sorted(kept)})")
         recorded_BTLK, old_natural_BTLK, recorded_gates_BTLK = kept.pop(step)
+        if self.replay_options.indexer == "r2":  # the updates replay pi_old's own picks
+            kept_step, picks = getattr(self, "_kept_picks", (None, None))
+            if kept_step != step or picks is None:
+                raise RuntimeError(f"replay.indexer=r2: no indexer picks of step {step}'s "
+                                   f"old-logprob forward on rank {self.dp_rank}")
+            batch = dataclasses.replace(batch, recorded_indexer_BTLK=picks)
         up = update_plan(mode, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT,
                          recorded_routes_BTLK=recorded_BTLK, recorded_valid_BT=batch.token_mask_BT,
                          rollout_gates_BTLK=self._rollout_gates(batch, mode),

@@ -58,6 +58,7 @@ class LogprobResult:
     natural_BTLK: torch.Tensor       # compact: the router's own top-k at every position
     routes_BTLK: torch.Tensor | None  # compact: routes the forward ran (when record=True)
     gates_BTLK: torch.Tensor | None = None  # their gate weights, compute dtype (record=True)
+    indexer_BTLK: torch.Tensor | None = None  # int32, DSA models: the indexers' own picks
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -177,11 +178,14 @@ class TorchActor(RankActor):
         routes = None if routes_BTLK is None else routes_BTLK.to(dev)
         mask = (replay_mask_BT.to(dev) if routes_BTLK is not None
                 and replay_mask_BT is not None else None)
+        picks, picks_mask = self._indexer_replay(batch, what)
         out = model(ids, routed_experts_BTLK=routes, replay_mask_BT=mask, compute_logits=False,
                     routed_gates_BTLK=None if gates_BTLK is None else gates_BTLK.to(dev),
                     replay_check=None if routes is None else self._route_check(
                         routes, mask, batch.token_mask_BT.to(dev), rows, what),
-                    partial_replay=self.replay_options.partial)
+                    partial_replay=self.replay_options.partial,
+                    indexer_topk_BTLK=None if picks is None else picks.to(dev),
+                    indexer_mask_BT=None if picks_mask is None else picks_mask.to(dev))
         # position t-1's hidden state predicts the token at t
         cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:].to(dev)
         lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
@@ -189,6 +193,22 @@ class TorchActor(RankActor):
                                    candidates_NS=cand, chunk_size=self.cfg.logprob_chunk)
         zero = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
+
+    def _indexer_replay(self, batch: Batch, what: str):
+        """(picks, mask) the forward replays (replay.indexer): the engine's in every forward
+        under r3, the old-logprob forward's in the updates under r2; (None, None) otherwise."""
+        mode = self.replay_options.indexer
+        if mode == "r3":
+            if batch.rollout_indexer_BTLK is None:
+                raise ValueError("replay.indexer=r3 needs the engine's indexer picks, but the "
+                                 "batch has none (the rollout backend did not return them)")
+            return batch.rollout_indexer_BTLK, batch.rollout_indexer_valid_BT
+        if mode == "r2" and what == UPDATE_FORWARD:
+            if batch.recorded_indexer_BTLK is None:
+                raise ValueError("replay.indexer=r2: the update has no recorded picks of the "
+                                 "old-logprob forward")
+            return batch.recorded_indexer_BTLK, batch.token_mask_BT
+        return None, None
 
     def _route_check(self, routes_BTLK, mask_BT, tokens_BT, rows, what) -> RouteCheck | None:
         """The replay validator's ledger of one forward (`replay.check`; None when off)."""
@@ -235,6 +255,9 @@ class TorchActor(RankActor):
             if record else None
         used_gates_BTLK = torch.zeros(B, T, L, K, dtype=self.compute.compute_dtype,
                                       device=host) if record else None
+        mcfg = self.master.cfg
+        picks_BTLK = torch.full((B, T, mcfg.num_indexer_layers, mcfg.index_topk), -1,
+                                dtype=torch.int32, device=host) if mcfg.is_dsa else None
         for idx in micro_batches(torch.arange(B, device="cpu"), batch.seq_lens_B, self.cfg):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
@@ -245,9 +268,11 @@ class TorchActor(RankActor):
             if record:
                 used_BTLK[idx, :t] = out.routes_BTLK.to(self._route_store).cpu()
                 used_gates_BTLK[idx, :t] = out.gates_BTLK.cpu()
+            if picks_BTLK is not None:
+                picks_BTLK[idx, :t] = out.indexer_natural_BTLK.to(torch.int32).cpu()
         return LogprobResult(lp_BT, ent_BT, nat_BTLK.view(self.route_dtype),
                              None if used_BTLK is None else used_BTLK.view(self.route_dtype),
-                             used_gates_BTLK)
+                             used_gates_BTLK, picks_BTLK)
 
     # -- update --------------------------------------------------------------------------
     def update(self, batch: Batch, loss_fn: LossFn, routes_BTLK: torch.Tensor | None = None,

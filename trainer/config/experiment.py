@@ -192,7 +192,7 @@ class ExperimentConfig(Section):
         if not self.actor.fp8:  # likewise
             d["actor"].pop("fp8")
         # replay options at their defaults: as before they existed
-        for k in ("gates", "check", "min_overlap", "partial", "bias_meter_rows"):
+        for k in ("gates", "check", "min_overlap", "partial", "bias_meter_rows", "indexer"):
             if d["replay"][k] == ReplayConfig.model_fields[k].default:
                 d["replay"].pop(k)
         for k in _LATER_MEGATRON_KEYS:  # likewise

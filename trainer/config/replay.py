@@ -48,19 +48,28 @@ class ReplayConfig(Section):
     bias_meter_rows: Float = Field(0.125, ge=0.0, le=1.0)
     """Fraction of rows the replay bias meter re-runs after each update, replayed and natural
     (replay_bias/k3; 0 = only the flip rate; docs/replay.md)."""
+    indexer: Literal["off", "r2", "r3"] = "off"
+    """DSA models (deepseek_v32, glm_moe_dsa): lightning-indexer replay, independent of mode:
+    off (every forward picks its own keys), r2 (updates replay the old-logprob forward's
+    picks), r3 (every forward replays the engine's picks; docs/replay.md "Indexer replay")."""
 
     def options(self) -> ReplayOptions:
         """What the actor needs beyond the mode (lockstep.replay.ReplayOptions)."""
         p = self.partial
         return ReplayOptions(gates=self.gates, partial=None if p is None else
                              PartialReplay(p.rule, p.threshold),
-                             bias_meter_rows=self.bias_meter_rows)
+                             bias_meter_rows=self.bias_meter_rows, indexer=self.indexer)
 
 
 def check_replay(cfg) -> None:
-    """replay.gates=engine and replay.partial: what they need of the mode, the rollout
-    backend and the actor (`cfg`: the ExperimentConfig being validated)."""
+    """replay.gates=engine, replay.partial and replay.indexer: what they need of the mode, the
+    model, the rollout backend and the actor (`cfg`: the ExperimentConfig being validated)."""
     rp = cfg.replay
+    if rp.indexer != "off":
+        need(cfg.model.is_dsa,
+             f"replay.indexer={rp.indexer} replays lightning-indexer picks, but model_type "
+             f"{cfg.model.model_type} has no indexer (DSA models: deepseek_v32, glm_moe_dsa); "
+             f"set replay.indexer=off")
     if rp.partial is not None:
         need(rp.mode is not ReplayMode.OFF,
              "replay.partial narrows where routes are replayed, but replay.mode=off "
@@ -81,3 +90,13 @@ def check_replay(cfg) -> None:
          "replay.gates=engine is not available with actor.backend=megatron: megatron-core's "
          "RouterReplay recomputes the gate weights of replayed ids and takes no given ones; "
          "use actor.backend=torch or replay.gates=recompute")
+
+
+def wants_indexer_picks(cfg) -> bool:
+    """Whether rollouts ask the engine for its indexer picks (`return_indexer_topk`): DSA
+    models under replay.indexer=r3, and under the other modes from lockstep's own engines
+    (embedded, ray, serve), for the indexer flip rate. A real SGLang returns them only with
+    --enable-return-indexer-topk on CUDA / NPU, so it is asked only when r3 needs them."""
+    if not cfg.model.is_dsa:
+        return False
+    return cfg.replay.indexer == "r3" or cfg.rollout.backend in ("embedded", "ray", "serve")

@@ -9,7 +9,8 @@ add up.
 - `masked_sum` / `masked_mean`: `where` first, so NaN/inf outside a 0/1 mask cannot leak in;
   the mean divides by (count + 1e-8) as verl does (0 on an empty mask).
 - `Stats`: metric -> (sum, count) of one rank, added over ranks (`add_stats`) and divided once
-  (`stats_values`); `route_stats` puts `compare_routes`' flip metrics in that form.
+  (`stats_values`); `route_stats` puts `compare_routes`' flip metrics in that form,
+  `indexer_stats` the lightning indexer's (`indexer_flip_rate`).
 
 Any shape: the masked functions take a mask of the value's shape (or broadcastable to it).
 """
@@ -20,6 +21,7 @@ import math
 
 import torch
 
+from lockstep.replay.indexer import indexer_flip_rate
 from lockstep.replay.route_divergence import compare_routes
 
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exp (verl's value)
@@ -97,4 +99,21 @@ def route_stats(a_BTLK: torch.Tensor, b_BTLK: torch.Tensor, valid_BT: torch.Tens
         out[f"{prefix}/flip_rate/layer_{int(i)}"] = (f, n)
     out[f"{prefix}/token_any_flip"] = (float(cmp.any_flip_BT.sum()), n)
     out[f"{prefix}/topk_overlap"] = (float(cmp.overlap_BTL.sum(dtype=torch.float64)), n * L)
+    return out
+
+
+def indexer_stats(a_BTLK: torch.Tensor, b_BTLK: torch.Tensor, valid_BT: torch.Tensor,
+                  layer_names, first: bool) -> Stats:
+    """`indexer_flip_rate` of two forwards' indexer picks as (sum, count) pairs:
+    indexer/flip_rate (the share of a's picked keys b did not pick, over (token, indexer
+    layer) pairs that had a choice), `/layer_<i>` (decoder layer ids), indexer/token_any_flip
+    and indexer/num_tokens. Shapes: B rows, T time, L indexer layers, K index_topk."""
+    r = indexer_flip_rate(a_BTLK, b_BTLK, valid_BT)
+    n_rows = float(r["rows"])
+    n = n_rows / max(len(layer_names), 1)
+    out: Stats = {"indexer/flip_rate": (float(r["flip_rate"]) * n_rows, n_rows),
+                  "indexer/token_any_flip": (float(r["token_any_flip"]) * n, n),
+                  "indexer/num_tokens": (n, 1.0 if first else 0.0)}
+    for i, f in zip(layer_names, r["flip_rate_layers"].tolist()):
+        out[f"indexer/flip_rate/layer_{int(i)}"] = (f * n, n)
     return out

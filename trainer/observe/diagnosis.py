@@ -67,6 +67,20 @@ def _thresholds(corr: dict[str, Any]) -> tuple[float, tuple[float, float]]:
     return tis, (icepop[1], icepop[0])
 
 
+def indexer_metrics(rollout_BTLK, actor_BTLK, valid_BT, model: dict) -> dict[str, float]:
+    """indexer/flip_rate, per layer and token_any_flip (`replay.indexer_flip_rate`, the
+    numbers training logs)."""
+    from lockstep.replay import indexer_flip_rate
+
+    r = indexer_flip_rate(rollout_BTLK, actor_BTLK, valid_BT)
+    layers = model.get("indexer_layer_ids") or list(range(rollout_BTLK.shape[2]))
+    out = {"indexer/flip_rate": float(r["flip_rate"]),
+           "indexer/token_any_flip": float(r["token_any_flip"])}
+    out.update({f"indexer/flip_rate/layer_{int(i)}": float(f)
+                for i, f in zip(layers, r["flip_rate_layers"].tolist())})
+    return out
+
+
 def confusion(rollout_NLK: torch.Tensor, actor_NLK: torch.Tensor, E: int) -> torch.Tensor:
     """[L, E, E] counts: row = expert the engine used, column = expert the actor's router
     picked. Experts in both sets count on the diagonal; at a flipped (token, layer) the experts
@@ -105,6 +119,9 @@ def analyze(rec: StepRecord, tokenizer=None, top_tokens: int = 12,
         for name, m_BT in (("sampled", resp_BT), ("observation", obs_BT)):
             part = compare_routes(t["rollout_routes"], t["actor_routes"], valid_BT & m_BT)
             metrics[f"routing/{name}/flip_rate"] = part.metrics("r", layers)["r/flip_rate"]
+    if "rollout_indexer" in t:  # DSA models: the indexer flip rate, as training logs it
+        metrics.update(indexer_metrics(t["rollout_indexer"], t["actor_indexer"],
+                                       t["rollout_indexer_valid"], h["model"]))
     corr_cfg = CorrectionConfig.from_dict(h["correction"])
     mask_f = resp_BT.float()
     metrics.update(correct(corr_cfg, t["old_logprobs"], t["rollout_logprobs"], mask_f).metrics)

@@ -22,6 +22,10 @@ A dump holds, per sample b (all per-token tensors aligned with `input_ids`, as i
                               sampled (the trained ones); the others after the prompt are
                               observations, which have routes but no rollout log-prob
   turns [B, T] int8           multi-turn only: each token's turn index (-1 at the prompt)
+  rollout_indexer, actor_indexer [B, T, Li, Ki] int32   DSA models only: the engine's
+                              lightning-indexer picks and the actor's own in the pi_old forward
+                              (request-local key positions, -1 padded; replay/indexer.py),
+                              rollout_indexer_valid [B, T] bool
   rewards [B] fp32
 and the header (safetensors metadata key `lockstep`, JSON): format, version, step,
 weight_version, replay_mode, model shape, task, engine (`rollout` section), actor, correction.
@@ -95,9 +99,12 @@ class StepRecord:
 # ---------------------------------------------------------------- building a record
 def model_header(cfg) -> dict[str, Any]:
     """The model fields a dump needs (from a `ModelConfig`)."""
-    return {"num_experts": cfg.num_experts, "num_moe_layers": cfg.num_moe_layers,
-            "top_k": cfg.num_experts_per_tok, "vocab_size": cfg.vocab_size,
-            "moe_layer_ids": list(cfg.moe_layer_ids)}
+    out = {"num_experts": cfg.num_experts, "num_moe_layers": cfg.num_moe_layers,
+           "top_k": cfg.num_experts_per_tok, "vocab_size": cfg.vocab_size,
+           "moe_layer_ids": list(cfg.moe_layer_ids)}
+    if cfg.is_dsa:  # (left out otherwise: older dumps' headers read as before)
+        out["indexer_layer_ids"] = list(cfg.indexer_layer_ids)
+    return out
 
 
 def run_header(cfg, step: int, weight_version: str, source: str) -> dict[str, Any]:
@@ -151,10 +158,13 @@ def actor_fields(actor, batch, mode: ReplayMode, old=None) -> dict[str, torch.Te
         batch, batch.rollout_routes_BTLK, batch.rollout_routes_valid_BT).logprobs_BT
     model = actor.compute if hasattr(actor, "compute") else actor.master
     _, margin_BTL = router_margins(model, batch, plan.routes_BTLK, plan.replay_mask_BT)
-    return {"old_logprobs": old.logprobs_BT.float().cpu(), "natural_logprobs": natural.float().cpu(),
-            "replayed_logprobs": replayed.float().cpu(),
-            "actor_routes": old.natural_BTLK.to("cpu", batch.rollout_routes_BTLK.dtype),
-            "router_margin": margin_BTL.float().cpu()}
+    out = {"old_logprobs": old.logprobs_BT.float().cpu(), "natural_logprobs": natural.float().cpu(),
+           "replayed_logprobs": replayed.float().cpu(),
+           "actor_routes": old.natural_BTLK.to("cpu", batch.rollout_routes_BTLK.dtype),
+           "router_margin": margin_BTL.float().cpu()}
+    if getattr(old, "indexer_BTLK", None) is not None:  # DSA models: the actor's own picks
+        out["actor_indexer"] = old.indexer_BTLK.to("cpu", torch.int32)
+    return out
 
 
 def record_step(actor, batch, rewards_B: torch.Tensor, header: dict[str, Any],
@@ -175,6 +185,9 @@ def record_step(actor, batch, rewards_B: torch.Tensor, header: dict[str, Any],
          "rollout_routes_valid": batch.rollout_routes_valid_BT, "rewards": rewards_B.float()}
     if batch.candidates_BTS is not None:
         t["candidates"] = batch.candidates_BTS
+    if batch.rollout_indexer_BTLK is not None and "actor_indexer" in t:
+        t["rollout_indexer"] = batch.rollout_indexer_BTLK.to(torch.int32)
+        t["rollout_indexer_valid"] = batch.rollout_indexer_valid_BT
     if batch.turn_BT is not None:
         t["sampled_mask"], t["turns"] = batch.response_mask_BT, batch.turn_BT
     return StepRecord(header, {k: v.detach().cpu().clone() for k, v in t.items()})
@@ -325,6 +338,8 @@ def validate(rec: StepRecord, where: str = "dump") -> None:
                             f"layer {layer} is not a probability gap in [0, 1]")
         if not math.isfinite(float(t["rewards"][b])):
             raise DumpError(f"{s}, field 'rewards': {float(t['rewards'][b])} is not finite")
+    if any(k in t for k in INDEXER_FIELDS):
+        _check_indexer(t, B, T, seq, where)
     if "candidates" in t:
         c = t["candidates"]
         if c.dim() != 3 or c.shape[:2] != (B, T) or c.dtype.is_floating_point:
@@ -335,6 +350,30 @@ def validate(rec: StepRecord, where: str = "dump") -> None:
             b, p, j = (int(x) for x in bad[0])
             raise DumpError(f"{where}: sample {b}, field 'candidates': id {int(c[b, p, j])} at "
                             f"position {p} is outside [-1, {V})")
+
+
+INDEXER_FIELDS = ("rollout_indexer", "actor_indexer", "rollout_indexer_valid")
+
+
+def _check_indexer(t: dict[str, torch.Tensor], B: int, T: int, seq: list[int],
+                   where: str) -> None:
+    """The DSA fields: all three or none, shapes alike, rows valid (replay/indexer.py)."""
+    from lockstep.replay.indexer import validate_picks
+
+    missing = [k for k in INDEXER_FIELDS if k not in t]
+    if missing:
+        _fail(where, f"indexer fields {missing} are missing (a DSA dump has all of "
+                     f"{list(INDEXER_FIELDS)})")
+    a, r = t["actor_indexer"], t["rollout_indexer"]
+    if a.dim() != 4 or a.shape != r.shape or a.shape[:2] != (B, T):
+        _fail(where, f"fields 'rollout_indexer' {tuple(r.shape)} and 'actor_indexer' "
+                     f"{tuple(a.shape)} must both be [B={B}, T={T}, indexer layers, index_topk]")
+    for b in range(B):
+        for k in ("rollout_indexer", "actor_indexer"):
+            try:
+                validate_picks(t[k][b, :seq[b] - 1], 0)
+            except RouteError as e:
+                raise DumpError(f"{where}: sample {b}, field '{k}': {e}") from None
 
 
 def _check_multi_turn(t: dict[str, torch.Tensor], B: int, T: int, where: str) -> None:

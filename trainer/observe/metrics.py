@@ -244,6 +244,9 @@ def summarize(rows: list[dict[str, Any]], window: int = 20) -> dict[str, float]:
            "routing/flip_rate_mean": mean("routing/flip_rate", rows),
            "routing/token_any_flip_mean": mean("routing/token_any_flip", rows),
            "time/steps_total_s": sum(r.get("time/step_s") or 0.0 for r in rows)}
+    if any("indexer/flip_rate" in r for r in rows):  # DSA models (replay.indexer)
+        for key in ("indexer/flip_rate", "indexer/token_any_flip", "replay/mismatch"):
+            out[f"{key}_mean"] = mean(key, rows)
     if any("agent/turns_mean" in r for r in rows):  # multi-turn runs (rollout.env)
         for key in ("agent/turns_mean", "agent/tool_call_rate", "agent/errors"):
             out[f"{key}_first"], out[f"{key}_last"] = mean(key, first), mean(key, last)
