@@ -16,6 +16,7 @@ block-FP8 path loads. Reading such a folder dequantises (moe/hf_lazy.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -54,44 +55,64 @@ def hf_state_dict(model: MoEModel) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight}
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
-        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        mixer = "linear_attn." if cfg.layer_type(i) == "linear_attention" else "self_attn."
-        for name, t in layer.self_attn.named_parameters():
-            sd[p + mixer + name] = t
-        if layer.is_moe:
-            mlp = layer.mlp
-            if cfg.model_type == "gpt_oss":  # stacked experts, as transformers stores them
-                m = p + "mlp."
-                sd[m + "router.weight"], sd[m + "router.bias"] = mlp.gate.weight, mlp.gate.bias
-                for name, t in mlp.experts.named_parameters():
-                    sd[m + "experts." + name] = t
-                continue
-            if cfg.model_type == "mixtral":
-                m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
-            else:
-                m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-            sd[m + "gate.weight"] = mlp.gate.weight
-            if mlp.e_score_correction_bias is not None:
-                sd[m + "gate.e_score_correction_bias"] = mlp.e_score_correction_bias
-            I = cfg.moe_intermediate_size
-            gu, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
-            for e in range(cfg.num_experts):
-                sd[m + f"experts.{e}.{names[0]}.weight"] = gu[e, :I]
-                sd[m + f"experts.{e}.{names[1]}.weight"] = gu[e, I:]
-                sd[m + f"experts.{e}.{names[2]}.weight"] = down[e]
-            for shared in ("shared_experts", "shared_expert", "shared_expert_gate"):
-                if hasattr(mlp, shared):
-                    for name, t in getattr(mlp, shared).named_parameters():
-                        sd[m + f"{shared}.{name}"] = t
-        else:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                sd[p + f"mlp.{n}.weight"] = getattr(layer.mlp, n).weight
+        _layer_tensors(cfg, i, layer, sd)
+    for k, mtp in enumerate(model.mtp):  # DeepSeek's layout: decoder layer L + k (moe/mtp.py)
+        p = f"model.layers.{cfg.num_hidden_layers + k}."
+        for name in ("enorm", "hnorm", "eh_proj"):
+            sd[p + name + ".weight"] = getattr(mtp, name).weight
+        sd[p + "shared_head.norm.weight"] = mtp.post_norm.weight
+        _layer_tensors(cfg, cfg.num_hidden_layers + k, mtp.block, sd)
     sd["model.norm.weight"] = model.norm.weight
     if model.lm_head is not None:
         sd["lm_head.weight"] = model.lm_head.weight
     return sd
+
+
+def mtp_copies(cfg: ModelConfig) -> set[str]:
+    """Names an MTP layer of a released checkpoint may carry that are copies of the main
+    model's embedding and LM head (transformers' MtpModel ignores them, so do we)."""
+    return {f"model.layers.{cfg.num_hidden_layers + k}.{n}.weight"
+            for k in range(cfg.num_nextn_predict_layers)
+            for n in ("embed_tokens", "shared_head.head")}
+
+
+def _layer_tensors(cfg: ModelConfig, i: int, layer, sd: dict[str, torch.Tensor]) -> None:
+    """Decoder layer i's tensors under their HF names (into `sd`)."""
+    p = f"model.layers.{i}."
+    sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+    sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    mixer = "linear_attn." if i < cfg.num_hidden_layers and \
+        cfg.layer_type(i) == "linear_attention" else "self_attn."
+    for name, t in layer.self_attn.named_parameters():
+        sd[p + mixer + name] = t
+    if layer.is_moe:
+        mlp = layer.mlp
+        if cfg.model_type == "gpt_oss":  # stacked experts, as transformers stores them
+            m = p + "mlp."
+            sd[m + "router.weight"], sd[m + "router.bias"] = mlp.gate.weight, mlp.gate.bias
+            for name, t in mlp.experts.named_parameters():
+                sd[m + "experts." + name] = t
+            return
+        if cfg.model_type == "mixtral":
+            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+        else:
+            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        sd[m + "gate.weight"] = mlp.gate.weight
+        if mlp.e_score_correction_bias is not None:
+            sd[m + "gate.e_score_correction_bias"] = mlp.e_score_correction_bias
+        I = cfg.moe_intermediate_size
+        gu, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+        for e in range(cfg.num_experts):
+            sd[m + f"experts.{e}.{names[0]}.weight"] = gu[e, :I]
+            sd[m + f"experts.{e}.{names[1]}.weight"] = gu[e, I:]
+            sd[m + f"experts.{e}.{names[2]}.weight"] = down[e]
+        for shared in ("shared_experts", "shared_expert", "shared_expert_gate"):
+            if hasattr(mlp, shared):
+                for name, t in getattr(mlp, shared).named_parameters():
+                    sd[m + f"{shared}.{name}"] = t
+    else:
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            sd[p + f"mlp.{n}.weight"] = getattr(layer.mlp, n).weight
 
 
 def check_tensors(targets: dict[str, torch.Tensor], sd: Mapping[str, torch.Tensor],
@@ -152,8 +173,9 @@ def load_hf_state_dict(model: MoEModel, sd: Mapping[str, torch.Tensor]) -> None:
     """
     targets = hf_state_dict(model)
     if isinstance(sd, LazyHF):
-        return _load_lazily(targets, sd, tied=model.lm_head is None)
-    extra = dict(sd)
+        return _load_lazily(targets, sd, tied=model.lm_head is None,
+                            skip=mtp_copies(model.cfg))
+    extra = {k: v for k, v in sd.items() if k not in mtp_copies(model.cfg)}
     if model.lm_head is None:
         extra.pop("lm_head.weight", None)
     check_tensors(targets, extra)
@@ -161,13 +183,15 @@ def load_hf_state_dict(model: MoEModel, sd: Mapping[str, torch.Tensor]) -> None:
         t.copy_(extra[k].to(t.dtype))
 
 
-def _load_lazily(targets: dict[str, torch.Tensor], hf: LazyHF, tied: bool) -> None:
+def _load_lazily(targets: dict[str, torch.Tensor], hf: LazyHF, tied: bool,
+                 skip: set[str] = frozenset()) -> None:
     """`load_hf_state_dict` from a `LazyHF`, one tensor in memory at a time: names and shapes
     are checked from the headers first (`check_tensors`' message), each tensor's dtype and
     finiteness before its copy (a bad tensor stops a half-loaded model: for models being
     built, e.g. `load_hf`)."""
     check_tensors(targets, {k: torch.empty(hf.shape(k), device="meta") for k in hf
-                            if not (tied and k == "lm_head.weight")}, values=False)
+                            if not (tied and k == "lm_head.weight") and k not in skip},
+                  values=False)
     for k, t in targets.items():
         src = hf[k]
         check_tensors({k: t}, {k: src})
@@ -290,9 +314,15 @@ def load_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Mo
     """Build a model from an HF folder of a supported family (ours or one written by
     transformers); the family comes from config.json's model_type."""
     cfg = ModelConfig.from_json(folder)
+    hf = LazyHF(folder, dtype=None)
+    if cfg.num_nextn_predict_layers and \
+            f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" not in hf:
+        # config.json names MTP layers whose weights the folder does not hold (transformers'
+        # save_pretrained writes num_nextn_predict_layers but not the MTP weights)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     model = MoEModel(cfg)
     try:  # one tensor at a time: the model plus one tensor in memory
-        load_hf_state_dict(model, LazyHF(folder, dtype=None))
+        load_hf_state_dict(model, hf)
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}") from None
     if dtype != torch.float32:

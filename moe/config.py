@@ -55,14 +55,14 @@ ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 MODEL_TYPES = tuple(ARCHITECTURES)
-_DSA_IGNORED = {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts", "qk_head_dim",
+_DSA_IGNORED = {"n_routed_experts", "qk_head_dim",
                 "pretraining_tp", "topk_method", "scoring_func", "ep_size", "moe_layer_freq",
                 "aux_loss_alpha", "seq_aux", "index_topk_freq", "index_skip_topk_offset",
                 "index_topk_pattern"}
 _IGNORED_PER_ARCH = {
     "mixtral": {"router_jitter_noise"},
-    "glm4_moe": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts"},
-    "deepseek_v3": {"num_nextn_predict_layers", "num_mtp_layers", "n_routed_experts",
+    "glm4_moe": {"n_routed_experts"},
+    "deepseek_v3": {"n_routed_experts",
                     "qk_head_dim", "pretraining_tp", "topk_method", "scoring_func",
                     "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux"},
     "deepseek_v32": _DSA_IGNORED,
@@ -290,8 +290,10 @@ class ModelConfig:
         return self.index_topk > 0
 
     def indexer_shared(self, i: int) -> bool:
-        """Decoder layer i reuses the previous full layer's indexer choice (GLM-5)."""
-        return self.indexer_types is not None and self.indexer_types[i] == "shared"
+        """Decoder layer i reuses the previous full layer's indexer choice (GLM-5); MTP layers
+        (i >= num_hidden_layers) run their own."""
+        return self.indexer_types is not None and i < self.num_hidden_layers and \
+            self.indexer_types[i] == "shared"
 
     @property
     def indexer_layer_ids(self) -> list[int]:
@@ -493,6 +495,7 @@ class ModelConfig:
             raise ConfigError(f"model_type {model_type!r} is not supported; expected one of "
                               f"{list(ARCHITECTURES)}")
         _merge_aliases(d, "num_experts", ("num_local_experts", "n_routed_experts"))
+        _merge_aliases(d, "num_nextn_predict_layers", ("num_mtp_layers",))
         missing = [k for k in _REQUIRED_HF_KEYS if k not in d and not (
             k == "moe_intermediate_size" and model_type in ("mixtral", "gpt_oss")
             and "intermediate_size" in d)]
@@ -592,7 +595,6 @@ class ModelConfig:
             NEW_FAMILY_WRITERS[mt](self, d)
         else:  # glm4_moe, deepseek_v3: DeepSeek spelling of the expert count
             d["n_routed_experts"] = d.pop("num_experts")
-            d["num_nextn_predict_layers"] = 0
         if mt == "glm4_moe":
             d["use_qk_norm"] = d.pop("qk_norm")
             d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
@@ -652,11 +654,11 @@ _FAMILY_HF_FIELDS = {
     "mixtral": (),
     "glm4_moe": ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                  "n_shared_experts", "first_k_dense_replace", "attention_bias", "qk_norm",
-                 "partial_rotary_factor"),
+                 "partial_rotary_factor", "num_nextn_predict_layers"),
     "deepseek_v3": ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                     "n_shared_experts", "first_k_dense_replace", "rope_interleave",
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                    "v_head_dim", "rope_scaling"),
+                    "v_head_dim", "rope_scaling", "num_nextn_predict_layers"),
     # attention_bias covers q, k, v and o (attention_out_bias follows it); intermediate_size
     # is the expert width (no dense layers), as Mixtral's
     "gpt_oss": ("layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha",

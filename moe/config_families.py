@@ -15,7 +15,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 _DSA_HF_FIELDS = ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                   "n_shared_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
                   "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_scaling",
-                  "index_topk", "index_head_dim", "index_n_heads")
+                  "index_topk", "index_head_dim", "index_n_heads", "num_nextn_predict_layers")
 _LINEAR_HF_FIELDS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
 

@@ -153,8 +153,9 @@ class DSAttention(MLAttention):
         if need_q:
             raise ValueError("DeepSeek sparse attention needs q_lora_rank")
         self.indexer = None if cfg.indexer_shared(layer_idx) else Indexer(cfg)
-        self.index_layer = None if self.indexer is None else \
-            cfg.indexer_layer_ids.index(layer_idx)
+        # its place on the indexer-replay axis and in the key cache (MTP layers have none)
+        self.index_layer = cfg.indexer_layer_ids.index(layer_idx) \
+            if layer_idx in cfg.indexer_layer_ids else None
 
     def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None,
                 sparse: IndexerReplay | None = None):

@@ -25,6 +25,7 @@ from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, groupe
 from .dsa import indexer_replay
 from .gpt_oss import GptOssExperts
 from .mixers import layer_norm, token_mixer
+from .mtp import MTPLayer
 from .replay_check import RouteCheck
 from .router import bias_update, expert_load, partial_replay_mask, route, router_probs
 
@@ -163,6 +164,9 @@ class MoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = layer_norm(cfg, cfg.hidden_size)
+        # draft layers engines speculate with (moe/mtp.py): outside forward and route replay
+        self.mtp = nn.ModuleList(MTPLayer(cfg, k, DecoderLayer, layer_norm)
+                                 for k in range(cfg.num_nextn_predict_layers))
         self.lm_head = None if cfg.tie_word_embeddings else \
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compute_dtype = torch.float32

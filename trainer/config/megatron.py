@@ -157,6 +157,27 @@ _UNMAPPED = dict(shared_expert_intermediate_size=0, rope_scaling=None)
 _CHECKED_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
+# What megatron-core 0.16.1 offers for the families added since, and why they are not mapped
+# (docs/megatron.md "Families"): refused naming the family.
+_NOT_BUILT = {
+    "gpt_oss": "megatron-core 0.16.1 has the parts (softmax_type='learnable' sinks, window_size "
+               "with window_attn_skip_freq, quick_gelu with glu_linear_offset=1 and "
+               "activation_func_clamp_value, add_bias_linear) but our bridge maps neither its "
+               "biased router nor its interleaved gate_up experts, and YaRN (truncate false) "
+               "is unchecked",
+    "qwen3_next": "megatron-core 0.16.1's gated_delta_net spec needs flash-linear-attention "
+                  "(a Triton GPU library) and does not build on CPU; gated attention and the "
+                  "zero-centred norms are not mapped",
+    "qwen3_5_moe_text": "as qwen3_next (megatron-core 0.16.1's gated_delta_net needs "
+                        "flash-linear-attention)",
+    "deepseek_v32": "megatron-core 0.16.1's DSA (experimental_attention_variant='dsa') trains "
+                    "the indexer with its KL loss and takes no given picks: indexer replay "
+                    "(Megatron-LM #5384 / #5386) is not in it",
+    "glm_moe_dsa": "as deepseek_v32, and its shared-indexer layers (indexer_types) have no "
+                   "megatron-core spec",
+}
+
+
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse model features the megatron mapping does not build (it would otherwise build a
     different model and fail or, worse, differ from the torch model silently). Mapped: the
@@ -165,9 +186,14 @@ def check_supported(cfg: ModelConfig) -> None:
     layers, q/k/v biases, q/k norm or none, partial RoPE."""
     bad = {k: getattr(cfg, k) for k, v in _UNMAPPED.items() if getattr(cfg, k) != v}
     why = []
-    if cfg.model_type not in _CHECKED_FAMILIES:
+    if cfg.model_type in _NOT_BUILT:
+        why.append(f"{cfg.model_type} is not mapped: {_NOT_BUILT[cfg.model_type]}")
+    elif cfg.model_type not in _CHECKED_FAMILIES:
         why.append(f"model_type={cfg.model_type!r} has not been checked against the torch "
                    f"model (checked: {', '.join(_CHECKED_FAMILIES)})")
+    if cfg.num_nextn_predict_layers:
+        why.append(f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} (MTP layers are "
+                   f"not mapped to megatron-core's MTP block; load a folder without them)")
     if bad:
         why.append(", ".join(f"{k}={v!r} (megatron needs {_UNMAPPED[k]!r})"
                              for k, v in bad.items()))
