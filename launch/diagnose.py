@@ -41,13 +41,13 @@ SWEEP = (  # (label, overrides): each one changes one knob from the run's config
     ("replay off", ["replay.mode=off"]),
     ("replay R2", ["replay.mode=R2"]),
     ("replay R3", ["replay.mode=R3"]),
+    # batch-invariant kernels on both sides (docs/precision.md "Exact mode"): flips and k3 0
+    ("engine + actor bf16 exact", ["rollout.exact=true", "rollout.dtype=bf16", "actor.dtype=bf16"]),
 )
 ENGINE_KEYS = ("rollout.",)
 SWEEP_COLUMNS = (("flip_rate", "routing/flip_rate"), ("token_any_flip", "routing/token_any_flip"),
                  ("k3_kl", "rollout_corr/k3_kl"), ("routing_k3", "diagnose/routing_k3_kl"),
                  ("routing_share", "diagnose/routing_k3_share"))
-NO_DETERMINISTIC = ("the embedded engine has no deterministic / batch-invariant mode: its "
-                    "numerics do not depend on the batch (one code path per dtype)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -248,6 +248,7 @@ def sweep(checkpoint: str | Path, overrides: list[str], config: str | None = Non
           log=print) -> list[dict]:
     """One diagnosis per knob of `SWEEP` on top of `overrides`; rows of the sweep table. With
     `url` the server's numerics are fixed, so engine knobs are skipped (noted)."""
+    from lockstep.trainer.config.types import ExperimentConfigError
     rows = []
     for label, sets in SWEEP:
         if url is not None and any(s.startswith(ENGINE_KEYS) for s in sets):
@@ -255,11 +256,14 @@ def sweep(checkpoint: str | Path, overrides: list[str], config: str | None = Non
                          "note": "skipped: a live server's numerics are set where it runs"})
             continue
         log(f"sweep: {label} ...")
-        rep = diagnose_checkpoint(checkpoint, overrides + sets, config, url, data, samples)
+        try:
+            rep = diagnose_checkpoint(checkpoint, overrides + sets, config, url, data, samples)
+        except ExperimentConfigError as e:  # e.g. exact mode with another router dtype
+            rows.append({"setting": label, "overrides": sets, "note": f"refused: {e}"})
+            continue
         m = rep["metrics"]
         rows.append({"setting": label, "overrides": sets,
                      **{name: m[key] for name, key in SWEEP_COLUMNS}})
-    rows.append({"setting": "engine deterministic mode", "overrides": [], "note": NO_DETERMINISTIC})
     return rows
 
 

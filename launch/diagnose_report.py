@@ -197,7 +197,32 @@ def summary_text(report: dict) -> str:
     for t in report["top_tokens"][:3]:
         lines.append(f"  divergent: sample {t['sample']} pos {t['position']} k3 {t['k3']:.3g} "
                      f"flipped layers {t['flipped_layers']}: {t['context']}")
+    inj = injection_settings(m)
+    if inj:
+        body = ", ".join(f"{k}: {v:.3g}" for k, v in inj.items())
+        lines.append(f"  this mismatch, injected into lockstep's embedded engine (docs/training.md "
+                     f"\"Injected mismatch\"): --set 'rollout.mismatch={{{body}}}'")
     return "\n".join(lines)
+
+
+def injection_settings(m: dict) -> dict[str, float]:
+    """`rollout.mismatch` settings that reproduce a report's mismatch: `router_flip_rate` =
+    its `routing/flip_rate` (the target is calibrated with replay off, so a report made under
+    R3, which measures each layer's own disagreement only, undershoots the compounded rate),
+    `logprob_noise` = sqrt(2 x the k3 KL its flips do not carry), the std whose k3 is that on a
+    flat distribution (a peaked one gets less: read the first steps' rollout_corr/k3_kl). Zero
+    parts are left out; {} for a report with no mismatch."""
+    out = {}
+    flip = m.get("routing/flip_rate")
+    if flip is not None and flip == flip and flip > 0:
+        out["router_flip_rate"] = float(flip)
+    k3 = m.get("rollout_corr/k3_kl")
+    share = m.get("diagnose/routing_k3_share") or 0.0
+    if k3 is not None and k3 == k3:
+        rest = k3 * (1.0 - (share if share == share else 0.0))
+        if rest > 1e-12:
+            out["logprob_noise"] = (2.0 * rest) ** 0.5
+    return out
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -260,6 +285,7 @@ def write_report(report: dict, out: str | Path) -> dict[str, Path]:
     """report.json, the PNGs and report.html into `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    report.setdefault("injection", injection_settings(report["metrics"]))  # rollout.mismatch
     (out / "report.json").write_text(json.dumps(jsonable(report), indent=1) + "\n")
     plots = write_plots(report, out)
     return {"json": out / "report.json", "html": write_html(report, out, plots),

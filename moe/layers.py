@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import exact as exact_kernels
 from ..kernels.fp8 import act_qdq, has_scaled_mm, scaled_mm_blockwise, scaled_mm_fits, weight_qdq
 from .config import ModelConfig
 
@@ -25,8 +26,9 @@ def _emulated_on_cpu(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           fp8: bool = False) -> torch.Tensor:
-    """x @ w.T (+ b) in the operands' dtype (`fp8`: in block FP8, see fp8_linear).
+           fp8: bool = False, exact: bool = False) -> torch.Tensor:
+    """x @ w.T (+ b) in the operands' dtype (`fp8`: in block FP8, see fp8_linear; `exact`: the
+    batch-invariant kernel, kernels/exact.py).
 
     NOTE: CPUs without native bf16/fp16 matmul (AVX2) run them 5-12x slower than fp32 at our
     sizes. Both round the fp32-accumulated result once: the products of bf16/fp16 numbers are
@@ -35,6 +37,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     """
     if fp8:
         return fp8_linear(x, w, b)
+    if exact:
+        return exact_kernels.linear(x, w, b)
     if _emulated_on_cpu(x):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)
@@ -57,14 +61,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
 
 
 def grouped_linear(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.Tensor,
-                   fp8: bool = False):
+                   fp8: bool = False, exact: bool = False):
     """Rows offs_E[e-1]:offs_E[e] of x times w_EOD[e].T, for every expert e in one call
     (`fp8`: each expert's weight in 128x128 blocks and x in 1x128 groups, as fp8_linear).
 
     One grouped matmul instead of a Python loop of E matmuls, E activations and a cat: the same
     bits on CPU (per-expert matmuls inside), far fewer kernels when rows per expert are few
     (decoding). Its weight gradient is one (E, O, D) tensor, not E zero-filled full-size ones.
+    `exact`: the batch-invariant kernel (kernels/exact.py), with this function's gradient.
     """
+    if exact:
+        return exact_kernels.grouped_linear(x_XD, w_EOD, offs_E, grouped_linear)
     if x_XD.device.type != "cpu":
         # CUDA's grouped_mm takes only bf16 on recent GPUs; a loop of matmuls runs anywhere.
         return grouped_linear_loop(x_XD, w_EOD, offs_E, fp8)
@@ -88,9 +95,12 @@ def grouped_linear_loop(x_XD: torch.Tensor, w_EOD: torch.Tensor, offs_E: torch.T
                       for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
 
 
-def attention(q, k, v, mask=None, scale=None) -> torch.Tensor:
+def attention(q, k, v, mask=None, scale=None, exact_max_len: int | None = None) -> torch.Tensor:
     """Causal (mask None) or masked GQA attention; on CPU low precision runs in fp32 as above.
-    `scale` None is 1/sqrt(q's head width)."""
+    `scale` None is 1/sqrt(q's head width). `exact_max_len` (the model's context): the
+    batch-invariant kernel (kernels/exact.py)."""
+    if exact_max_len is not None:
+        return exact_kernels.attention(q, k, v, mask, scale, max_len=exact_max_len)
     if _emulated_on_cpu(q):
         return attention(q.float(), k.float(), v.float(), mask, scale).to(q.dtype)
     if mask is None:
@@ -104,8 +114,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.exact = False  # batch-invariant kernels (MoEModel.set_exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return exact_kernels.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -296,25 +309,30 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.fp8 = False
         """Projections in block FP8 (MoEModel.set_precision's fp8)."""
+        self.exact = False
+        """Batch-invariant kernels (MoEModel.set_exact)."""
+        self.max_len = cfg.max_position_embeddings
 
     def forward(self, x_BTD, cos, sin_signed, cache_rows: CacheRows | None):
         B, T, _ = x_BTD.shape
         Dh = self.head_dim
-        q = linear(x_BTD, self.q_proj.weight, self.q_proj.bias, fp8=self.fp8).view(B, T, -1, Dh)
-        k = linear(x_BTD, self.k_proj.weight, self.k_proj.bias, fp8=self.fp8).view(B, T, -1, Dh)
+        mm = dict(fp8=self.fp8, exact=self.exact)
+        q = linear(x_BTD, self.q_proj.weight, self.q_proj.bias, **mm).view(B, T, -1, Dh)
+        k = linear(x_BTD, self.k_proj.weight, self.k_proj.bias, **mm).view(B, T, -1, Dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = linear(x_BTD, self.v_proj.weight, self.v_proj.bias, fp8=self.fp8)
+        v = linear(x_BTD, self.v_proj.weight, self.v_proj.bias, **mm)
         v = v.view(B, T, -1, Dh).transpose(1, 2)
         # (B, H|G, T, Dh); cos covers the rotary dims only (all of Dh but for GLM-4.5)
         q, k = apply_partial_rope(q, cos, sin_signed), apply_partial_rope(k, cos, sin_signed)
+        exact_len = self.max_len if self.exact else None
         if cache_rows is None:
-            o = attention(q, k, v)
+            o = attention(q, k, v, exact_max_len=exact_len)
         else:
             keys, values = cache_rows.write_and_read(self.layer_idx, k, v)  # (B, G, M, Dh)
-            o = attention(q, keys, values, cache_rows.mask_B1TM)
-        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, fp8=self.fp8)
+            o = attention(q, keys, values, cache_rows.mask_B1TM, exact_max_len=exact_len)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, **mm)
 
 
 class MLAttention(nn.Module):

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import exact as exact_kernels
 from ..kernels.routes import RouteError, check_gates_BTLK, check_routes_BTLK
 from .config import ModelConfig
 from .layers import (Attention, CacheRows, KVCache, MLAttention, RMSNorm, grouped_linear, linear,
@@ -62,11 +63,17 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
         self.fp8 = False  # block FP8 projections (set_precision)
+        self.exact = False  # batch-invariant kernels (set_exact)
 
     def forward(self, x):
-        g = linear(x, self.gate_proj.weight, fp8=self.fp8)
-        h = F.silu(g) * linear(x, self.up_proj.weight, fp8=self.fp8)
-        return linear(h, self.down_proj.weight, fp8=self.fp8)
+        mm = dict(fp8=self.fp8, exact=self.exact)
+        g = linear(x, self.gate_proj.weight, **mm)
+        h = _silu(g, self.exact) * linear(x, self.up_proj.weight, **mm)
+        return linear(h, self.down_proj.weight, **mm)
+
+
+def _silu(x: torch.Tensor, exact: bool) -> torch.Tensor:
+    return exact_kernels.silu(x) if exact else F.silu(x)
 
 
 class Experts(nn.Module):
@@ -77,6 +84,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))  # (E, 2I, D)
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))  # (E, D, I)
         self.fp8 = False  # block FP8 matmuls, 128x128 blocks per expert (set_precision)
+        self.exact = False  # batch-invariant kernels (set_exact)
 
     def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, gates_NK: torch.Tensor):
         N, K = ids_NK.shape
@@ -89,9 +97,13 @@ class Experts(nn.Module):
         # index_select, not x_ND[token_of]: advanced indexing is several times slower on CPU
         # forward, and its backward is an accumulating index_put (a sort) instead of index_add.
         x_sorted = x_ND.index_select(0, token_of)
-        g, u = grouped_linear(x_sorted, self.gate_up_proj, offs_E, self.fp8).chunk(2, dim=-1)
-        y_sorted = grouped_linear(F.silu(g) * u, self.down_proj, offs_E, self.fp8)
+        mm = dict(fp8=self.fp8, exact=self.exact)
+        g, u = grouped_linear(x_sorted, self.gate_up_proj, offs_E, **mm).chunk(2, dim=-1)
+        y_sorted = grouped_linear(_silu(g, self.exact) * u, self.down_proj, offs_E, **mm)
         y_sorted = y_sorted * gates_NK.reshape(-1).index_select(0, order)[:, None]
+        if self.exact:  # each token's K outputs added in top-k order, in fp32, rounded once
+            y_NKD = y_sorted.index_select(0, torch.argsort(order)).view(N, K, -1).float()
+            return exact_kernels.sum_in_order(y_NKD, 1)[:, 0].to(x_ND.dtype)
         return torch.zeros_like(x_ND).index_add_(0, token_of, y_sorted)
 
 
@@ -119,27 +131,34 @@ class MoEBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: scaled by a sigmoid gate
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_width)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.exact = False  # batch-invariant kernels (set_exact)
 
-    def forward(self, x_BTD, replay_ids_NK, replay_mask_N, replay_gates_NK=None, partial=None):
+    def forward(self, x_BTD, replay_ids_NK, replay_mask_N, replay_gates_NK=None, partial=None,
+                noise_NE=None):
         """`partial` (a `lockstep.replay.PartialReplay`: rule, threshold) narrows the replay
-        mask to the tokens whose router is unsure enough (`partial_replay_mask`). Returns
-        (y, ids run, natural top-k, router logits, gates used, replay mask used or None)."""
+        mask to the tokens whose router is unsure enough (`partial_replay_mask`). `noise_NE`
+        (fp32) is added to the router logits (an engine's injected mismatch,
+        rollout/mismatch.py). Returns (y, ids run, natural top-k, router logits, gates used,
+        replay mask used or None)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         w = self.gate.weight  # the router computes in its own weights' dtype (router_dtype)
-        router_logits_NE = linear(x_ND.to(w.dtype), w, self.gate.bias).float()
+        router_logits_NE = linear(x_ND.to(w.dtype), w, self.gate.bias, exact=self.exact).float()
+        if noise_NE is not None:
+            router_logits_NE = router_logits_NE + noise_NE
         if partial is not None and replay_ids_NK is not None:
             replay_mask_N = replay_mask_N & partial_replay_mask(
                 router_logits_NE, self.cfg, replay_ids_NK, partial.rule, partial.threshold)
         ids_NK, gates_NK, natural_NK = route(router_logits_NE, self.cfg,
                                              self.e_score_correction_bias, replay_ids_NK,
-                                             replay_mask_N, replay_gates_NK)
+                                             replay_mask_N, replay_gates_NK, exact=self.exact)
         gates_NK = gates_NK.to(x_ND.dtype)
         y_ND = self.experts(x_ND, ids_NK, gates_NK)
         if self.cfg.n_shared_experts:
             y_ND = y_ND + self.shared_experts(x_ND)
         if self.cfg.shared_expert_intermediate_size:
-            g_N1 = torch.sigmoid(linear(x_ND, self.shared_expert_gate.weight))
+            logit_N1 = linear(x_ND, self.shared_expert_gate.weight, exact=self.exact)
+            g_N1 = exact_kernels.sigmoid(logit_N1) if self.exact else torch.sigmoid(logit_N1)
             y_ND = y_ND + g_N1 * self.shared_expert(x_ND)
         return (y_ND.view(B, T, D), ids_NK, natural_NK, router_logits_NE, gates_NK.detach(),
                 replay_mask_N)
@@ -173,6 +192,8 @@ class MoEModel(nn.Module):
         self.lm_head_dtype = torch.float32
         self.fp8 = False
         """Block-FP8 matmuls (set_precision)."""
+        self.exact = False
+        """Batch-invariant kernels (set_exact)."""
         for i, block in enumerate(self.moe_blocks):
             block.moe_index = i  # what the router reports to a RouteCheck as its layer
         self.reset_parameters()
@@ -233,8 +254,28 @@ class MoEModel(nn.Module):
         self.lm_head_dtype = lm_head_dtype or dtype
         return self
 
+    def set_exact(self, exact: bool = True) -> "MoEModel":
+        """Run every forward through the batch-invariant kernels (kernels/exact.py): a token's
+        hidden states, routes and logits get the same bits whatever else is in the batch, its
+        padding, and whether it came through a full forward, a prefill or a KV-cache decode
+        step (docs/precision.md "Exact mode"). Logits are then fp32 (`logits`). Not with block
+        FP8 nor multi-head latent attention (refused)."""
+        if exact and self.fp8:
+            raise ValueError("exact kernels do not cover block FP8 (rollout.dtype=fp8 / "
+                             "actor.fp8); use bf16, fp16 or fp32")
+        if exact and self.cfg.is_mla:
+            raise ValueError(f"exact kernels do not cover multi-head latent attention "
+                             f"(model_type {self.cfg.model_type}); GQA families only")
+        for m in self.modules():
+            if hasattr(m, "exact"):
+                m.exact = exact
+        return self
+
     def logits(self, hidden_XD: torch.Tensor) -> torch.Tensor:
         w = self.lm_head_weight
+        if self.exact:  # fp32, unrounded: what kernels.exact.logprobs gathers from
+            return exact_kernels.linear(hidden_XD.to(self.lm_head_dtype), w.to(self.lm_head_dtype),
+                                        out_dtype=torch.float32)
         return linear(hidden_XD.to(self.lm_head_dtype), w.to(self.lm_head_dtype))
 
     def _check_routes(self, ids_BTLK: torch.Tensor, mask_BT: torch.Tensor, B: int, T: int):
@@ -254,7 +295,8 @@ class MoEModel(nn.Module):
                 replay_check: RouteCheck | None = None,
                 partial_replay=None,
                 indexer_topk_BTLK: torch.Tensor | None = None,
-                indexer_mask_BT: torch.Tensor | None = None) -> ModelOutput:
+                indexer_mask_BT: torch.Tensor | None = None,
+                router_noise_BTLE: torch.Tensor | None = None) -> ModelOutput:
         """`routed_experts_BTLK` (+ `replay_mask_BT`, default all True) replays expert ids;
         `routed_gates_BTLK` (any float dtype, same shape) replays their gate weights too, where
         the mask is set (straight-through: the forward uses them, the router's gradient is that
@@ -264,7 +306,9 @@ class MoEModel(nn.Module):
         (token, layer) only where that layer's router is unsure enough. DSA families:
         `indexer_topk_BTLK` (request-local key positions, -1 padded, [B, T, indexer layers,
         index_topk]; + `indexer_mask_BT`, default all True) replays the lightning indexer's
-        picks (moe/dsa.py)."""
+        picks (moe/dsa.py). `router_noise_BTLE`
+        (fp32, [B, T, L_moe, E]) is added to each MoE layer's router logits before its experts
+        are chosen and weighted (an engine's injected mismatch, rollout/mismatch.py)."""
         cfg = self.cfg
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -290,8 +334,14 @@ class MoEModel(nn.Module):
             raise RouteError("replay_mask given without routed_experts")
 
         x = self.embed_tokens(input_ids_BT).to(self.compute_dtype)
-        cos, sin_signed = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta, x.dtype,
-                                       cfg.rope_scaling, cfg.max_position_embeddings)
+        if self.exact:  # one table for every position, looked up: the same bits on any path
+            table = rope_cos_sin(torch.arange(cfg.max_position_embeddings, device=x.device)[None],
+                                 cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling,
+                                 cfg.max_position_embeddings)
+            cos, sin_signed = (t[0, 0][positions_BT][:, None] for t in table)
+        else:
+            cos, sin_signed = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta, x.dtype,
+                                           cfg.rope_scaling, cfg.max_position_embeddings)
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
         routes, natural, router_logits, gates, replayed = [], [], [], [], []
@@ -309,8 +359,11 @@ class MoEModel(nn.Module):
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
                 l = len(routes)
+                noise_NE = None if router_noise_BTLE is None else \
+                    router_noise_BTLE[:, :, l].reshape(B * T, -1)
                 y, ids_NK, nat_NK, logits_NE, gates_NK, mask_N = layer.mlp(
-                    h, replay_ids_LNK[l], replay_mask_N, replay_gates_LNK[l], partial_replay)
+                    h, replay_ids_LNK[l], replay_mask_N, replay_gates_LNK[l], partial_replay,
+                    noise_NE)
                 gates.append(gates_NK)
                 replayed.append(mask_N)
                 if replay_check is not None:  # partial replay: only its replayed tokens count

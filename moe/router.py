@@ -22,14 +22,24 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import exact as exact_kernels
 from .config import ModelConfig
 
 
 def route(logits_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None = None,
           replay_ids_NK: torch.Tensor | None = None, replay_mask_N: torch.Tensor | None = None,
-          replay_gates_NK: torch.Tensor | None = None):
-    """Pick (or replay) experts and compute their gate weights; see the module docstring."""
+          replay_gates_NK: torch.Tensor | None = None, exact: bool = False):
+    """Pick (or replay) experts and compute their gate weights; see the module docstring.
+    `exact`: batch-invariant softmax / sigmoid, sums in a fixed order and top-k ties to the lower
+    index (kernels/exact.py)."""
     K = cfg.num_experts_per_tok
+    if exact:
+        softmax, sigmoid = exact_kernels.softmax, exact_kernels.sigmoid
+        topk, row_sum = exact_kernels.topk_indices, exact_kernels.sum_in_order
+    else:
+        softmax, sigmoid = (lambda x: x.softmax(dim=-1)), torch.sigmoid
+        topk = (lambda x, k: x.topk(k, dim=-1).indices)
+        row_sum = (lambda x, dim: x.sum(dim=dim, keepdim=True))
     if replay_gates_NK is not None and replay_ids_NK is None:
         raise ValueError("replay_gates_NK given without replay_ids_NK (gate weights replay "
                          "with the experts they weighted)")
@@ -40,25 +50,25 @@ def route(logits_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None
         return torch.where(replay_mask_N[:, None], replay_ids_NK, natural_NK)
 
     if cfg.router == "softmax_topk":  # Qwen2/3-MoE
-        probs_NE = logits_NE.softmax(dim=-1)
-        natural_NK = probs_NE.topk(K, dim=-1).indices
+        probs_NE = softmax(logits_NE)
+        natural_NK = topk(probs_NE, K)
         ids_NK = chosen(natural_NK)
         # NOTE: gather from the full softmax, not from top-k-zeroed probs: replayed experts
         # outside the current top-k must keep a non-zero weight and a gradient.
         gates_NK = probs_NE.gather(1, ids_NK)
         if cfg.norm_topk_prob:
-            gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+            gates_NK = gates_NK / row_sum(gates_NK, -1)
     elif cfg.router == "topk_softmax":  # Mixtral: softmax over the k chosen logits
-        natural_NK = logits_NE.topk(K, dim=-1).indices
+        natural_NK = topk(logits_NE, K)
         ids_NK = chosen(natural_NK)
-        gates_NK = logits_NE.gather(1, ids_NK).softmax(dim=-1)
+        gates_NK = softmax(logits_NE.gather(1, ids_NK))
     else:  # sigmoid: DeepSeek-V3, Kimi-K2, GLM-4.5
-        scores_NE = logits_NE.sigmoid()
-        natural_NK = sigmoid_topk(scores_NE.detach(), cfg, bias_E)
+        scores_NE = sigmoid(logits_NE)
+        natural_NK = sigmoid_topk(scores_NE.detach(), cfg, bias_E, topk)
         ids_NK = chosen(natural_NK)
         gates_NK = scores_NE.gather(1, ids_NK)
         if cfg.norm_topk_prob:
-            gates_NK = gates_NK / (gates_NK.sum(dim=-1, keepdim=True) + 1e-20)
+            gates_NK = gates_NK / (row_sum(gates_NK, -1) + 1e-20)
     if cfg.routed_scaling_factor != 1.0:
         gates_NK = gates_NK * cfg.routed_scaling_factor
     if replay_gates_NK is not None:
@@ -69,9 +79,13 @@ def route(logits_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None
     return ids_NK, gates_NK, natural_NK
 
 
-def sigmoid_topk(scores_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None):
+def sigmoid_topk(scores_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor | None,
+                 topk=None):
     """DeepSeek-V3's selection: top-k of scores + bias among the experts of the topk_group
-    groups whose two best biased scores sum highest (no group limit when n_group == 1)."""
+    groups whose two best biased scores sum highest (no group limit when n_group == 1).
+    `topk(x, k)` -> indices: torch's by default (`route` passes the exact one)."""
+    if topk is not None:  # the exact one: ties to the lower index; the pair sum is one add
+        return _sigmoid_topk_with(scores_NE, cfg, bias_E, topk)
     N, E = scores_NE.shape
     choice_NE = scores_NE if bias_E is None else scores_NE + bias_E
     if cfg.n_group > 1:
@@ -83,6 +97,21 @@ def sigmoid_topk(scores_NE: torch.Tensor, cfg: ModelConfig, bias_E: torch.Tensor
         choice_NE = choice_NE.masked_fill(~keep_NG.repeat_interleave(E // G, dim=1),
                                           float("-inf"))
     return choice_NE.topk(cfg.num_experts_per_tok, dim=-1).indices
+
+
+def _sigmoid_topk_with(scores_NE, cfg, bias_E, topk):
+    N, E = scores_NE.shape
+    choice_NE = scores_NE if bias_E is None else scores_NE + bias_E
+    if cfg.n_group > 1:
+        G = cfg.n_group
+        grouped = choice_NE.view(N, G, E // G)
+        top2 = grouped.gather(-1, topk(grouped, 2))
+        best_NG = topk(top2[..., 0] + top2[..., 1], cfg.topk_group)
+        keep_NG = torch.zeros(N, G, dtype=torch.bool, device=scores_NE.device)
+        keep_NG.scatter_(1, best_NG, True)
+        choice_NE = choice_NE.masked_fill(~keep_NG.repeat_interleave(E // G, dim=1),
+                                          float("-inf"))
+    return topk(choice_NE, cfg.num_experts_per_tok)
 
 
 def router_probs(logits_NE: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

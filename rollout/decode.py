@@ -34,8 +34,10 @@ from ..moe.model import MoEModel
 def fused_decode_supported(model: MoEModel) -> bool:
     """The fused step implements Qwen3-MoE's layer (q/k norm, no biases, softmax router) in
     plain precisions; block FP8 decodes through the model's forward (its fused q/k/v matrix
-    would be quantised in other blocks than the separate projections)."""
-    return model.cfg.model_type == "qwen3_moe" and not model.fp8
+    would be quantised in other blocks than the separate projections). Exact kernels
+    (`MoEModel.set_exact`) decode through the forward too: its kernels are the batch-invariant
+    ones the actor runs."""
+    return model.cfg.model_type == "qwen3_moe" and not model.fp8 and not model.exact
 
 
 def make_decode_weights(model: MoEModel) -> "DecodeWeights | None":
@@ -45,11 +47,12 @@ def make_decode_weights(model: MoEModel) -> "DecodeWeights | None":
 
 @torch.no_grad()
 def cached_forward_step(model: MoEModel, ids_B: torch.Tensor, pos_B: torch.Tensor,
-                        cache: KVCache, slots_B: torch.Tensor):
+                        cache: KVCache, slots_B: torch.Tensor, router_noise_BLE=None):
     """decode_step for any family: one cached forward of T = 1. Same returns as decode_step,
     plus (DSA families) the indexer picks [B, indexer layers, index_topk], else None."""
     out = model(ids_B[:, None], positions_BT=pos_B[:, None], kv_cache=cache,
-                cache_slots_B=slots_B, compute_logits=False)
+                cache_slots_B=slots_B, compute_logits=False,
+                router_noise_BTLE=None if router_noise_BLE is None else router_noise_BLE[:, None])
     picks = None if out.indexer_BTLK is None else out.indexer_BTLK[:, 0]
     return model.logits(out.hidden_BTD[:, 0]), out.routes_BTLK[:, 0], out.gates_BTLK[:, 0], picks
 
@@ -107,10 +110,11 @@ class DecodeWeights:
 
 @torch.no_grad()
 def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: torch.Tensor,
-                cache: KVCache, slots_B: torch.Tensor):
+                cache: KVCache, slots_B: torch.Tensor, router_noise_BLE=None):
     """Feed token ids_B[b] at position pos_B[b] of slot slots_B[b]; returns next-token logits
     [B, V] (in the LM head's dtype), the experts each token ran, int64 [B, L, K], and their
-    gate weights as the experts were combined with them (compute dtype) [B, L, K]."""
+    gate weights as the experts were combined with them (compute dtype) [B, L, K].
+    `router_noise_BLE` (fp32 [B, L_moe, E]) is added to the router logits (rollout/mismatch.py)."""
     cfg = model.cfg
     B, dev = ids_B.shape[0], ids_B.device
     H, G, Dh, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
@@ -154,7 +158,8 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
         x_BD = x_BD + linear(o.reshape(B, H * Dh), w["o"])
         h = rms_norm(x_BD, w["n2"], eps)
         if "router" in w:
-            y, ids_BK, gates_BK = moe(h, w, K, E, cfg.norm_topk_prob)
+            noise = None if router_noise_BLE is None else router_noise_BLE[:, len(routes)]
+            y, ids_BK, gates_BK = moe(h, w, K, E, cfg.norm_topk_prob, noise)
             routes.append(ids_BK)
             gates.append(gates_BK)
         else:
@@ -169,12 +174,14 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
     return logits_BV, torch.stack(routes, 1), torch.stack(gates, 1)
 
 
-def moe(h_BD, w: dict, K: int, E: int, norm_topk_prob: bool):
+def moe(h_BD, w: dict, K: int, E: int, norm_topk_prob: bool, noise_BE=None):
     """Router top-k and the grouped experts (MoEBlock without replay); returns (y_BD, ids_BK,
-    gates_BK in h's dtype)."""
+    gates_BK in h's dtype). `noise_BE` is added to the router logits."""
     router = w["router"]
     router_dtype = w["router_dtype"]
     logits_BE = linear(h_BD.to(router_dtype), router).to(router_dtype).float()
+    if noise_BE is not None:
+        logits_BE = logits_BE + noise_BE
     probs_BE = logits_BE.softmax(-1)
     gates_BK, ids_BK = probs_BE.topk(K, dim=-1)
     if norm_topk_prob:

@@ -35,6 +35,7 @@ from ..moe.cache import allocate_cache
 from ..moe.model import MoEModel
 from ..moe.sizes import check_fits, kv_cache_bytes
 from .decode import cached_forward_step, decode_step, make_decode_weights
+from .mismatch import logit_noise, router_noise
 from .sampling import RowUniforms, SamplingTensors, sample
 from ..replay.indexer import IndexerTrace
 from .types import GenerateRequest, GenerationResult, RequestError
@@ -68,6 +69,16 @@ class EngineConfig:
     """Where the model, KV cache, sampling and route capture run: "cpu", "cuda", "cuda:N"
     (or "auto": cuda when this process sees a GPU). Results move to the CPU once per
     finished sample."""
+    exact: bool = False
+    """Batch-invariant kernels (kernels/exact.py, `MoEModel.set_exact`): every token's routes
+    and log-probs are bitwise those an exact actor of the same dtype computes, whatever the
+    batch, padding or prefill/decode path (docs/precision.md "Exact mode"). Decodes through the
+    model's forward (no fused step); logits are fp32."""
+    router_noise: float = 0.0
+    """Std of the N(0, sigma^2) noise added to every router logit (an injected mismatch,
+    rollout/mismatch.py; `set_mismatch` changes it between steps)."""
+    logprob_noise: float = 0.0
+    """Std (nats) of the noise added to every sampling logit (rollout/mismatch.py)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_PRECISIONS:
@@ -122,6 +133,8 @@ class Engine:
         dtype = DTYPES[base_precision(cfg.dtype)]
         self.model.set_precision(dtype, router_dtype=DTYPES.get(cfg.router_dtype),
                                  lm_head_dtype=DTYPES.get(cfg.lm_head_dtype), fp8=cfg.dtype == FP8)
+        if cfg.exact:
+            self.model.set_exact(True)
         self.model.to(dev)
         self.weight_version = weight_version
         self._decode_weights = make_decode_weights(self.model)
@@ -158,6 +171,7 @@ class Engine:
         self.stop_SJ = torch.full((S, 1), -1, dtype=torch.long, device=dev)  # -1 = no stop id
         self.params_S: list[tuple] = [(1.0, -1, 1.0, 0.0)] * S    # temperature, top_k, top_p, min_p
         self.uniforms = RowUniforms(S, device=dev)
+        self.noise_key_S = torch.zeros(S, dtype=torch.long, device=dev)  # sample seeds
         self._seed_rng = random.Random(cfg.seed)
         self.free_slots = list(range(S - 1, -1, -1))
         self.running: dict[int, _Seq] = {}                        # slot -> sequence
@@ -295,6 +309,15 @@ class Engine:
                 done[(res.rid, res.index)] = res
         return [done[(r.rid, j)] for r in requests for j in range(r.sampling.n)]
 
+    def set_mismatch(self, router_noise: float | None = None,
+                     logprob_noise: float | None = None) -> None:
+        """Change the injected noise (rollout/mismatch.py) for the requests admitted from now."""
+        for name, v in (("router_noise", router_noise), ("logprob_noise", logprob_noise)):
+            if v is not None:
+                if not v >= 0:
+                    raise ValueError(f"{name}={v} must be >= 0")
+                setattr(self.cfg, name, float(v))
+
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, source: dict | str | Path | MoEModel,
                        weight_version: str | None = None) -> str:
@@ -380,10 +403,17 @@ class Engine:
                 seqs.append(_Seq(r, j, slot, len(r.input_ids)))
                 seed = (sp.seed + j) if sp.seed is not None else self._seed_rng.getrandbits(63)
                 self.uniforms.assign(slot, seed)
+                self.noise_key_S[slot] = seed
                 self._init_slot(slot, r)
         first_b = [next(s.slot for s in seqs if s.req is r) for r in reqs]
         first = torch.tensor(first_b, device=dev)
-        out = self.model(ids_BT, kv_cache=self.cache, cache_slots_B=first, compute_logits=False)
+        noise = None
+        if self.cfg.router_noise > 0:  # the prompt's noise: keyed by its first sample
+            mcfg = self.model.cfg
+            noise = router_noise(self.noise_key_S[first], torch.arange(T, device=dev).expand(
+                Bp, T), mcfg.num_moe_layers, mcfg.num_experts, self.cfg.router_noise)
+        out = self.model(ids_BT, kv_cache=self.cache, cache_slots_B=first, compute_logits=False,
+                         router_noise_BTLE=noise)
         last_B = torch.tensor([len(r.input_ids) - 1 for r in reqs], device=dev)
         logits_BV = self.model.logits(out.hidden_BTD[torch.arange(Bp, device=dev), last_B])
         row_of = {id(r): b for b, r in enumerate(reqs)}
@@ -419,15 +449,21 @@ class Engine:
         gen_B = self.gen_S[active_B]
         pos_B = self.prompt_len_S[active_B] + gen_B - 1
         last_B = self.tokens_SM[active_B, gen_B - 1]
+        noise = None
+        if self.cfg.router_noise > 0:
+            mcfg = self.model.cfg
+            noise = router_noise(self.noise_key_S[active_B], pos_B[:, None], mcfg.num_moe_layers,
+                                 mcfg.num_experts, self.cfg.router_noise)[:, 0]
         picks_BLK = None
         if self._decode_weights is None:  # a family without the fused step (rollout/decode.py)
             logits_BV, routes_BLK, gates_BLK, picks_BLK = cached_forward_step(
-                self.model, last_B, pos_B, self.cache, active_B)
+                self.model, last_B, pos_B, self.cache, active_B, noise)
         else:
             if not self._decode_weights.current(self.model):  # written outside update_weights
                 self._decode_weights = make_decode_weights(self.model)
             logits_BV, routes_BLK, gates_BLK = decode_step(self.model, self._decode_weights,
-                                                           last_B, pos_B, self.cache, active_B)
+                                                           last_B, pos_B, self.cache, active_B,
+                                                           noise)
         if self.cfg.capture_routes:
             self.capture_step(active_B, pos_B, routes_BLK)
             if self.gates_SMLK is not None:
@@ -448,7 +484,11 @@ class Engine:
         st = self._st if decode else self._sampling_tensors(slots_B)
         gen_B = self.gen_S[slots_B]
         banned_BV = None if decode and not self._any_min_new else self._banned(slots_B, gen_B)
-        o = sample(logits_BV, st, self.uniforms.next(slots_B), banned_BV)
+        if self.cfg.logprob_noise > 0:  # keyed by the sample and the sampled token's position
+            logits_BV = logits_BV.float() + logit_noise(
+                self.noise_key_S[slots_B], self.prompt_len_S[slots_B] + gen_B,
+                logits_BV.shape[-1], self.cfg.logprob_noise)
+        o = sample(logits_BV, st, self.uniforms.next(slots_B), banned_BV, exact=self.cfg.exact)
         tok_B = o.token_ids_B
         self.tokens_SM[slots_B, gen_B] = tok_B
         self.logprobs_SM[slots_B, gen_B] = o.logprobs_B

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import exact as exact_kernels
 from .types import GREEDY_TEMPERATURE
 
 
@@ -94,18 +95,21 @@ def support_mask(probs_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits_BV: torch.Tensor, st: SamplingTensors, uniform_B: torch.Tensor,
-           banned_BV: torch.Tensor | None = None) -> SampleOutput:
+           banned_BV: torch.Tensor | None = None, exact: bool = False) -> SampleOutput:
     """Draw one token per row. `uniform_B` in [0, 1) is the row's random number for this step.
 
     `banned_BV` (bool) removes ids from the support before the filters run (the distribution
     is renormalised without them, as SGLang's min_new_tokens penalty does); `logprobs_B` is
     still the full-vocabulary log-prob, `sampling_logprobs_B` the one over the support.
     Greedy rows take the first argmax (no randomness). Logits are promoted to fp32.
+    `exact`: the log-softmax is kernels/exact.py's, the bits an exact actor recomputes.
     """
     logits_BV = logits_BV.float()
-    logp_BV = torch.log_softmax(logits_BV / st.temperature_B[:, None], dim=-1)
+    log_softmax = exact_kernels.log_softmax if exact else \
+        (lambda z: torch.log_softmax(z, dim=-1))
+    logp_BV = log_softmax(logits_BV / st.temperature_B[:, None])
     samp_logp_BV = logp_BV if banned_BV is None else \
-        torch.log_softmax(logp_BV.masked_fill(banned_BV, float("-inf")), dim=-1)
+        log_softmax(logp_BV.masked_fill(banned_BV, float("-inf")))
     probs_BV = samp_logp_BV.exp()
     if st.any_truncation or st.any_greedy or banned_BV is not None:
         keep_BV = support_mask(probs_BV, st)

@@ -51,6 +51,10 @@ class TaskConfig:
     the first operand (the second has one)."""
     sort_length: int = 4
     """sort: number of digits to sort."""
+    reward: Literal["exact", "partial"] = "exact"
+    """exact: 1 for the exact answer then `<eos>`, else 0; partial: the fraction of the answer's
+    tokens (its `<eos>` included) the response has at the same position (a long answer, e.g.
+    sort_length 32, then gives every sample a graded score)."""
 
     def __post_init__(self) -> None:
         if self.name not in ("addition", "sort", "multiply"):
@@ -61,6 +65,8 @@ class TaskConfig:
         if not (isinstance(self.sort_length, int) and 1 <= self.sort_length <= 32):
             raise ValueError(f"task.sort_length must be an integer in [1, 32], "
                              f"got {self.sort_length!r}")
+        if self.reward not in ("exact", "partial"):
+            raise ValueError(f"task.reward must be 'exact' or 'partial', got {self.reward!r}")
 
 
 @dataclass(frozen=True)
@@ -177,8 +183,12 @@ class Task:
 
     # -- reward --------------------------------------------------------------------------
     def reward(self, p: Problem, response_ids: list[int]) -> float:
-        """1.0 iff the response is exactly the answer followed by `<eos>` (nothing after)."""
-        return 1.0 if list(response_ids) == self.answer_ids(p) else 0.0
+        """1.0 iff the response is exactly the answer followed by `<eos>` (nothing after);
+        task.reward=partial: the fraction of answer positions the response matches."""
+        want, got = self.answer_ids(p), list(response_ids)
+        if self.cfg.reward == "partial":
+            return sum(a == b for a, b in zip(want, got)) / len(want)
+        return 1.0 if got == want else 0.0
 
     # -- demonstrations for the supervised warm start -------------------------------------
     def demonstrations(self, seed: int, start: int, count: int) -> list[tuple[list[int], list[int]]]:

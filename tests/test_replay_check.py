@@ -27,8 +27,8 @@ def _trainer(tmp_path, *extra):
 def test_a_router_that_ignores_the_given_ids_stops_the_run(tmp_path, monkeypatch):
     real = moe_model.route
 
-    def ignores_replay(logits, cfg, bias=None, *replay):
-        return real(logits, cfg, bias)  # routes naturally whatever it was given
+    def ignores_replay(logits, cfg, bias=None, *replay, **kw):
+        return real(logits, cfg, bias, **kw)  # routes naturally whatever it was given
     monkeypatch.setattr(moe_model, "route", ignores_replay)
     tr = _trainer(tmp_path, "loop.steps=1", "replay.check=full")
     with pytest.raises(ReplayCheckError) as e:

@@ -51,6 +51,7 @@ from lockstep.trainer.observe.expert_load import step_load_metrics
 from lockstep.trainer.observe.metrics import (merge_metrics, MetricsWriter, read_metrics,
                                               save_history, summarize, write_plots)
 from lockstep.trainer.observe.nonfinite import check_step, check_weight_names, from_step_error
+from lockstep.trainer.driver.injection import InjectionControl
 from lockstep.trainer.observe.wandb_log import WandbRun
 from lockstep.trainer.state.checkpoint import (latest_checkpoint, load_latest, LoopState,
                                                save_actor_checkpoint, set_rng_state)
@@ -179,6 +180,12 @@ class Trainer:
             set_rng_state(trainer_state["rng"])
             if self.lr_trigger is not None:
                 self.lr_trigger.load_state(trainer_state["lr_trigger"])
+        # rollout.mismatch: the engine's injected noise, calibrated between steps
+        self.injection = None if cfg.rollout.mismatch is None or not \
+            cfg.rollout.mismatch.enabled else InjectionControl(cfg.rollout.mismatch,
+                                                               self.rollout.engine, log)
+        if resume and self.injection is not None and "mismatch" in trainer_state:
+            self.injection.load_state(trainer_state["mismatch"])
         self.metrics = MetricsWriter(self.out, cfg.loop.steps, self.state.step,
                                      cfg.loop.tensorboard, progress, log=log)
         self.wandb = WandbRun.start(cfg, self.out, resume)  # loop.wandb; None when unset
@@ -309,6 +316,7 @@ class Trainer:
     # -- the RL step -----------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, t = self.cfg, _Timer()
+        self.calibrate_injection(step)  # rollout.mismatch: the noise of this step's samples
         prompts, results, gen_s = self.pipeline.take(step)  # generate (made ahead when async)
         versions, lag_m = self.pipeline.check_versions(results, step)  # in {step-1-k..step-1}
         batch = collate(results, self.source.pad_id, *self._route_shape(),
@@ -342,6 +350,8 @@ class Trainer:
         split.update(version_split_metrics(old.logprobs_BT, gen_BT, batch.rollout_logprobs_BT,
                                            mask_BT))  # pi_old/mu = version lag x engine
         moe_load = step_load_metrics(batch, old.stats, *self._load_shape())  # rollout/, actor/moe
+        if self.injection is not None:
+            self._last_batch = batch
         # bypass mode: the update recomputes rollout_corr/* against pi_theta (verl's metrics);
         # the driver's pi_old-vs-mu_old ones are is_split/mismatch_*
         driver_corr = {} if cfg.correction.bypass_mode else corr.metrics
@@ -350,9 +360,25 @@ class Trainer:
             reward_parts=reward_m, correction=driver_corr, is_split=split, expert_load=moe_load,
             mode={"replay/mode": self.mode.value}, old_logprobs=stats_values(old.stats),
             update=stats_values(upd.stats), lr_trigger=lr_m, versions=lag_m,
-            rollout=self.rollout.counters(), time={"time/rollout_s": gen_s, **t.metrics()})
+            rollout=self.rollout.counters(),
+            mismatch={} if self.injection is None else self.injection.metrics(),
+            time={"time/rollout_s": gen_s, **t.metrics()})
 
     # -- pieces of the step ----------------------------------------------------------------
+    def calibrate_injection(self, step: int) -> None:
+        """rollout.mismatch.router_flip_rate: recalibrate the router noise when it is due, on
+        the last step's samples (before the first step: a batch generated for it)."""
+        inj = self.injection
+        if inj is None or not inj.due(step):
+            return
+        batch = getattr(self, "_last_batch", None)
+        if batch is None:
+            prompts, _ = self.step_requests(step)
+            results = self.rollout.generate(self.requests(prompts, 0))  # step 0: no step's seeds
+            batch = collate(results, self.source.pad_id, *self._route_shape())
+        inj.calibrate(step, batch.input_ids_BT, batch.rollout_routes_valid_BT, self.cfg.loop.seed)
+
+
     def step_requests(self, step: int) -> tuple[list, list[GenerateRequest]]:
         """(prompts, requests) of step `step`, from the cursor it will start at."""
         n = self.cfg.rollout.prompts_per_step
@@ -506,6 +532,8 @@ class Trainer:
                                latest_checkpoint(self.out))
             return {**state, **layout_state(self.cfg)}, known
         extra = {} if self.lr_trigger is None else {"lr_trigger": self.lr_trigger.state()}
+        if self.injection is not None:
+            extra["mismatch"] = self.injection.state()
         return save_actor_checkpoint(self.out, write_actor, extra, self.state,
                                      keep=self.cfg.loop.keep_checkpoints)
 

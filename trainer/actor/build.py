@@ -69,7 +69,7 @@ def make_actor(cfg: ExperimentConfig, weights: MoEModel | Mapping[str, torch.Ten
     return TorchActor(weights, cfg.actor, total_updates, temperature=temperature,
                       dp_group=dp_group, device=str(resolve_device(cfg.cluster.device)),
                       replay=cfg.replay.options(), replay_check=cfg.replay.check,
-                      min_overlap=replay_min_overlap(cfg))
+                      min_overlap=replay_min_overlap(cfg), exact=cfg.rollout.exact)
 
 
 # -- the KL reference ------------------------------------------------------------------------

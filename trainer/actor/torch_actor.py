@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.kernels import exact as exact_kernels
 from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
 from lockstep.moe.checkpoint import CheckpointError, hf_state_dict
@@ -135,7 +136,8 @@ class TorchActor(RankActor):
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
                  temperature: float = 1.0, dp_group=None, device: str | torch.device = "cpu",
                  replay: ReplayOptions | None = None,
-                 replay_check: ReplayCheck = ReplayCheck.OFF, min_overlap: float | None = None):
+                 replay_check: ReplayCheck = ReplayCheck.OFF, min_overlap: float | None = None,
+                 exact: bool = False):
         if any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("the actor's master model must be fp32 (set_precision on a copy)")
         self.cfg, self.temperature = cfg, temperature
@@ -154,6 +156,9 @@ class TorchActor(RankActor):
             self.compute = copy.deepcopy(model).set_precision(
                 torch_dtype(cfg.dtype), torch_dtype(cfg.router_dtype) if cfg.router_dtype else None,
                 torch_dtype(cfg.lm_head_dtype) if cfg.lm_head_dtype else None, fp8=cfg.fp8)
+        self.exact = exact  # batch-invariant forwards and log-probs (rollout.exact)
+        if exact:
+            self.compute.set_exact(True)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -188,9 +193,12 @@ class TorchActor(RankActor):
                     indexer_mask_BT=None if picks_mask is None else picks_mask.to(dev))
         # position t-1's hidden state predicts the token at t
         cand = None if batch.candidates_BTS is None else batch.candidates_BTS[:, 1:].to(dev)
-        lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
-                                   ids[:, 1:], temperature=self.temperature,
-                                   candidates_NS=cand, chunk_size=self.cfg.logprob_chunk)
+        if self.exact:
+            lp, ent = self._exact_logprobs(out.hidden_BTD[:, :-1], ids[:, 1:], cand)
+        else:
+            lp, ent = chunked_logprobs(out.hidden_BTD[:, :-1], model.lm_head_weight,
+                                       ids[:, 1:], temperature=self.temperature,
+                                       candidates_NS=cand, chunk_size=self.cfg.logprob_chunk)
         zero = lp.new_zeros(lp.shape[0], 1)
         return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1), out
 
@@ -209,6 +217,20 @@ class TorchActor(RankActor):
                                  "old-logprob forward")
             return batch.recorded_indexer_BTLK, batch.token_mask_BT
         return None, None
+
+    def _exact_logprobs(self, hidden_BTD, ids_BT, cand):
+        """The exact engine's log-softmax at the tokens (kernels/exact.py `logprobs`), the
+        default kernel's gradient."""
+        if cand is not None:
+            raise ValueError("exact mode does not cover sampling-mask replay (truncated "
+                             "sampling: top_p < 1 or top_k set)")
+        B, T, D = hidden_BTD.shape
+        w = self.compute.lm_head_weight.to(self.compute.lm_head_dtype)
+        lp, ent = exact_kernels.logprobs(
+            hidden_BTD.reshape(B * T, D).to(self.compute.lm_head_dtype), w, ids_BT.reshape(-1),
+            self.temperature, self.cfg.logprob_chunk,
+            lambda h, w_, i, t, c: chunked_logprobs(h, w_, i, temperature=t, chunk_size=c))
+        return lp.view(B, T), ent.view(B, T)
 
     def _route_check(self, routes_BTLK, mask_BT, tokens_BT, rows, what) -> RouteCheck | None:
         """The replay validator's ledger of one forward (`replay.check`; None when off)."""

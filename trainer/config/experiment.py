@@ -16,6 +16,7 @@ from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.config.megatron import MegatronOptions
+from lockstep.trainer.config.mismatch import check_exact, check_mismatch
 from lockstep.trainer.config.replay import ReplayConfig, check_replay
 from lockstep.trainer.config.sections import (ActorConfig, AdvantageConfig, ClusterConfig,
                                               DataConfig, LoopConfig, RolloutConfig,
@@ -49,9 +50,11 @@ def _correction_preset(value: Any) -> Any:
         raise PydanticCustomError("section", "{error}", {"error": str(e)}) from None
 
 
-# loss / correction options added later (issue 20); left out at their defaults
-_LATER_KEYS = {"loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
-               "correction": (CorrectionConfig, ("m2po_threshold",))}
+# task / loss / correction options added later; left out at their defaults
+_LATER_KEYS = {"task": (TaskConfig, ("reward",)),
+               "loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
+               "correction": (CorrectionConfig, ("m2po_threshold", "kpop", "kpop_phi",
+                                                 "trm_delta", "trm_k3_mean"))}
 # actor.megatron keys added after saved configs were pinned; left out at their defaults
 _LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel", "fp8")
 # rollout keys of the fleet and its fault handling; left out at their defaults
@@ -119,6 +122,8 @@ class ExperimentConfig(Section):
              f"ahead of a weight push: it needs loop.max_staleness >= 1 (got "
              f"{self.loop.max_staleness})")
         check_replay(self)
+        check_exact(self)
+        check_mismatch(self)
         if self.data.enabled:
             self._check_data()
             return self
@@ -177,7 +182,8 @@ class ExperimentConfig(Section):
             for k in ("max_total_tokens", "bind", "extra_env"):
                 if d["rollout"]["sglang"][k] == getattr(SGLangOptions(), k):
                     d["rollout"]["sglang"].pop(k)
-        for k in ("weight_sync", "env", "engine", *_FLEET_KEYS):  # at defaults: as before they existed
+        for k in ("weight_sync", "env", "engine", "exact", "mismatch",
+                  *_FLEET_KEYS):  # at defaults: as before they existed
             if d["rollout"][k] == RolloutConfig.model_fields[k].default:
                 d["rollout"].pop(k)
         if d["reward"]["import_timeout_s"] == RewardConfig.import_timeout_s:  # likewise

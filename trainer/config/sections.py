@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.env import EnvConfig
+from lockstep.rollout.mismatch import MismatchConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
 from lockstep.trainer.config.megatron import MegatronOptions  # no megatron-core import
@@ -112,6 +113,13 @@ class RolloutConfig(Section):
     sglang: dataclass_section(SGLangOptions) = Field(default_factory=SGLangOptions)
     """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
+    exact: bool = False
+    """Exact mode: the engine and the torch actor run batch-invariant kernels (kernels/exact.py)
+    so the engine's log-probs and routes are bitwise the actor's (k3 KL and flip rate exactly
+    0); needs actor.dtype = rollout.dtype (docs/precision.md "Exact mode")."""
+    mismatch: dataclass_section(MismatchConfig) | None = None
+    """Injected engine-side mismatch (rollout/mismatch.py): router_flip_rate (calibrated
+    target), router_noise (fixed), logprob_noise, calibrate_every; null = none."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:

@@ -72,7 +72,7 @@ def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: 
     engine_cfg = EngineConfig(
         dtype=ro.dtype, router_dtype=ro.router_dtype, lm_head_dtype=ro.lm_head_dtype,
         max_running=ro.batch_size, max_len=max_len, seed=cfg.loop.seed,
-        device=str(resolve_device(cfg.cluster.device)))
+        device=str(resolve_device(cfg.cluster.device)), exact=ro.exact)
     if BACKENDS[ro.backend].servers:  # a fleet of servers (needs 'ray' unless given by URL)
         return make_fleet(cfg, model, weight_version, engine_cfg, run_dir, log,
                           actor_pg=actor_pg)

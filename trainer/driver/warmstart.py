@@ -138,7 +138,10 @@ def expected_reward(model: MoEModel, task: Task, problems: list[Problem]) -> flo
 def cache_key(cfg: ExperimentConfig) -> str:
     """Cache key: model, task and the warm-start settings that change its result, plus seed."""
     ws = {k: v for k, v in cfg.warmstart.model_dump().items() if k not in ("enabled", "cache_dir")}
-    blob = json.dumps([asdict(cfg.model), asdict(cfg.task), ws, cfg.loop.seed], sort_keys=True)
+    task = asdict(cfg.task)
+    if task["reward"] == "exact":  # the default: keys as before the field existed
+        task.pop("reward")
+    blob = json.dumps([asdict(cfg.model), task, ws, cfg.loop.seed], sort_keys=True)
     return f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}-seed{cfg.loop.seed}"
 
 

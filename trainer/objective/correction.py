@@ -58,6 +58,10 @@ class CorrectionConfig:
     loss_type: Literal[LOSS_TYPES] = "ppo_clip"  # bypass only: "ppo_clip" (ratio is the IS) | "reinforce" (apply weights)
     prob_diff_eps: float | None = None  # IPO/DPPO mask: drop tokens with |p_old - p_rollout| > eps (0.3 typical)
     m2po_threshold: float | None = None  # M2PO (AReaL actor.m2_threshold): mask the largest (log r)^2 tokens until the rest's mean < it
+    kpop: bool = False  # KPop (AReaL rejection_sampling.metric=binary_kl): mask tokens whose binary KL either way > kpop_phi
+    kpop_phi: float = 2.0  # KPop's threshold phi (AReaL's rejection_sampling.upper; 2.0 in its example)
+    trm_delta: float | None = None  # TRM (arXiv 2512.23075) max criterion: mask a sequence with max_t |log r_t| > delta
+    trm_k3_mean: float | None = None  # TRM average criterion: mask a sequence whose mean k3 over its tokens > it
     preset: Literal[tuple(PRESETS)] | None = None  # verl preset name: sets verl's 7 fields (correction_presets), then None
 
     def __post_init__(self):
@@ -79,6 +83,12 @@ class CorrectionConfig:
             raise ValueError(f"prob_diff_eps must be in (0, 1], got {self.prob_diff_eps}")
         if self.m2po_threshold is not None and not self.m2po_threshold > 0:
             raise ValueError(f"m2po_threshold must be > 0 (None disables M2PO), got {self.m2po_threshold}")
+        if not self.kpop_phi > 0:
+            raise ValueError(f"kpop_phi must be > 0, got {self.kpop_phi}")
+        for name in ("trm_delta", "trm_k3_mean"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 (None disables it), got {v}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "CorrectionConfig":
@@ -131,6 +141,74 @@ def m2po_mask(old_logprobs, rollout_logprobs, response_mask, threshold: float):
     return (response_mask * keep).to(response_mask.dtype), m
 
 
+BINARY_KL_EPS = 1e-8
+"""Probabilities are clamped to [eps, 1 - eps] before the binary KL (AReaL's value)."""
+
+
+def binary_kl(log_p, log_q, eps: float = BINARY_KL_EPS):
+    """KL(Bernoulli(p) || Bernoulli(q)) = p log(p/q) + (1-p) log((1-p)/(1-q)), p = exp(log_p),
+    q = exp(log_q), both clamped to [eps, 1 - eps] (AReaL's `compute_binary_kl_divergence`),
+    in fp64 with 1 - p from expm1 (p near 1 keeps its digits; AReaL's fp32 1 - p loses them).
+    fp64, so a threshold given as a Python float is compared exactly."""
+    lp, lq = log_p.double(), log_q.double()
+    p, q = lp.exp().clamp(eps, 1 - eps), lq.exp().clamp(eps, 1 - eps)
+    p1, q1 = (-torch.expm1(lp)).clamp(eps, 1 - eps), (-torch.expm1(lq)).clamp(eps, 1 - eps)
+    return p * (p.log() - q.log()) + p1 * (p1.log() - q1.log())
+
+
+def kpop_mask(old_logprobs, rollout_logprobs, response_mask, phi: float):
+    """KPop (Ant Group's Ring team; AReaL `rejection_sampling.metric: binary_kl`, level token,
+    action mask): with p = pi_old(y_t), q = mu_old(y_t), keep a valid token iff D(p||q) <= phi
+    and D(q||p) <= phi (`binary_kl`); the others leave the response mask. Returns (mask,
+    metrics): `binary_kl_mean`, `binary_kl_max` (of max(D(p||q), D(q||p)) over valid tokens),
+    `kpop_masked_fraction` (of valid tokens), `kpop_seq_masked_fraction` (of all rows)."""
+    d = torch.maximum(binary_kl(old_logprobs, rollout_logprobs),
+                      binary_kl(rollout_logprobs, old_logprobs))
+    keep = d <= phi
+    valid = response_mask.bool()
+    drop = ~keep & valid
+    m = {"binary_kl_mean": masked_mean(d, response_mask).item(),
+         "binary_kl_max": d.masked_fill(~valid, 0.0).max().item(),
+         "kpop_masked_fraction": masked_mean(drop.float(), response_mask).item(),
+         "kpop_seq_masked_fraction": drop.any(-1).float().mean().item()}
+    return (response_mask * keep).to(response_mask.dtype), m
+
+
+def trm_mask(old_logprobs, rollout_logprobs, response_mask, delta: float | None,
+             k3_mean: float | None):
+    """Trust Region Masking (Li et al., arXiv 2512.23075): drop every token of a sequence that
+    leaves the trust region. The paper's criterion is max_t KL(mu(.|c_t) || pi(.|c_t)) > eps;
+    from the sampled tokens' log-probs alone it is detected as the authors propose: `delta`
+    bounds max_t |log r_t| (r_t = pi_old / mu_old at the sampled token; symmetric, so r >> 1
+    and r << 1 both count: the same rows as verl's `rollout_rs: seq_max_k2` at delta^2 / 2),
+    `k3_mean` bounds the mean of k3 = r - 1 - log r over the sequence's tokens. Both on:
+    both must pass. Returns (mask, metrics): `trm_max_abs_log_ratio` (mean over non-empty rows
+    of the row's max |log r|), `trm_max_abs_log_ratio_max`, `trm_k3_seq_mean` (mean over
+    non-empty rows of the row's mean k3), `trm_masked_fraction` (of valid tokens),
+    `trm_seq_masked_fraction` (of all rows)."""
+    valid = response_mask.bool()
+    lr = (old_logprobs.detach().float() - rollout_logprobs.detach().float()).masked_fill(~valid, 0.0)
+    lr = clamp_log_ratio(lr)
+    n_B = valid.sum(-1)
+    rows = n_B > 0
+    max_B = lr.abs().amax(-1)
+    k3_B = k3(lr).masked_fill(~valid, 0.0).sum(-1) / n_B.clamp(min=1)
+    keep_B = torch.ones_like(rows)
+    if delta is not None:
+        keep_B &= max_B <= delta
+    if k3_mean is not None:
+        keep_B &= k3_B <= k3_mean
+    drop_B = ~keep_B & rows
+    nonempty = int(rows.sum())
+    m = {"trm_max_abs_log_ratio": (max_B[rows].mean().item() if nonempty else 0.0),
+         "trm_max_abs_log_ratio_max": (max_B[rows].max().item() if nonempty else 0.0),
+         "trm_k3_seq_mean": (k3_B[rows].mean().item() if nonempty else 0.0),
+         "trm_masked_fraction": masked_mean(drop_B[:, None].expand_as(valid).float(),
+                                             response_mask).item(),
+         "trm_seq_masked_fraction": drop_B.float().mean().item()}
+    return (response_mask * keep_B[:, None]).to(response_mask.dtype), m
+
+
 def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask) -> CorrectionResult:
     """Weights, mask and `rollout_corr/*` metrics of `old_logprobs` (pi_old) vs `rollout_logprobs` (mu_old).
 
@@ -144,6 +222,15 @@ def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask
         if cfg.prob_diff_eps is not None:
             mask, pd = prob_diff_mask(old_logprobs.detach(), rollout_logprobs.detach(), mask, cfg.prob_diff_eps)
             metrics.update(_prefixed(pd))
+        if cfg.kpop:
+            mask, km = kpop_mask(old_logprobs.detach(), rollout_logprobs.detach(), mask, cfg.kpop_phi)
+            metrics.update(_prefixed(km))
+        if cfg.trm_delta is not None or cfg.trm_k3_mean is not None:
+            # over every token of the response (a token another mask dropped still counts)
+            keep, tm = trm_mask(old_logprobs.detach(), rollout_logprobs.detach(), response_mask,
+                                cfg.trm_delta, cfg.trm_k3_mean)
+            mask = (mask * keep).to(mask.dtype)
+            metrics.update(_prefixed(tm))
         if cfg.m2po_threshold is not None:
             mask, mm = m2po_mask(old_logprobs.detach(), rollout_logprobs.detach(), mask, cfg.m2po_threshold)
             metrics.update(_prefixed(mm))
