@@ -68,19 +68,58 @@ def bundle(cpus: float, gpus: float = 0) -> dict[str, float]:
 
 
 def reserve(bundles: list[dict[str, float]], name: str, timeout_s: float,
-            strategy: str = "PACK") -> PlacementGroup:
+            strategy: str = "PACK",
+            selectors: list[dict[str, str]] | None = None) -> PlacementGroup:
     """A placement group of `bundles` (PACK: one node while it fits), ready; a RuntimeError
     saying what was asked and what the cluster has free when it is not within `timeout_s`
-    (nothing is left reserved)."""
+    (nothing is left reserved). `selectors`: one Ray label selector per bundle (the node it
+    must go to, `cluster/placement.node_selectors`)."""
+    kw: dict[str, Any] = {} if selectors is None else {"bundle_label_selector": selectors}
     pg = placement_group(bundles, strategy=strategy,
-                         name=f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+                         name=f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}", **kw)
     if not pg.wait(timeout_s):
         remove_placement_group(pg)
+        pinned = "" if selectors is None else f" on the nodes labelled {selectors}"
         raise RuntimeError(
-            f"could not reserve {len(bundles)} bundles of {bundles[0]} within {timeout_s:.0f}s "
-            f"({strategy}); the cluster has {ray.available_resources()} free of "
-            f"{ray.cluster_resources()}")
+            f"could not reserve {len(bundles)} bundles of {bundles[0]}{pinned} within "
+            f"{timeout_s:.0f}s ({strategy}); the cluster has {ray.available_resources()} free "
+            f"of {ray.cluster_resources()}; nodes: {describe_nodes()}")
     return pg
+
+
+def describe_nodes() -> str:
+    """Every node Ray knows: address, labels of ours (not Ray's own `ray.io/*`), CPUs/GPUs,
+    alive or dead (for error messages)."""
+    out = []
+    for n in ray.nodes():
+        labels = {k: v for k, v in (n.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+        res = n.get("Resources") or {}
+        units = ", ".join(f"{k} {res[k]:g}" for k in ("CPU", "GPU") if k in res) or "no CPU"
+        out.append(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]}{', ' if labels else ''}"
+                   f"{', '.join(f'{k}={v}' for k, v in labels.items())}; {units}; "
+                   f"{'alive' if n['Alive'] else 'dead'})")
+    return "; ".join(out)
+
+
+def node_alive(node: str) -> bool | None:
+    """Whether the Ray node with this id (or id prefix) is alive; None when Ray does not know
+    it (or it is not a node id: "?")."""
+    for n in ray.nodes():
+        if node and node != "?" and n["NodeID"].startswith(node):
+            return bool(n["Alive"])
+    return None
+
+
+def node_name(node: str) -> str:
+    """A node for people: its address and our labels (`10.0.0.7 (lockstep-node=1)`), or the id
+    when Ray does not know it."""
+    for n in ray.nodes():
+        if node and node != "?" and n["NodeID"].startswith(node):
+            labels = {k: v for k, v in (n.get("Labels") or {}).items()
+                      if not k.startswith("ray.io/")}
+            tag = ", ".join(f"{k}={v}" for k, v in labels.items())
+            return f"{n['NodeManagerAddress']}{f' ({tag})' if tag else ''}"
+    return node
 
 
 def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:

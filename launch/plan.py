@@ -92,7 +92,7 @@ class _Plan(Estimates, Placement):
         if self.gpu and c.device == "cpu":
             self.notes.append(f"cluster.device=cpu: the actor ranks run on CPU bundles; only "
                               f"SGLang servers use the {c.gpus_per_node} GPUs per node")
-        if c.nodes > 1 and not self.gpu:
+        if c.nodes > 1 and not self.gpu and not c.cpus_per_node:
             self.notes.append("CPU-only cluster: Ray chooses the node of each bundle")
         if c.placement == "colocated":
             self.notes.append(_colocated_note(cfg))

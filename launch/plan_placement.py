@@ -9,7 +9,7 @@ import shlex
 from typing import Any
 
 from lockstep.rollout.colocate import RANK_SHARE, SERVER_SHARE, engine_bundles
-from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal
+from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal, planned_nodes
 from lockstep.trainer.config.experiment import ExperimentConfig
 
 
@@ -22,19 +22,26 @@ class Placement:
         M, g = rollout["engines"], rollout.get("gpus_per_engine", 0)
         sglang = ro.backend == "sglang"
         if not self.gpu:
+            rank_nodes, engine_nodes = planned_nodes(self.cfg)  # cluster.cpus_per_node
             for r in actor["rank_layout"]:
                 r["bundle"] = r["rank"] if N > 1 else None
-                r["node"], r["gpu"] = None, None
-            engines = [{"engine": e, "node": None, "gpus": [], "bundle": e} for e in range(M)]
+                r["node"] = rank_nodes[r["rank"]] if N > 1 else None
+                r["gpu"] = None
+            engines = [{"engine": e, "node": engine_nodes[e] if e < len(engine_nodes) else None,
+                        "gpus": [], "bundle": e} for e in range(M)]
+            self._check_cpu_nodes(rank_nodes, engine_nodes)
             if colocates_fleet(self.cfg) and N >= M > 0:  # in the actor ranks' bundles
                 for x, b in zip(engines, engine_bundles(N, M)):
                     x["bundle"], x["shares_bundle_with_actor_rank"] = None, b
             if sglang:
                 self.refuse("rollout.backend=sglang needs GPUs: set cluster.gpus_per_node")
+            how = (f"laid out by cluster.cpus_per_node={c.cpus_per_node}" +
+                   (f", pinned by the node label {c.node_label!r}" if c.node_label else "")
+                   if c.cpus_per_node else "Ray chooses the nodes: PACK")
             return {"actor_bundles": ([{"CPU": 1.0}] * N) if N > 1 else [],
                     "engines": engines, "gpus_needed": 0,
-                    "note": "CPU bundles; the actor runs in the driver process"
-                            if N == 1 else "CPU bundles (Ray chooses the nodes: PACK)"}
+                    "note": f"CPU bundles ({how}); the actor runs in the driver process"
+                            if N == 1 else f"CPU bundles ({how})"}
         G, gpn = c.nodes * c.gpus_per_node, c.gpus_per_node
         colocated = c.placement == "colocated"
         need = gpus_needed(self.cfg)
@@ -85,6 +92,19 @@ class Placement:
         bundle = {"CPU": 1.0, **({"GPU": 1.0} if N else {})}
         return {"actor_bundles": [bundle] * N_cpu if N_cpu > 1 else [],
                 "engines": engines, "gpus_needed": need, "gpus_total": G}
+
+    def _check_cpu_nodes(self, rank_nodes: list, engine_nodes: list) -> None:
+        """CPU bundles laid out by cluster.cpus_per_node: every one must find a node; a node
+        label needs a node for every bundle."""
+        c = self.cfg.cluster
+        if c.cpus_per_node and None in rank_nodes + engine_nodes:
+            self.refuse(f"{len(rank_nodes)} actor-rank and {len(engine_nodes)} engine CPU "
+                        f"bundles do not fit cluster.nodes={c.nodes} x cluster.cpus_per_node="
+                        f"{c.cpus_per_node} (ranks on nodes {rank_nodes}, engines on "
+                        f"{engine_nodes})")
+        elif c.node_label and not c.cpus_per_node and rank_nodes + engine_nodes:
+            self.refuse(f"cluster.node_label={c.node_label!r} pins CPU bundles to planned "
+                        f"nodes: set cluster.cpus_per_node")
 
     def _sglang_command(self, engine: dict) -> dict[str, Any]:
         from lockstep.trainer.driver.sglang_servers import sglang_server_config

@@ -98,6 +98,9 @@ def render(p: dict[str, Any]) -> str:
             w(f"  colocated, per GPU: rollout phase {_size(em['colocated_rollout_phase_bytes'])} "
               f"(actor resident + SGLang), train phase "
               f"{_size(em['colocated_train_phase_bytes'])} (SGLang released)")
+    cpu_nodes = [e for e in p["placement"]["engines"] if not e.get("gpus") and e["node"] is not None]
+    if cpu_nodes:
+        w("  engines on nodes: " + ", ".join(f"{e['engine']} -> node {e['node']}" for e in cpu_nodes))
     for e in p["placement"]["engines"]:
         if e.get("command"):
             w(f"  engine {e['engine']}: node {e['node']} GPUs {e['gpus']}"

@@ -153,7 +153,7 @@ class Dispatcher(RolloutBackend):
                  owns_pg: bool = True, owns_ray: bool = False, weight_version: str = "0",
                  request_timeout_s: float = 600.0, max_engine_restarts: int = 3,
                  startup_timeout_s: float = 300.0, colocate: bool = False,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, bundles: Any = None):
         if not request_timeout_s > 0:
             raise ValueError(f"Fleet: request_timeout_s must be > 0, got {request_timeout_s!r}")
         if not (isinstance(max_engine_restarts, int) and max_engine_restarts >= 0):
@@ -161,6 +161,7 @@ class Dispatcher(RolloutBackend):
                              f"got {max_engine_restarts!r}")
         self.slots, self.cfg, self.transport = slots, model_cfg, transport
         self._launch, self.pg, self._owns_pg, self._owns_ray = launch, pg, owns_pg, owns_ray
+        self.bundles = bundles  # rollout/bundles.EngineBundles: where `launch` starts each
         self.weight_version = str(weight_version)
         self.max_engine_restarts = max_engine_restarts
         self.startup_timeout_s = float(startup_timeout_s)
@@ -397,13 +398,11 @@ class Dispatcher(RolloutBackend):
     def _relaunch(self, slot: EngineSlot, version: str) -> None:
         """A new actor for `slot` in its bundle; live when it holds `version` (built from it,
         or brought to it by the transport), else joining (the next push brings it)."""
-        import ray
-        slot.pid, slot.node, slot.url = -1, "?", ""
         from lockstep.cluster.ray_ops import death_reason, kill
+        lost_on, slot.pid, slot.node, slot.url = slot.node, -1, "?", ""
         slot.actor = self._launch(slot.index, False)
         try:
-            info = ray.get(slot.actor.info.remote(),
-                           timeout=self.startup_timeout_s + START_GRACE_S)
+            info = self._await_start(slot, lost_on)
         except Exception as e:
             kill(slot.actor)
             slot.state = "dead"
@@ -417,6 +416,39 @@ class Dispatcher(RolloutBackend):
             slot.state = "joining"
         self._event(f"{slot.index} relaunched ({slot.restarts}/{self.max_engine_restarts}) as "
                     f"pid {slot.pid}{' at ' + slot.url if slot.url else ''} ({slot.state})")
+
+    def _await_start(self, slot: EngineSlot, lost_on: str) -> dict:
+        """The relaunched actor's `info()`. While it is not up, the node the engine was lost
+        on is watched: once Ray declares that node dead (its raylet gone: the whole node was
+        lost, not only the engine), the actor is started again in a bundle of its own on any
+        node with room (`EngineBundles.move`), so the relaunch never waits for the resources
+        of a node that is gone."""
+        import ray
+
+        from lockstep.cluster.ray_ops import kill, node_alive, node_name
+        deadline = time.monotonic() + self.startup_timeout_s + START_GRACE_S
+        ref, moved = slot.actor.info.remote(), False
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(2.0, left)))
+            if ready:
+                return ray.get(ref)
+            if left <= 0:
+                raise TimeoutError(f"no answer to info() within "
+                                   f"{self.startup_timeout_s + START_GRACE_S:g}s")
+            movable = self.bundles is not None and self.bundles.movable and not moved
+            if movable and node_alive(lost_on) is False:
+                where = node_name(lost_on)
+                self._event(f"{slot.index}: its node {where} is dead; starting it on another "
+                            f"node with room")
+                kill(slot.actor)
+                try:
+                    self.bundles.move(slot.index)
+                except RuntimeError as e:
+                    raise EngineDown(f"engine {slot.index}: its node {where} is lost and no "
+                                     f"other node has room: {e}") from None
+                slot.actor, moved = self._launch(slot.index, False), True
+                ref = slot.actor.info.remote()
 
     def _restart(self, slot: EngineSlot, how: str, version: str) -> None:
         """Mark `slot` dead and relaunch it now (a server given by URL: only marked), until it
@@ -549,6 +581,8 @@ class Dispatcher(RolloutBackend):
         self.transport.close()
         if self._launch is not None:
             from lockstep.cluster.ray_ops import release
+            if self.bundles is not None:  # engines moved off a lost node
+                self.bundles.release()
             release([s.actor for s in self.slots if s.actor is not None],
                     self.pg if self._owns_pg else None, self._owns_ray)  # not the group's
             self.pg = None

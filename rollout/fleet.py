@@ -28,6 +28,7 @@ import torch
 from lockstep.kernels.threads import worker_env
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
+from lockstep.rollout.bundles import EngineBundles
 from lockstep.rollout.colocate import SERVER_SHARE
 from lockstep.rollout.engine import EngineConfig
 from lockstep.rollout.engine_actors import (UNLOADED, EngineActor, ServerActor, SGLangActor,
@@ -46,12 +47,14 @@ def ray_fleet(cls, source: str | Path | MoEModel | dict[str, torch.Tensor],
               model_cfg: ModelConfig | None = None, *, address: str | None = None,
               cpus_per_engine: float = 1.0, strategy: str = "PACK", threads_per_engine: int = 1,
               startup_timeout_s: float = 300.0, name: str = "lockstep-engine",
-              bucket_bytes: int = 1 << 28, **kw: Any):
+              bucket_bytes: int = 1 << 28, node_selectors: list[dict[str, str]] | None = None,
+              **kw: Any):
     """`num_engines` embedded engines, one Ray actor each in a `{CPU: cpus_per_engine}` bundle
     (plus a GPU when the engine is on CUDA) of one placement group (`strategy` PACK: one node
     while it fits). `source`: an HF folder every node can read, a model, or a native state dict
     with `model_cfg` (put in the object store once, in buckets; also what a relaunched engine
-    is built from until the first push)."""
+    is built from until the first push). `node_selectors`: one Ray label selector per engine
+    (its planned node, `cluster/placement.py`)."""
     import ray
 
     from lockstep.cluster.ray_ops import bundle, init_ray, spawn
@@ -65,7 +68,7 @@ def ray_fleet(cls, source: str | Path | MoEModel | dict[str, torch.Tensor],
     pg = None
     try:
         pg = _reserve(num_engines, bundle(cpus_per_engine, gpus), startup_timeout_s, name,
-                      strategy)
+                      strategy, node_selectors)
         replay = (str(source) if isinstance(source, (str, Path)) else
                   [ray.put(b) for b in as_buckets(source, bucket_bytes, native=True)])
     except BaseException:
@@ -74,14 +77,17 @@ def ray_fleet(cls, source: str | Path | MoEModel | dict[str, torch.Tensor],
         raise
     transport = RayCalls(replay, str(weight_version), bucket_bytes)
     remote = ray.remote(EngineActor)
+    where = EngineBundles(pg, list(range(num_engines)), bundle(cpus_per_engine, gpus),
+                          startup_timeout_s, name)
 
     def launch(i: int, first: bool) -> Any:
-        return spawn(remote, pg, i, cpus_per_engine, gpus, worker_env(threads_per_engine))(
+        return spawn(remote, *where.where(i), cpus_per_engine, gpus,
+                     worker_env(threads_per_engine))(
             transport.replay, model_cfg, engine_cfg, transport.replay_version,
             threads_per_engine)
 
     return _start(cls, num_engines, launch, pg, owns, model_cfg, transport, weight_version,
-                  startup_timeout_s, kw)
+                  startup_timeout_s, kw, bundles=where)
 
 
 def serve_fleet(cls, source: MoEModel | str | Path, engine_cfg: EngineConfig, num_engines: int,
@@ -89,7 +95,8 @@ def serve_fleet(cls, source: MoEModel | str | Path, engine_cfg: EngineConfig, nu
                 address: str | None = None, cpus_per_engine: float = 1.0,
                 gpus_per_engine: float = 0, threads_per_engine: int = 1,
                 startup_timeout_s: float = 300.0,
-                colocate_in: tuple[Any, list[int]] | None = None, **kw: Any):
+                colocate_in: tuple[Any, list[int]] | None = None,
+                node_selectors: list[dict[str, str]] | None = None, **kw: Any):
     """`num_engines` embedded engines behind our SGLang-wire servers, one Ray actor each, one
     `{CPU: cpus_per_engine[, GPU: gpus_per_engine]}` bundle each in a placement group.
     `source`: a model (its fp32 state dict is put in the object store once, for start-up only)
@@ -111,27 +118,32 @@ def serve_fleet(cls, source: MoEModel | str | Path, engine_cfg: EngineConfig, nu
         cpus_per_engine, gpus_per_engine = SERVER_SHARE, SERVER_SHARE if gpus_per_engine else 0
     else:
         pg, bundles = _reserve(num_engines, bundle(cpus_per_engine, gpus_per_engine),
-                               startup_timeout_s, "lockstep-serve"), list(range(num_engines))
+                               startup_timeout_s, "lockstep-serve", "PACK",
+                               node_selectors), list(range(num_engines))
     # start-up weights: put once, dropped once every server holds them (no copy kept)
     start = {"ref": ray.put(state)} if state is not None else {}
     remote = ray.remote(ServerActor)
+    where = EngineBundles(pg, bundles, bundle(cpus_per_engine, gpus_per_engine),
+                          startup_timeout_s, "lockstep-serve", movable=colocate_in is None)
 
     def launch(i: int, first: bool) -> Any:
         source_i = start.get("ref") if first else src if state is None else None
-        return spawn(remote, pg, bundles[i], cpus_per_engine, gpus_per_engine, worker_env(1))(
+        return spawn(remote, *where.where(i), cpus_per_engine, gpus_per_engine,
+                     worker_env(1))(
             source_i, model_cfg, engine_cfg, str(weight_version) if first else UNLOADED,
             kw["api_key"], threads_per_engine)
 
     return _start(cls, num_engines, launch, pg, owns, model_cfg, _http(model_cfg, kw),
                   weight_version, startup_timeout_s, kw, drop=start.clear,
-                  owns_pg=colocate_in is None)
+                  owns_pg=colocate_in is None, bundles=where)
 
 
 def sglang_fleet(cls, options: dict[str, Any] | None, model_path: str, num_engines: int,
                  model_cfg: ModelConfig, weight_version: str = "0", *,
                  address: str | None = None, cpus_per_engine: float = 1.0,
                  startup_timeout_s: float = 900.0, log_dir: str | None = None,
-                 colocate_in: tuple[Any, list[int]] | None = None, **kw: Any):
+                 colocate_in: tuple[Any, list[int]] | None = None,
+                 node_selectors: list[dict[str, str]] | None = None, **kw: Any):
     """`num_engines` real SGLang servers, one Ray actor each with a `{GPU: tp_size}` bundle,
     or `{CPU: tp_size}` with `options["device"] == "cpu"` (`options`: the `rollout.sglang`
     section, SGLangConfig fields plus `bind` and `startup_timeout_s`, which bounds the bundle
@@ -171,21 +183,24 @@ def sglang_fleet(cls, options: dict[str, Any] | None, model_path: str, num_engin
     else:
         try:
             pg = _reserve(num_engines, bundle(cpus_per_engine, gpus), startup_timeout_s,
-                          "lockstep-sglang")
+                          "lockstep-sglang", "PACK", node_selectors)
         except FleetError as e:
             release([], None, owns)
             raise FleetError(f"SGLang servers: {e} (rollout.sglang.startup_timeout_s="
                              f"{startup_timeout_s:g})") from None
         bundles = list(range(num_engines))
     remote = ray.remote(SGLangActor)
+    where = EngineBundles(pg, bundles, bundle(cpus_per_engine, gpus), startup_timeout_s,
+                          "lockstep-sglang", movable=colocate_in is None)
 
     def launch(i: int, first: bool) -> Any:
-        return spawn(remote, pg, bundles[i], cpus_per_engine, gpus)(
+        return spawn(remote, *where.where(i), cpus_per_engine, gpus)(
             opts, model_path, str(weight_version) if first else UNLOADED, kw["api_key"],
             log_dir, host, startup_timeout_s)
 
     return _start(cls, num_engines, launch, pg, owns, model_cfg, _http(model_cfg, kw),
-                  weight_version, startup_timeout_s, kw, owns_pg=colocate_in is None)
+                  weight_version, startup_timeout_s, kw, owns_pg=colocate_in is None,
+                  bundles=where)
 
 
 def url_fleet(cls, urls: list[str], model_cfg: ModelConfig, weight_version: str = "unknown",
@@ -219,10 +234,13 @@ def _check_engines(n: Any) -> None:
         raise ValueError(f"rollout.num_engines must be a positive integer, got {n!r}")
 
 
-def _reserve(n: int, one: dict, timeout_s: float, name: str, strategy: str = "PACK"):
+def _reserve(n: int, one: dict, timeout_s: float, name: str, strategy: str = "PACK",
+             selectors: list[dict[str, str]] | None = None):
     from lockstep.cluster.ray_ops import reserve
+    if selectors is not None and len(selectors) != n:
+        raise FleetError(f"{len(selectors)} node selectors for {n} engines")
     try:
-        return reserve([one] * n, name, timeout_s, strategy)
+        return reserve([one] * n, name, timeout_s, strategy, selectors)
     except RuntimeError as e:
         raise FleetError(str(e)) from None
 
@@ -238,7 +256,7 @@ def _shared_bundles(colocate_in: tuple[Any, list[int]], n: int) -> tuple[Any, li
 def _start(cls, n: int, launch: Callable[[int, bool], Any], pg: Any, owns: bool,
            model_cfg: ModelConfig | None, transport: Any, weight_version: str,
            timeout_s: float, kw: dict, drop: Callable[[], None] = lambda: None,
-           owns_pg: bool = True):
+           owns_pg: bool = True, bundles: EngineBundles | None = None):
     """Start the `n` engines' actors, wait for each to say where it is, build the fleet."""
     from lockstep.cluster.ray_ops import CallFailed, gather, release
     slots = [EngineSlot(i) for i in range(n)]
@@ -259,6 +277,7 @@ def _start(cls, n: int, launch: Callable[[int, bool], Any], pg: Any, owns: bool,
         s.wait_policy = info.get("wait_policy")
     fleet = cls(slots, model_cfg, transport, launch=launch, pg=pg, owns_pg=owns_pg,
                 owns_ray=owns, weight_version=weight_version, startup_timeout_s=timeout_s,
+                bundles=bundles,
                 **{k: kw[k] for k in _FLEET_KW if k in kw})
     for s, info in zip(slots, infos):
         transport.attach(fleet, s, info)

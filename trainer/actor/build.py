@@ -118,3 +118,50 @@ def colocation_refusal(cfg: ExperimentConfig) -> str | None:
                             ro.sglang.tp_size, c.device)
 
 
+# -- placement over nodes: what `lockstep plan` prints and `lockstep train` pins -------------
+def planned_nodes(cfg: ExperimentConfig) -> tuple[list[int | None], list[int | None]]:
+    """(node of each actor-rank bundle, node of each engine bundle) as `lockstep plan` lays
+    them out (`cluster/placement.lay_out`): GPU bundles by `cluster.gpus_per_node`, CPU ones
+    by `cluster.cpus_per_node` (0: None, Ray chooses). An in-process actor has no bundle;
+    colocated engines and engines without a bundle of their own (local, http) have None."""
+    from lockstep.cluster.placement import first_fit, lay_out
+    c, ro = cfg.cluster, cfg.rollout
+    ranks = c.actor_ranks if c.actor_ranks > 1 else 0
+    sglang, fleet = ro.backend == "sglang", ro.backend in ("ray", "serve", "sglang")
+    engines = ro.num_engines if fleet else 0
+    colocated = colocates_fleet(cfg)
+    rank_gpu = c.device != "cpu" and c.gpus_per_node > 0
+    engine_gpu = sglang and c.device != "cpu" and c.gpus_per_node > 0
+    engine_size = ro.sglang.tp_size if sglang else 1
+    if rank_gpu == engine_gpu:  # one kind of unit: laid out together
+        per = c.gpus_per_node if rank_gpu else c.cpus_per_node
+        if per == 0:
+            return [None] * ranks, [None] * engines
+        return lay_out(ranks, 1, engines, engine_size, c.nodes, per, colocated)
+    # GPU ranks with CPU engines, or CPU ranks with SGLang on GPUs: each by its own unit
+    gpu_n, cpu_n = (ranks, engines) if rank_gpu else (engines, ranks)
+    gpus = first_fit([1 if rank_gpu else engine_size] * gpu_n, [float(c.gpus_per_node)] * c.nodes)
+    # a CPU bundle of a rank or of a ray / serve engine takes one CPU
+    cpus = (first_fit([1.0] * cpu_n, [float(c.cpus_per_node)] * c.nodes)
+            if c.cpus_per_node else [None] * cpu_n)
+    rank_nodes, engine_nodes = (gpus, cpus) if rank_gpu else (cpus, gpus)
+    return rank_nodes, [None] * engines if colocated else engine_nodes
+
+
+def bundle_selectors(cfg: ExperimentConfig) -> tuple[list | None, list | None]:
+    """The Ray label selectors that pin (actor-rank bundles, engine bundles) to their planned
+    nodes (`cluster.node_label`); None where nothing is pinned. Refuses a label with bundles
+    the plan gives no node (say `cluster.cpus_per_node` / `gpus_per_node`, or more nodes)."""
+    from lockstep.cluster.placement import node_selectors
+    label = cfg.cluster.node_label
+    if label is None:
+        return None, None
+    ranks, engines = planned_nodes(cfg)
+    if not colocates_fleet(cfg) and None in ranks + engines:
+        c = cfg.cluster
+        raise ValueError(f"cluster.node_label={label!r}: the plan gives no node to some bundles "
+                         f"(actor ranks on nodes {ranks}, engines on {engines}; cluster.nodes="
+                         f"{c.nodes}, gpus_per_node={c.gpus_per_node}, cpus_per_node="
+                         f"{c.cpus_per_node}): say the nodes' sizes (`lockstep plan` shows the "
+                         f"layout)")
+    return node_selectors(label, ranks), node_selectors(label, engines)

@@ -57,7 +57,7 @@ from lockstep.moe.model import MoEModel
 from lockstep.replay import ReplayMode
 from lockstep.rollout.colocate import RANK_SHARE
 from lockstep.trainer.actor.batch import Batch, ShardPlan, minibatch_schedule, plan_shards
-from lockstep.trainer.actor.build import colocates_fleet
+from lockstep.trainer.actor.build import bundle_selectors, colocates_fleet
 from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs, UpdateResult
 from lockstep.trainer.actor.versions import stale_versions
 from lockstep.trainer.config.experiment import ExperimentConfig
@@ -193,9 +193,11 @@ class RankInfo:
     pid: int = -1
     node: str = "?"
     threads: int = 0  # torch threads the rank runs (cluster.threads_per_rank)
+    ip: str = "?"  # its node's address
 
     def __str__(self) -> str:
-        where = "starting" if self.pid < 0 else f"pid {self.pid}, node {self.node[:12]}"
+        where = ("starting" if self.pid < 0 else
+                 f"pid {self.pid}, node {self.node[:12]} at {self.ip}")
         return f"actor rank {self.rank} ({where})"
 
 
@@ -226,7 +228,7 @@ class ActorGroup:
             gpu = self.device == "cuda"
             try:
                 self.pg = reserve([bundle(1, 1 if gpu else 0)] * self.world, "lockstep-actor",
-                                  startup_timeout_s)
+                                  startup_timeout_s, selectors=bundle_selectors(cfg)[0])
             except RuntimeError as e:
                 raise ActorGroupError(str(e)) from None
             remote = ray.remote(RankWorker)
@@ -238,6 +240,7 @@ class ActorGroup:
                                  timeout_s=startup_timeout_s)
             for info, got in zip(self.infos, infos):
                 info.pid, info.node, info.threads = got["pid"], got["node"], got["threads"]
+                info.ip = got["ip"]
             port = self._gather("start", [self.workers[0].free_port.remote()], [0])[0]
             backend = "nccl" if gpu else "gloo"
             self._gather("init_process_group", [
@@ -443,7 +446,18 @@ class ActorGroup:
         try:
             return gather(what, refs, [str(self.infos[r]) for r in ranks], timeout_s)
         except CallFailed as e:
-            self._fail(ActorGroupError(str(e)))
+            self._fail(ActorGroupError(str(e) + self._lost_nodes()))
+
+    def _lost_nodes(self) -> str:
+        """The nodes of this group's ranks that Ray declares dead, named with their ranks (a
+        rank that failed first may be a survivor whose collective lost its peer)."""
+        from lockstep.cluster.ray_ops import node_alive, node_name
+        gone: dict[str, list[int]] = {}
+        for info in self.infos:
+            if info.pid >= 0 and node_alive(info.node) is False:
+                gone.setdefault(info.node, []).append(info.rank)
+        return "".join(f"; node {node_name(n)} ({n[:12]}) is lost, with actor rank(s) "
+                       f"{ranks}" for n, ranks in gone.items())
 
 
 def _rss_now() -> int:

@@ -60,7 +60,8 @@ _LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel", "fp8")
 # rollout keys of the fleet and its fault handling; left out at their defaults
 _FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
-_PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine")
+_PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine",
+              "cpus_per_node", "node_label")
 
 
 class ExperimentConfig(Section):

@@ -384,6 +384,13 @@ class ClusterConfig(Section):
     gpus_per_engine: int | None = Field(None, ge=1, le=1024)
     """GPUs of one rollout engine; None = rollout.sglang.tp_size with rollout.backend=sglang
     (the embedded engines of the other backends run on CPU)."""
+    cpus_per_node: int = Field(0, ge=0, le=1 << 16)
+    """CPUs per machine for CPU bundles (no GPUs): `lockstep plan` lays the CPU actor ranks
+    and then the engines node by node by it; 0 = Ray chooses each bundle's node."""
+    node_label: str | None = Field(None, min_length=1, max_length=63)
+    """Ray node label whose value is the plan's node index (`ray start
+    --labels='{"lockstep-node": "0"}'`): every actor-rank and engine bundle is pinned to the
+    node `lockstep plan` gives it; None = Ray chooses (PACK)."""
 
     @property
     def weight_bucket_bytes(self) -> int:

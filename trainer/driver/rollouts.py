@@ -18,7 +18,8 @@ from lockstep.rollout import colocate
 from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine, EngineConfig
-from lockstep.trainer.actor.build import colocates_fleet, colocation_refusal
+from lockstep.trainer.actor.build import (bundle_selectors, colocates_fleet,
+                                          colocation_refusal)
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import rollout_api_key
 
@@ -94,6 +95,12 @@ def weight_sync_mode(cfg: ExperimentConfig) -> str:
     return mode
 
 
+def ray_address(cfg: ExperimentConfig) -> str | None:
+    """The Ray cluster a fleet joins: `rollout.ray_address`, else `cluster.ray_address` (the
+    actor group's), else Ray's own discovery."""
+    return cfg.rollout.ray_address or cfg.cluster.ray_address
+
+
 def make_ray_engines(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: str,
                      engine_cfg: EngineConfig) -> RolloutBackend:
     """`rollout.backend: ray`: `rollout.num_engines` embedded engines as Ray actors. `model` an
@@ -102,7 +109,8 @@ def make_ray_engines(cfg: ExperimentConfig, model: MoEModel | Path, weight_versi
     ro = cfg.rollout
     source = str(model) if isinstance(model, Path) else model
     return Fleet.ray(source, engine_cfg, ro.num_engines, weight_version, cfg.model,
-                     address=ro.ray_address, request_timeout_s=ro.request_timeout_s,
+                     address=ray_address(cfg), request_timeout_s=ro.request_timeout_s,
+                     node_selectors=bundle_selectors(cfg)[1],
                      max_engine_restarts=ro.max_engine_restarts,
                      threads_per_engine=cfg.cluster.threads_per_rank)
 
@@ -133,11 +141,12 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
         max_concurrency=max(ro.prompts_per_step, 1) * ro.samples_per_prompt,
         bucket_bytes=cfg.cluster.weight_bucket_bytes, log=log,
         # colocated with the actor: servers release their memory while it trains
-        colocate=cfg.cluster.placement == "colocated")
+        colocate=cfg.cluster.placement == "colocated",
+        node_selectors=None if shared else bundle_selectors(cfg)[1])
     if ro.backend == "serve":
         gpu = engine_cfg.device.startswith("cuda")  # cluster.device: a GPU per engine
         return Fleet.serve(model, engine_cfg, ro.num_engines, weight_version,
-                           address=ro.ray_address, gpus_per_engine=1 if gpu else 0,
+                           address=ray_address(cfg), gpus_per_engine=1 if gpu else 0,
                            threads_per_engine=cfg.cluster.threads_per_rank, colocate_in=shared,
                            **kw)
     if ro.backend == "sglang":
@@ -148,7 +157,7 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
             from lockstep.moe.checkpoint import save_hf
             path = str(save_hf(model, Path(out_dir) / "weights" / "initial"))
         fleet = Fleet.sglang(opts, str(path), ro.num_engines, cfg.model, weight_version,
-                             address=ro.ray_address, log_dir=str(out_dir),
+                             address=ray_address(cfg), log_dir=str(out_dir),
                              fan_out_samples=ro.sglang.deterministic_inference,
                              sampling_mask_max_tokens=ro.sglang.sampling_mask_max_tokens or 4096,
                              colocate_in=shared, **kw)
