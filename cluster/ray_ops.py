@@ -32,9 +32,9 @@ DIED = (RayActorError, WorkerCrashedError, OutOfMemoryError)
 class CallFailed(RuntimeError):
     """An actor call in `gather` died, raised or timed out; `index` is the actor's position."""
 
-    def __init__(self, index: int, message: str):
+    def __init__(self, index: int, message: str, died: bool = False):
         super().__init__(message)
-        self.index = index
+        self.index, self.died = index, died  # died: the actor's process is gone
 
 
 def init_ray(address: str | None, env: dict[str, str] | None = None,
@@ -154,7 +154,8 @@ def gather(what: str, refs: list, names: list[str], timeout_s: float | None = No
         try:
             got[ready[0]] = ray.get(ready[0])
         except DIED as e:
-            raise CallFailed(i, f"{names[i]} died during {what}: {death_reason(e)}") from None
+            raise CallFailed(i, f"{names[i]} died during {what}: {death_reason(e)}",
+                             died=True) from None
         except RayTaskError as e:
             raise CallFailed(i, f"{names[i]} failed in {what}: {task_error(e)}") from None
     return [got[ref] for ref in refs]

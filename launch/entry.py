@@ -76,6 +76,10 @@ def describe_error(e: BaseException) -> tuple[str, int]:
     msg = one or type(e).__name__
     if isinstance(e, (FileNotFoundError, ValueError)):
         return msg, 2
+    from lockstep.rollout.types import FleetError
+    from lockstep.trainer.actor.group import ActorGroupError
+    if isinstance(e, (ActorGroupError, FleetError)):  # the cluster lost a rank, an engine, a node
+        return f"{type(e).__name__}: {msg}", 1
     return f"{type(e).__name__}: {msg} (an internal error; rerun with --debug for the traceback)", 1
 
 

@@ -82,6 +82,7 @@ class EngineSlot:
     url: str = ""
     pid: int = -1
     node: str = "?"
+    last_node: str = "?"  # the node of its last incarnation that came up (kept while it restarts)
     threads: int = 0
     wait_policy: str | None = None  # its OMP_WAIT_POLICY (kernels/threads.py)
     actor: Any = None
@@ -399,7 +400,7 @@ class Dispatcher(RolloutBackend):
         """A new actor for `slot` in its bundle; live when it holds `version` (built from it,
         or brought to it by the transport), else joining (the next push brings it)."""
         from lockstep.cluster.ray_ops import death_reason, kill
-        lost_on, slot.pid, slot.node, slot.url = slot.node, -1, "?", ""
+        lost_on, slot.pid, slot.node, slot.url = slot.last_node, -1, "?", ""
         slot.actor = self._launch(slot.index, False)
         try:
             info = self._await_start(slot, lost_on)
@@ -425,18 +426,22 @@ class Dispatcher(RolloutBackend):
         of a node that is gone."""
         import ray
 
-        from lockstep.cluster.ray_ops import kill, node_alive, node_name
+        from lockstep.cluster.ray_ops import DIED, kill, node_alive, node_name
         deadline = time.monotonic() + self.startup_timeout_s + START_GRACE_S
         ref, moved = slot.actor.info.remote(), False
         while True:
             left = deadline - time.monotonic()
             ready, _ = ray.wait([ref], timeout=max(0.0, min(2.0, left)))
+            movable = self.bundles is not None and self.bundles.movable and not moved
             if ready:
-                return ray.get(ref)
-            if left <= 0:
+                try:
+                    return ray.get(ref)
+                except DIED:  # started on the lost node, which Ray then declared dead
+                    if not (movable and node_alive(lost_on) is False):
+                        raise
+            elif left <= 0:
                 raise TimeoutError(f"no answer to info() within "
                                    f"{self.startup_timeout_s + START_GRACE_S:g}s")
-            movable = self.bundles is not None and self.bundles.movable and not moved
             if movable and node_alive(lost_on) is False:
                 where = node_name(lost_on)
                 self._event(f"{slot.index}: its node {where} is dead; starting it on another "
@@ -469,6 +474,7 @@ class Dispatcher(RolloutBackend):
 
     def _up(self, slot: EngineSlot, info: dict, version: str) -> None:
         slot.url, slot.pid, slot.node = info.get("url", ""), int(info["pid"]), str(info["node"])
+        slot.last_node = slot.node
         slot.threads, slot.version, slot.state = int(info.get("threads", 0)), version, "live"
         slot.wait_policy = info.get("wait_policy")
         self.transport.attach(self, slot, info)

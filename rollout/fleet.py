@@ -273,6 +273,7 @@ def _start(cls, n: int, launch: Callable[[int, bool], Any], pg: Any, owns: bool,
     drop()
     for s, actor, info in zip(slots, actors, infos):
         s.actor, s.url, s.pid, s.node = actor, info.get("url", ""), int(info["pid"]), str(info["node"])
+        s.last_node = s.node
         s.threads, s.version, s.state = int(info.get("threads", 0)), str(weight_version), "live"
         s.wait_policy = info.get("wait_policy")
     fleet = cls(slots, model_cfg, transport, launch=launch, pg=pg, owns_pg=owns_pg,

@@ -117,11 +117,14 @@ class RayCalls:
         from lockstep.cluster.ray_ops import DIED, death_reason, task_error
         t0, nbytes, refs = time.perf_counter(), 0, []
         for bucket in as_buckets(source, self.bucket_bytes, native=True):
-            # a name the engines do not hold ships as it is (the engine casts or refuses it)
-            cast = [(k, t.detach().to(self.dtypes.get(k, t.dtype))) for k, t in bucket]
-            nbytes += sum(tensor_bytes(t) for _, t in cast)
-            ref = ray.put(cast)
-            del cast, bucket
+            if isinstance(bucket, ray.ObjectRef):  # already put where it was made (a rank)
+                ref = bucket
+            else:  # a name the engines do not hold ships as it is (the engine casts or refuses)
+                cast = [(k, t.detach().to(self.dtypes.get(k, t.dtype))) for k, t in bucket]
+                nbytes += sum(tensor_bytes(t) for _, t in cast)
+                ref = ray.put(cast)
+                del cast
+            del bucket
             for s in targets:  # answered with commit_weights (an actor's calls run in order)
                 s.actor.load_bucket.remote(len(refs), ref)
             refs.append(ref)

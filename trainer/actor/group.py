@@ -41,6 +41,7 @@ The other ranks may be blocked in a collective with the dead one, so nothing wai
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -62,6 +63,9 @@ from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs,
 from lockstep.trainer.actor.versions import stale_versions
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.objective.stats import add_stats
+
+
+LOST_NODE_WAIT_S = 40.0  # after a rank's death, for Ray to say whether its node is lost
 
 
 class ActorGroupError(RuntimeError):
@@ -158,12 +162,14 @@ class RankWorker:
         from lockstep.trainer.actor.build import rank_reference
         self.actor.set_reference(rank_reference(self.cfg, self.actor, source))
 
-    def export_weights(self, bucket_bytes: int, send: bool):
+    def export_weights(self, bucket_bytes: int, send: bool, dtypes: dict | None = None):
         """Every rank runs the export (sharded backends gather in it); only `send` yields.
-        Buckets are copied to the CPU: a view would ship its whole storage."""
+        Buckets are copied to the CPU: a view would ship its whole storage. `dtypes`: each
+        weight cast here to the dtype its receivers hold it in (name -> dtype)."""
         for bucket in self.actor.export_weights(bucket_bytes):
             if send:
-                yield [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
+                yield [(name, t.detach().to("cpu", (dtypes or {}).get(name, t.dtype), copy=True))
+                       for name, t in bucket]
 
     def rank_state(self) -> dict:
         return self.actor.rank_state()
@@ -343,10 +349,31 @@ class ActorGroup:
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._check_open()
-        gens = [w.export_weights.options(num_returns="streaming").remote(bucket_bytes, r == 0)
-                for r, w in enumerate(self.workers)]
+        gens = self._export(bucket_bytes, None)
         for ref in gens[0]:
             yield self._gather("export_weights", [ref], [0])[0]
+        self._drain(gens)
+
+    def export_refs(self, bucket_bytes: int, dtypes: dict | None = None) -> Iterator[Any]:
+        """The export's buckets as Ray object refs (rank 0 put each in its own node's object
+        store, cast to `dtypes`): the driver holds no bytes of them; whoever is given a ref
+        fetches it from rank 0's node (`RayCalls.push`, rollout/transports.py). A failed
+        export shows where a bucket is fetched (and in the other ranks' answers here)."""
+        import ray
+        self._check_open()
+        gens = self._export(bucket_bytes, dtypes)
+        for ref in gens[0]:
+            ray.wait([ref], fetch_local=False)  # produced; not brought here
+            yield ref
+        self._drain(gens)
+
+    def _export(self, bucket_bytes: int, dtypes: dict | None) -> list:
+        return [w.export_weights.options(num_returns="streaming").remote(
+                    bucket_bytes, r == 0, dtypes if r == 0 else None)
+                for r, w in enumerate(self.workers)]
+
+    def _drain(self, gens: list) -> None:
+        """The other ranks' side of a collective export (they yield nothing)."""
         for r, gen in enumerate(gens[1:], start=1):
             for ref in gen:
                 self._gather("export_weights", [ref], [r])
@@ -446,18 +473,40 @@ class ActorGroup:
         try:
             return gather(what, refs, [str(self.infos[r]) for r in ranks], timeout_s)
         except CallFailed as e:
-            self._fail(ActorGroupError(str(e) + self._lost_nodes()))
+            self._fail(ActorGroupError(str(e) + self._lost_nodes(ranks[e.index] if e.died
+                                                                 else None)))
 
-    def _lost_nodes(self) -> str:
+    def _lost_nodes(self, failed: int | None) -> str:
         """The nodes of this group's ranks that Ray declares dead, named with their ranks (a
-        rank that failed first may be a survivor whose collective lost its peer)."""
+        rank that failed first may be a survivor whose collective lost its peer). While Ray
+        has not decided whether the `failed` rank's actor is gone for good (its node's raylet
+        may be gone too: Ray then declares the node dead once its health checks fail), this
+        waits for it, at most `LOST_NODE_WAIT_S`."""
         from lockstep.cluster.ray_ops import node_alive, node_name
-        gone: dict[str, list[int]] = {}
-        for info in self.infos:
-            if info.pid >= 0 and node_alive(info.node) is False:
-                gone.setdefault(info.node, []).append(info.rank)
+        deadline = time.monotonic() + LOST_NODE_WAIT_S
+        while True:
+            gone: dict[str, list[int]] = {}
+            for info in self.infos:
+                if info.pid >= 0 and node_alive(info.node) is False:
+                    gone.setdefault(info.node, []).append(info.rank)
+            if gone or failed is None or time.monotonic() > deadline or self._settled(failed):
+                break
+            time.sleep(0.5)
         return "".join(f"; node {node_name(n)} ({n[:12]}) is lost, with actor rank(s) "
                        f"{ranks}" for n, ranks in gone.items())
+
+    def _settled(self, rank: int) -> bool:
+        """Whether Ray has decided about rank `rank`'s actor: it answers (it raised), or it is
+        dead for good (not only unreachable for now, as while its node's fate is open)."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError
+        try:
+            ray.get(self.workers[rank].info.remote(), timeout=2)
+            return True
+        except (ActorUnavailableError, GetTimeoutError):
+            return False
+        except Exception:  # noqa: BLE001 - died for good (RayActorError), or anything final
+            return True
 
 
 def _rss_now() -> int:
