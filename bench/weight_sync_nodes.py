@@ -9,11 +9,12 @@ weights), node 1 with N engines), per path, for N = 1, 2, 4 engines:
   serve          rollout.backend=serve: rank 0 -> driver as in ray-driver, then the driver (rank 0
                  of the weight group) broadcasts each fp32 bucket over gloo to the N servers
 
-Bytes are what each node's processes read + wrote through syscalls during one push (the second:
-the first forms the groups): the raylet's object transfers between nodes and the workers'
-sockets (gloo, HTTP); a process's own shared-memory object-store reads are not syscalls, so
-a bucket counted at a node crossed the network to or from it. Loopback here, so the numbers are
-bytes, not bandwidth; time per push is printed too (2 shared cores: indicative only).
+Bytes are what each node's processes sent + received over TCP during one push (the second:
+the first forms the groups), from `ss -tinp` before and after: the raylets' object transfers
+between nodes, the workers' gloo and HTTP sockets (a process's own object-store reads are
+shared memory, not TCP), so a bucket counted at a node crossed the network to or from it (a
+transfer between two nodes counts at both). Loopback here: bytes, not bandwidth; time per push
+is printed too (2 shared cores: indicative only).
 
     OMP_NUM_THREADS=1 python bench/weight_sync_nodes.py [--engines 1,2,4] [--hidden 512]
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,40 +36,54 @@ from multinode_fixtures import LABEL, LocalCluster, _children  # noqa: E402
 MB = 1e6
 
 
-def io_bytes(pids: list[int]) -> int:
-    """rchar + wchar summed over `pids` (processes gone since are skipped)."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-                if line.startswith(("rchar:", "wchar:")):
-                    total += int(line.split()[1])
-        except OSError:
+def socket_bytes() -> dict[tuple[str, str], tuple[int, int]]:
+    """Every TCP socket's (bytes sent + received) by (local, peer) address, with its pid:
+    `ss -tinp` (sockets close between two reads: a new one counts from 0)."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout.splitlines()
+    got, key, pid = {}, None, None
+    for line in out:
+        if not line.startswith(("\t", " ")):
+            parts = line.split()
+            key = (parts[3], parts[4]) if len(parts) > 4 else None
+            m = re.search(r"pid=(\d+)", line)
+            pid = int(m.group(1)) if m else None
             continue
-    return total
+        if key is None or pid is None:
+            continue
+        sent = re.search(r"bytes_sent:(\d+)", line)
+        recv = re.search(r"bytes_received:(\d+)", line)
+        got[key] = (pid, (int(sent.group(1)) if sent else 0) + (int(recv.group(1)) if recv else 0))
+    return got
 
 
-def node_pids(c: LocalCluster) -> dict[str, list[int]]:
-    """Every node's processes: its raylet and what the raylet started (the head: also the
-    GCS and this driver)."""
+def node_pids(c: LocalCluster, actors: dict[str, list[int]]) -> dict[str, set[int]]:
+    """Each node's processes: its raylet and what it started, and the actors placed there
+    (`actors`: node name -> pids); the head: also the GCS and this driver."""
     out = {}
     for ip, node in c.nodes.items():
+        name = f"node {c.index[ip]}"
         raylet = node.all_processes["raylet"][0].process.pid
-        out[f"node {c.index[ip]}"] = [raylet] + _children(raylet)
+        out[name] = {raylet, *_children(raylet), *actors.get(name, [])}
     head = c.cluster.head_node
     raylet = head.all_processes["raylet"][0].process.pid
     gcs = head.all_processes["gcs_server"][0].process.pid
-    out["head (driver)"] = [os.getpid(), raylet, gcs] + _children(raylet)
+    out["head (driver)"] = {os.getpid(), raylet, gcs, *_children(raylet)}
     return out
 
 
-def measure(push, c: LocalCluster) -> tuple[dict[str, int], float]:
-    before = {k: io_bytes(v) for k, v in node_pids(c).items()}
+def measure(push, c: LocalCluster, actors: dict[str, list[int]]) -> tuple[dict[str, int], float]:
+    """Bytes each node's processes sent + received over TCP during `push()`, and its time."""
+    before = socket_bytes()
     t0 = time.perf_counter()
     push()
     dt = time.perf_counter() - t0
-    pids = node_pids(c)
-    return {k: io_bytes(v) - before.get(k, 0) for k, v in pids.items()}, dt
+    after = socket_bytes()
+    owner = {pid: name for name, pids in node_pids(c, actors).items() for pid in pids}
+    moved: dict[str, int] = {name: 0 for name in set(owner.values())}
+    for key, (pid, n) in after.items():
+        if pid in owner:
+            moved[owner[pid]] += n - (before.get(key, (pid, 0))[1] if key in before else 0)
+    return moved, dt
 
 
 def main() -> None:
@@ -78,14 +95,12 @@ def main() -> None:
     from lockstep.moe.sizes import param_count
     from lockstep.rollout.engine import EngineConfig
     from lockstep.rollout.fleet import Fleet
-    from lockstep.trainer.config import load_config
-    from lockstep.trainer.group import ActorGroup
+    from lockstep.trainer.config.load import load_config
+    from lockstep.trainer.actor.group import ActorGroup
 
-    c = LocalCluster()
+    # node 1: room for a Ray fleet and a serve fleet of the largest count
+    c = LocalCluster.start([(0, 2, "127.31.0.2"), (1, 2 * max(counts), "127.31.0.3")])
     try:
-        c.add(0, 2, "127.31.0.2")
-        c.add(1, 2 * max(counts), "127.31.0.3")  # a Ray fleet and a serve fleet
-        c.connect()
         h = args.hidden
         cfg = load_config(ROOT / "configs/toy_r3.yaml", [
             "warmstart.enabled=false", "cluster.actor_ranks=2", f"cluster.ray_address={c.address}",
@@ -105,7 +120,7 @@ def main() -> None:
               f"{'node 1 MB':>10} {'push s':>7}")
         rows = []
         for k in counts:
-            ecfg = EngineConfig(dtype="bf16", max_len=64)
+            ecfg = EngineConfig(dtype="bf16", max_len=32)
             ray_fleet = Fleet.ray(model, ecfg, k, address=c.address, node_selectors=pin(k))
             serve = Fleet.serve(model, ecfg, k, address=c.address, node_selectors=pin(k),
                                 weight_sync="distributed")
@@ -118,7 +133,9 @@ def main() -> None:
                     ("serve", lambda: serve.update_weights(group.export_weights(bucket),
                                                            str(next(v))))):
                 push()  # forms the weight group / warms the paths
-                got, dt = measure(push, c)
+                actors = {"node 0": [i.pid for i in group.infos],
+                          "node 1": [x.pid for f in (ray_fleet, serve) for x in f.slots]}
+                got, dt = measure(push, c, actors)
                 rows.append((name, k, got, dt))
                 print(f"{name:10} {k:7d} {got['head (driver)'] / MB:17.1f} "
                       f"{got['node 0'] / MB:10.1f} {got['node 1'] / MB:10.1f} {dt:7.2f}",

@@ -20,7 +20,8 @@ import uuid
 from typing import Any
 
 import ray
-from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.exceptions import (ActorUnavailableError, OutOfMemoryError, RayActorError, RayTaskError,
+                            WorkerCrashedError)
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -32,9 +33,11 @@ DIED = (RayActorError, WorkerCrashedError, OutOfMemoryError)
 class CallFailed(RuntimeError):
     """An actor call in `gather` died, raised or timed out; `index` is the actor's position."""
 
-    def __init__(self, index: int, message: str, died: bool = False):
+    def __init__(self, index: int, message: str, died: bool = False, unreachable: bool = False):
         super().__init__(message)
-        self.index, self.died = index, died  # died: the actor's process is gone
+        # died: the actor's process is gone; unreachable: Ray does not know yet whether it is
+        # (its connection broke: the process, or its whole node, may be gone)
+        self.index, self.died, self.unreachable = index, died, unreachable
 
 
 def init_ray(address: str | None, env: dict[str, str] | None = None,
@@ -155,7 +158,7 @@ def gather(what: str, refs: list, names: list[str], timeout_s: float | None = No
             got[ready[0]] = ray.get(ready[0])
         except DIED as e:
             raise CallFailed(i, f"{names[i]} died during {what}: {death_reason(e)}",
-                             died=True) from None
+                             died=True, unreachable=isinstance(e, ActorUnavailableError)) from None
         except RayTaskError as e:
             raise CallFailed(i, f"{names[i]} failed in {what}: {task_error(e)}") from None
     return [got[ref] for ref in refs]

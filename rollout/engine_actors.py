@@ -62,8 +62,16 @@ class EngineActor:
                 "weight_version": self.engine.weight_version, "model_cfg": model.cfg,
                 "dtypes": {k: v.dtype for k, v in named.items()}}
 
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
-        return self.engine.generate(requests)
+    def generate(self, requests: list[GenerateRequest], attempts: dict[str, int] | None = None,
+                 store: Any = None) -> list[GenerationResult]:
+        """The engine's results; with a route `store` on this node (rollout.routes_by_reference)
+        each sample's routes stay there and the result carries their ref
+        (`rollout.route_refs.keep_routes`; `attempts`: rid -> times sent before)."""
+        results = self.engine.generate(requests)
+        if store is None:
+            return results
+        from lockstep.rollout.route_refs import keep_routes
+        return keep_routes(results, attempts or {}, store)
 
     def load_bucket(self, k: int, bucket: Bucket) -> None:
         """Receive bucket k of a push (k == 0 starts a new one); applied by `commit_weights`."""

@@ -48,13 +48,14 @@ def ray_fleet(cls, source: str | Path | MoEModel | dict[str, torch.Tensor],
               cpus_per_engine: float = 1.0, strategy: str = "PACK", threads_per_engine: int = 1,
               startup_timeout_s: float = 300.0, name: str = "lockstep-engine",
               bucket_bytes: int = 1 << 28, node_selectors: list[dict[str, str]] | None = None,
-              **kw: Any):
+              routes_by_reference: bool = False, **kw: Any):
     """`num_engines` embedded engines, one Ray actor each in a `{CPU: cpus_per_engine}` bundle
     (plus a GPU when the engine is on CUDA) of one placement group (`strategy` PACK: one node
     while it fits). `source`: an HF folder every node can read, a model, or a native state dict
     with `model_cfg` (put in the object store once, in buckets; also what a relaunched engine
     is built from until the first push). `node_selectors`: one Ray label selector per engine
-    (its planned node, `cluster/placement.py`)."""
+    (its planned node, `cluster/placement.py`). `routes_by_reference`: each sample's routes
+    stay in its engine's node and results carry a ref (rollout/route_refs.py)."""
     import ray
 
     from lockstep.cluster.ray_ops import bundle, init_ray, spawn
@@ -75,7 +76,7 @@ def ray_fleet(cls, source: str | Path | MoEModel | dict[str, torch.Tensor],
         from lockstep.cluster.ray_ops import release
         release([], pg, owns)
         raise
-    transport = RayCalls(replay, str(weight_version), bucket_bytes)
+    transport = RayCalls(replay, str(weight_version), bucket_bytes, routes_by_reference)
     remote = ray.remote(EngineActor)
     where = EngineBundles(pg, list(range(num_engines)), bundle(cpus_per_engine, gpus),
                           startup_timeout_s, name)
@@ -204,9 +205,9 @@ def sglang_fleet(cls, options: dict[str, Any] | None, model_path: str, num_engin
 
 
 def url_fleet(cls, urls: list[str], model_cfg: ModelConfig, weight_version: str = "unknown",
-              **kw: Any):
-    """Servers that are already running (`rollout.urls`); they are not relaunched. Their
-    weights are not known until the first push."""
+              node_selectors: list[dict[str, str]] | None = None, **kw: Any):
+    """Servers that are already running (`rollout.urls`); they are not relaunched (nor placed:
+    `node_selectors` is ignored). Their weights are not known until the first push."""
     if not urls:
         raise ValueError("Fleet.http: rollout.urls is empty")
     slots = [EngineSlot(i, url=u.rstrip("/"), state="live") for i, u in enumerate(urls)]

@@ -54,9 +54,12 @@ class RayCalls:
 
     weight_sync = "object_store"
 
-    def __init__(self, replay: str | list, replay_version: str, bucket_bytes: int):
+    def __init__(self, replay: str | list, replay_version: str, bucket_bytes: int,
+                 routes_by_reference: bool = False):
         self.replay, self.replay_version = replay, str(replay_version)
         self.bucket_bytes = bucket_bytes
+        # routes by reference: one RouteStore per engine node (rollout/route_refs.py)
+        self.by_ref, self.stores = routes_by_reference, {}
         self.dtypes: dict = {}  # the engines' dtype of every weight (native and HF names)
         self.model_cfg: ModelConfig | None = None
         self.last_push: dict = {}
@@ -64,6 +67,9 @@ class RayCalls:
     def attach(self, fleet: Any, slot: EngineSlot, info: dict | None = None) -> None:
         if info is not None:
             self.dtypes, self.model_cfg = info["dtypes"], self.model_cfg or info["model_cfg"]
+            if self.by_ref and slot.node not in self.stores:  # a store on the engine's node
+                from lockstep.rollout.route_refs import start_store
+                self.stores[slot.node] = start_store(slot.node)
 
     def wire(self, req: GenerateRequest) -> list[tuple[int, GenerateRequest]]:
         return [(0, req)]
@@ -72,7 +78,9 @@ class RayCalls:
         from ray.exceptions import RayTaskError
 
         from lockstep.cluster.ray_ops import DIED, death_reason, task_error
-        ref = slot.actor.generate.remote([g.req for g in run])
+        routes_to = self.stores.get(slot.node) if self.by_ref else None
+        attempts = {g.req.rid: g.tries for g in run} if routes_to is not None else None
+        ref = slot.actor.generate.remote([g.req for g in run], attempts, routes_to)
         timeout = fleet.request_timeout_s
         try:
             got = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
@@ -162,6 +170,10 @@ class RayCalls:
 
     def close(self) -> None:
         self.replay = []
+        from lockstep.cluster.ray_ops import kill
+        for store in self.stores.values():  # their routes go with them
+            kill(store)
+        self.stores = {}
 
 
 class HTTPCalls:

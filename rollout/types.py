@@ -271,6 +271,9 @@ class GenerationResult:
     trained); None = every output token was sampled (a single-turn sample)."""
     trajectory: Any = None
     """Multi-turn trajectories: the `rollout.agent.TrajectoryInfo` (turns, env reward, error)."""
+    routes_ref: Any = None
+    """rollout.routes_by_reference: where the routes stayed (a `rollout.route_refs.RouteRef`,
+    in the object store of the engine's node); routes_NLK is None then."""
 
     def trace(self, num_experts: int, sample: int | None = None) -> RoutingTrace | None:
         """Routes as a validated `RoutingTrace` (checked against P+R-1-routes_start rows,

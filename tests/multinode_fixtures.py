@@ -46,6 +46,25 @@ class LocalCluster:
         self.nodes: dict[str, object] = {}  # ip -> ray Node
         self.index: dict[str, int] = {}  # ip -> plan node index (its label)
 
+    @classmethod
+    def start(cls, nodes: list[tuple[int, int, str]], attempts: int = 3) -> "LocalCluster":
+        """The head plus `nodes` ((index, CPUs, address) each), the driver connected. A start
+        is retried: Ray gives a raylet a fixed time to register, which a busy machine misses."""
+        for attempt in range(1, attempts + 1):
+            c = None
+            try:
+                c = cls()
+                for index, cpus, ip in nodes:
+                    c.add(index, cpus, ip)
+                c.connect()
+                return c
+            except Exception as e:  # noqa: BLE001 - a start that timed out: again
+                if c is not None:
+                    c.shutdown()
+                if "timed out during startup" not in str(e) or attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
     @property
     def address(self) -> str:
         return self.cluster.address

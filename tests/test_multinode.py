@@ -27,7 +27,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from lockstep.launch.plan import make_plan  # noqa: E402
-from lockstep.trainer.config import load_config  # noqa: E402
+from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
 from multinode_fixtures import LABEL, LocalCluster  # noqa: E402
@@ -49,11 +49,9 @@ GROUP = ["cluster.actor_ranks=2", "rollout.backend=serve", "rollout.num_engines=
 
 @pytest.fixture(scope="module")
 def nodes():
-    c = LocalCluster()
+    c = LocalCluster.start([(0, 6, NODE0),  # room for two ranks, two engines, two relaunched
+                            (1, 2, NODE1)])
     try:
-        c.add(0, 6, NODE0)  # room for two ranks, two engines and two relaunched ones
-        c.add(1, 2, NODE1)
-        c.connect()
         yield c
     finally:
         c.shutdown()
@@ -111,20 +109,60 @@ def test_placement_follows_the_plan_and_two_nodes_equal_one(nodes, cache, two_no
     assert all(r["actor/grad_norm"] > 0 for r in two_m)  # the policy moved every step
 
 
-def test_a_node_with_both_engines_lost_mid_generate(nodes, cache, tmp_path):
+RAY = ["cluster.actor_ranks=2", "rollout.backend=ray", "rollout.num_engines=2",
+       "rollout.dtype=fp32", *TWO_NODES]
+
+
+@pytest.fixture(scope="module")
+def ray_run(nodes, cache, tmp_path_factory):
+    """The toy R3 run with Ray engines (fp32) on node 1 and the actor ranks on node 0."""
+    out = tmp_path_factory.mktemp("ray")
+    Trainer(_cfg(nodes, cache, *RAY), out, progress=False, log=lambda s: None).run()
+    return out
+
+
+def test_routes_by_reference_leave_the_driver_out(nodes, cache, ray_run, tmp_path):
+    """rollout.routes_by_reference: the engines' routes stay on node 1 (the driver's batch and
+    the shards it sends hold refs only), each rank fetches exactly its rows' routes, keyed by
+    weight version, request, sample and attempt; the metrics equal the run without it."""
+    tr = Trainer(_cfg(nodes, cache, *RAY, "rollout.routes_by_reference=true"), tmp_path / "ref",
+                 progress=False, log=lambda s: None)
+    seen: dict = {}
+    inner = tr.actor.old_logprobs
+
+    def spy(batch, mode, step):
+        seen[step] = batch
+        out = inner(batch, mode, step)
+        plan = tr.actor._plans[step]
+        seen[step, "fetched"] = [ray.get(w.fetched_routes.remote()) for w in tr.actor.workers]
+        seen[step, "rows"] = [plan.rows[d].tolist() for d in tr.actor.dp_rank]
+        return out
+    tr.actor.old_logprobs = spy
+    tr.run()
+    for step in (1, 2):
+        batch = seen[step]
+        assert batch.rollout_routes_BTLK is None and batch.rollout_routes_valid_BT is None
+        refs = batch.rollout_route_refs.refs
+        assert len(refs) == batch.size
+        # each rank fetched exactly its rows, every row once, under the step's weight version
+        fetched, rows = seen[step, "fetched"], seen[step, "rows"]
+        for got, mine in zip(fetched, rows):
+            assert [tuple(k) for k in got] == [refs[i].key for i in mine]
+        assert sorted(i for mine in rows for i in mine) == list(range(batch.size))
+        assert {k[0] for got in fetched for k in got} == {str(step - 1)}
+        assert all(k[3] == 0 for got in fetched for k in got)  # first attempts
+    assert _metrics(tmp_path / "ref") == _metrics(ray_run)
+
+
+def test_a_node_with_both_engines_lost_mid_generate(nodes, cache, ray_run, tmp_path):
     """`rollout.backend=ray` (the embedded engines as Ray actors) on node 1, the actor ranks on
     node 0: node 1 is killed while step 2 generates. Ray declares it dead; both engines are
     relaunched in bundles of their own on node 0 (their pinned node is gone) and built from
     the last push's weights in the object store; the step's requests are resent, every sample
     comes back once, and the run equals an uninterrupted one (fp32 engines: a sample does not
     depend on which requests share its engine)."""
-    sets = ["cluster.actor_ranks=2", "rollout.backend=ray", "rollout.num_engines=2",
-            "rollout.dtype=fp32", *TWO_NODES]
-    ref = Trainer(_cfg(nodes, cache, *sets), tmp_path / "ref", progress=False,
-                  log=lambda s: None)
-    ref.run()
     events: list[str] = []
-    tr = Trainer(_cfg(nodes, cache, *sets), tmp_path / "lost", progress=False, log=events.append)
+    tr = Trainer(_cfg(nodes, cache, *RAY), tmp_path / "lost", progress=False, log=events.append)
     assert [nodes.plan_node(s.node) for s in tr.rollout.slots] == [1, 1]
     fleet, killed = tr.rollout, {}
 
@@ -150,7 +188,7 @@ def test_a_node_with_both_engines_lost_mid_generate(nodes, cache, tmp_path):
     assert [nodes.plan_node(s.node) for s in fleet.slots] == [0, 0]  # the surviving node
     assert [nodes.plan_node(i.node) for i in tr.actor.infos] == [0, 0]
     assert sum("is dead; starting it on another node" in e for e in fleet.stats.events) == 2
-    lost, want = _metrics(tmp_path / "lost"), _metrics(tmp_path / "ref")
+    lost, want = _metrics(tmp_path / "lost"), _metrics(ray_run)
     assert [r["step"] for r in lost] == [1, 2]
     for a, b in zip(want, lost):  # the same samples: tokens, rewards, routes exactly
         for k in a:
@@ -193,6 +231,7 @@ def test_a_node_with_the_actor_ranks_lost_stops_cleanly_and_resumes(nodes, cache
     stopped_s = time.monotonic() - t0
     assert victim.returncode not in (0, None), text[-3000:]
     assert stopped_s < 60, stopped_s
+    print(f"the run stopped {stopped_s:.1f} s after node 0 was lost")
     assert f"node {NODE0} ({LABEL}=0)" in text and "is lost, with actor rank(s) [0, 1]" in text, \
         text[-3000:]
     # every checkpoint under a final name is whole (a save cut short stays a .tmp folder)

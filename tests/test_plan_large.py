@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from lockstep.launch.plan import make_plan
-from lockstep.trainer.backends import planned_nodes
-from lockstep.trainer.config import load_config
+from lockstep.trainer.actor.build import planned_nodes
+from lockstep.trainer.config.load import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"deepseek_v3": 671.0, "kimi_k2": 1026.4, "qwen3_235b_a22b": 235.1, "glm45_355b": 352.8}
@@ -64,8 +64,8 @@ def test_megatron_core_accepts_the_layout(name):
     pytest.importorskip("megatron.core")
     from megatron.core.parallel_state import RankGenerator
 
-    from lockstep.trainer.megatron.layout import actor_options
-    from lockstep.trainer.megatron.model import transformer_config
+    from lockstep.trainer.config.megatron import actor_options
+    from lockstep.trainer.actor.megatron.model import transformer_config
     cfg = _cfg(name)
     p = make_plan(cfg)
     # the GPU build uses Transformer Engine's layers; the config checks are the same without
@@ -101,7 +101,7 @@ def test_megatron_core_refuses_a_broken_layout():
     """The checks above can fail: a pipeline layout one layer short, and an EP that does
     not divide the experts, are refused by megatron-core itself."""
     pytest.importorskip("megatron.core")
-    from lockstep.trainer.megatron.layout import actor_options, megatron_args
+    from lockstep.trainer.config.megatron import actor_options, megatron_args
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     cfg = _cfg("deepseek_v3")

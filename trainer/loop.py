@@ -427,8 +427,16 @@ class Trainer:
 
     def sync_weights(self, step: int) -> str:
         """Stream the actor's HF-named weight buckets to the engines, one bucket at a time
-        (`rollout.weight_sync`); a checkpoint exports again."""
-        weights = self.actor.export_weights(self.cfg.cluster.weight_bucket_bytes)
+        (`rollout.weight_sync`); a checkpoint exports again. Ray engines fed by an actor group
+        fetch each bucket from rank 0's node (cast there to their dtypes): no weight byte
+        passes through the driver (docs/cluster.md "Weight sync at scale")."""
+        bucket = self.cfg.cluster.weight_bucket_bytes
+        transport = getattr(self.rollout, "transport", None)
+        if hasattr(self.actor, "export_refs") and getattr(transport, "weight_sync", None) == \
+                "object_store":
+            weights = self.actor.export_refs(bucket, transport.dtypes)
+        else:
+            weights = self.actor.export_weights(bucket)
         return self.pipeline.update_weights(weights, str(step))
 
     def saves_at(self, step: int) -> bool:

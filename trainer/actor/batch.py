@@ -20,7 +20,9 @@ their parts are whatever rows of each mini-batch a rank has (balanced in rows on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -54,6 +56,8 @@ class Batch:
     rollout_indexer_valid_BT: torch.Tensor | None = None  # bool: rows that have engine picks
     recorded_indexer_BTLK: torch.Tensor | None = None  # int32: the old-logprob forward's own
     # picks (replay.indexer=r2 replays them in the updates; set by policy_update)
+    rollout_route_refs: Any = None  # rollout.routes_by_reference: a `RouteRefs` (one ref per
+    # row) instead of rollout_routes_BTLK / _valid_BT, which each rank fetches (`fetch_rows`)
 
     @property
     def size(self) -> int:
@@ -68,7 +72,8 @@ class Batch:
     def rows(self, idx: torch.Tensor) -> "Batch":
         """The sub-batch of rows `idx` (long [b])."""
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: None if v is None else v[idx] for k, v in parts.items()})
+        return Batch(**{k: None if v is None else v.take(idx) if k == "rollout_route_refs"
+                        else v[idx] for k, v in parts.items()})
 
 
 def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
@@ -117,15 +122,24 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
             trace = RoutingTrace(r.routes_NLK, num_experts, start=r.routes_start, sample=b)
             trace.check(P, R, num_layers, top_k, num_experts, sample=b)
             traces.append(trace)
-    if traces and len(traces) != B:
-        raise ValueError(f"{B - len(traces)} of {B} samples have no routes; all or none must")
+    refs = [r.routes_ref for r in results if r.routes_ref is not None]
+    if traces and len(traces) + len(refs) != B or refs and (traces or len(refs) != B):
+        raise ValueError(f"{B - len(traces) - len(refs)} of {B} samples have no routes, "
+                         f"{len(refs)} have them by reference; all or none must, one way")
+    for b, ref in enumerate(refs):  # checked as collate checks a trace, without its bytes
+        P, R = results[b].prompt_tokens, results[b].completion_tokens
+        if ref.start != 0 or ref.rows != P + R - 1:
+            raise ValueError(f"sample {b}: routes by reference of {ref.rows} rows from position "
+                             f"{ref.start}, expected {P + R - 1} from 0")
     routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
     cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
     gates = _gates(results, T, routes) if any(r.gates_NLK is not None for r in results) else None
     picks, picks_valid = _indexer(results, T, seq_lens)
+    from lockstep.rollout.route_refs import RouteRefs
     return Batch(ids_BT, resp_BT, rollout_lp_BT, torch.tensor(seq_lens), routes, valid, cand_BTS,
                  gates, turn_BT=turn_BT, rollout_indexer_BTLK=picks,
-                 rollout_indexer_valid_BT=picks_valid)
+                 rollout_indexer_valid_BT=picks_valid,
+                 rollout_route_refs=RouteRefs(tuple(refs)) if refs else None)
 
 
 def _indexer(results: Sequence[GenerationResult], T: int, seq_lens: list[int]):
@@ -140,6 +154,25 @@ def _indexer(results: Sequence[GenerationResult], T: int, seq_lens: list[int]):
     for b, (r, t) in enumerate(zip(results, traces)):
         t.check(r.prompt_tokens, r.completion_tokens, t.num_layers, t.top_k, sample=b)
     return batch_indexer_traces(traces, T, seq_lens)
+
+
+def fetch_rows(batch: Batch, num_experts: int, num_layers: int, top_k: int) -> Batch:
+    """A rank's shard with its rows' routes fetched from where the engines left them
+    (`rollout_route_refs`), checked and laid out as `collate` does (`batch_traces`)."""
+    from lockstep.rollout.route_refs import fetch_routes
+    refs = batch.rollout_route_refs
+    if refs is None:
+        return batch
+    traces = []
+    for b, x in enumerate(fetch_routes(refs.refs)):
+        trace = RoutingTrace(x, num_experts, start=0, sample=b)
+        R = int(batch.response_mask_BT[b].sum())  # single-turn (no rollout.env): P + R tokens
+        P = int(batch.seq_lens_B[b]) - R
+        trace.check(P, R, num_layers, top_k, num_experts, sample=b)
+        traces.append(trace)
+    routes, valid = batch_traces(traces, batch.input_ids_BT.shape[1], batch.seq_lens_B.tolist())
+    return dataclasses.replace(batch, rollout_routes_BTLK=routes, rollout_routes_valid_BT=valid,
+                               rollout_route_refs=None)
 
 
 def _gates(results: Sequence[GenerationResult], T: int, routes_BTLK) -> torch.Tensor:
@@ -288,7 +321,8 @@ def trim_batch(batch: Batch, rows_b: torch.Tensor) -> Batch:
     """The sub-batch of rows `rows_b`, its time axis cut to its own longest row."""
     t = int(batch.seq_lens_B[rows_b].max())
     parts = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return Batch(**{k: None if v is None else trim(v, rows_b, t) for k, v in parts.items()})
+    return Batch(**{k: None if v is None else v.take(rows_b) if k == "rollout_route_refs"
+                    else trim(v, rows_b, t) for k, v in parts.items()})
 
 
 def wire_bytes(*items) -> int:
@@ -300,8 +334,9 @@ def wire_bytes(*items) -> int:
             continue
         if isinstance(x, torch.Tensor):
             n += x.numel() * x.element_size()
-        elif isinstance(x, Batch):
-            n += wire_bytes(*(getattr(x, f.name) for f in fields(x)))
+        elif isinstance(x, Batch):  # route refs: a few bytes each, no routes
+            n += wire_bytes(*(getattr(x, f.name) for f in fields(x)
+                              if f.name != "rollout_route_refs"))
         elif isinstance(x, Mapping):
             n += wire_bytes(*x.values())
         elif isinstance(x, (list, tuple)):

@@ -127,9 +127,35 @@ class RankWorker:
         (bytes)."""
         return dict(self.startup)
 
-    def old_logprobs(self, shard: Batch, mode: ReplayMode, step: int) -> OldLogprobs:
+    def old_logprobs(self, shard: Batch, mode: ReplayMode, step: int,
+                     counts_rollout: bool = False) -> OldLogprobs:
+        """pi_old of the shard. Routes by reference (`shard.rollout_route_refs`): its rows'
+        routes are fetched here first, from the engines' nodes, and this rank adds their expert
+        loads to the stats when `counts_rollout` (one rank per DP index: TP / PP peers hold
+        the same rows), as the driver would have counted them."""
+        from lockstep.trainer.actor.batch import fetch_rows
+        from lockstep.trainer.observe.expert_load import ROLLOUT_COUNT_KEY, load_count_stats
+        by_ref = shard.rollout_route_refs is not None
+        if by_ref:  # what this rank asked for (keys: version, rid, sample, attempt)
+            self.fetched = [r.key for r in shard.rollout_route_refs.refs]
+        m = self.cfg.model
+        shard = fetch_rows(shard, m.num_experts, m.num_moe_layers, m.num_experts_per_tok)
         self._shards = {step: shard}  # kept for the update: rows travel once
-        return self.actor.old_logprobs(shard, mode, step)
+        got = self.actor.old_logprobs(shard, mode, step)
+        if by_ref:
+            from lockstep.trainer.observe.expert_load import counted_tokens
+            tokens_BT = counted_tokens(shard.response_mask_BT, shard.seq_lens_B)
+            tokens_BT &= shard.rollout_routes_valid_BT
+            if not counts_rollout:
+                tokens_BT = torch.zeros_like(tokens_BT)
+            got.stats.update(load_count_stats(shard.rollout_routes_BTLK, tokens_BT,
+                                              m.moe_layer_ids, m.num_experts, self.rank == 0,
+                                              key=ROLLOUT_COUNT_KEY))
+        return got
+
+    def fetched_routes(self) -> list:
+        """The route keys this rank fetched for its last shard (routes by reference)."""
+        return list(getattr(self, "fetched", []))
 
     def policy_update(self, inputs: UpdateInputs, mode: ReplayMode, step: int,
                       steps: list[torch.Tensor]) -> UpdateResult:
@@ -280,8 +306,10 @@ class ActorGroup:
                                       shuffle_seed(self.cfg.loop.seed, step))
         plan = plan_shards(batch.seq_lens_B, self.dp_size, schedule)
         self._plans = {step: plan}
+        first = {d: self.dp_rank.index(d) for d in set(self.dp_rank)}  # one rank per DP index
         got = self._gather("old_logprobs", [
-            w.old_logprobs.remote(plan.batch(self.dp_rank[r], batch), mode, step)
+            w.old_logprobs.remote(plan.batch(self.dp_rank[r], batch), mode, step,
+                                  first[self.dp_rank[r]] == r)
             for r, w in enumerate(self.workers)])
         lp_BT = self._unshard(plan, self._by_dp(g.logprobs_BT for g in got), batch)
         return OldLogprobs(lp_BT, add_stats([g.stats for g in got]))
@@ -473,40 +501,26 @@ class ActorGroup:
         try:
             return gather(what, refs, [str(self.infos[r]) for r in ranks], timeout_s)
         except CallFailed as e:
-            self._fail(ActorGroupError(str(e) + self._lost_nodes(ranks[e.index] if e.died
-                                                                 else None)))
+            self._fail(ActorGroupError(str(e) + self._lost_nodes(e.unreachable)))
 
-    def _lost_nodes(self, failed: int | None) -> str:
+    def _lost_nodes(self, wait: bool) -> str:
         """The nodes of this group's ranks that Ray declares dead, named with their ranks (a
-        rank that failed first may be a survivor whose collective lost its peer). While Ray
-        has not decided whether the `failed` rank's actor is gone for good (its node's raylet
-        may be gone too: Ray then declares the node dead once its health checks fail), this
-        waits for it, at most `LOST_NODE_WAIT_S`."""
+        rank that failed first may be a survivor whose collective lost its peer). `wait`: the
+        failed rank was unreachable, not known dead (its node's raylet may be gone too: Ray
+        declares a node dead once its health checks fail); then Ray's verdict is awaited, at
+        most `LOST_NODE_WAIT_S`."""
         from lockstep.cluster.ray_ops import node_alive, node_name
-        deadline = time.monotonic() + LOST_NODE_WAIT_S
+        deadline = time.monotonic() + (LOST_NODE_WAIT_S if wait else 0.0)
         while True:
             gone: dict[str, list[int]] = {}
             for info in self.infos:
                 if info.pid >= 0 and node_alive(info.node) is False:
                     gone.setdefault(info.node, []).append(info.rank)
-            if gone or failed is None or time.monotonic() > deadline or self._settled(failed):
+            if gone or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
         return "".join(f"; node {node_name(n)} ({n[:12]}) is lost, with actor rank(s) "
                        f"{ranks}" for n, ranks in gone.items())
-
-    def _settled(self, rank: int) -> bool:
-        """Whether Ray has decided about rank `rank`'s actor: it answers (it raised), or it is
-        dead for good (not only unreachable for now, as while its node's fate is open)."""
-        import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError
-        try:
-            ray.get(self.workers[rank].info.remote(), timeout=2)
-            return True
-        except (ActorUnavailableError, GetTimeoutError):
-            return False
-        except Exception:  # noqa: BLE001 - died for good (RayActorError), or anything final
-            return True
 
 
 def _rss_now() -> int:

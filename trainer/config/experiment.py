@@ -58,7 +58,7 @@ _LATER_KEYS = {"task": (TaskConfig, ("reward",)),
 # actor.megatron keys added after saved configs were pinned; left out at their defaults
 _LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel", "fp8")
 # rollout keys of the fleet and its fault handling; left out at their defaults
-_FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts")
+_FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts", "routes_by_reference")
 # cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
 _PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine",
               "cpus_per_node", "node_label")
@@ -125,6 +125,8 @@ class ExperimentConfig(Section):
         check_replay(self)
         check_exact(self)
         check_mismatch(self)
+        if self.rollout.routes_by_reference:
+            self._check_routes_by_reference()
         if self.data.enabled:
             self._check_data()
             return self
@@ -142,6 +144,22 @@ class ExperimentConfig(Section):
             need(getattr(self.model, name) == want,
                  f"model.{name}={getattr(self.model, name)!r} must be the tokenizer's id {want}")
         return self
+
+    def _check_routes_by_reference(self) -> None:
+        """rollout.routes_by_reference: Ray engines feeding an actor group, and nothing on the
+        driver that reads the routes themselves."""
+        ro, f = self.rollout, "rollout.routes_by_reference=true"
+        need(ro.backend == "ray", f"{f} needs rollout.backend=ray (embedded engines as Ray "
+             f"actors, whose node keeps the routes), got {ro.backend!r}")
+        need(self.replay.gates != "engine", f"{f} does not carry the engine's gate weights "
+             f"(replay.gates=engine)")
+        need(ro.env is None, f"{f} does not stitch multi-turn routes (rollout.env)")
+        from lockstep.rollout.route_refs import KEEP_VERSIONS
+        need(self.loop.max_staleness <= KEEP_VERSIONS - 2, f"{f}: the engines' route stores keep "
+             f"{KEEP_VERSIONS} weight versions, so loop.max_staleness <= {KEEP_VERSIONS - 2} "
+             f"(got {self.loop.max_staleness})")
+        need(self.loop.dump_every == 0, f"{f}: loop.dump_every writes the routes from the "
+             f"driver; dump without routes by reference")
 
     def _check_data(self) -> None:
         """A data-set run: a pretrained folder with its tokenizer, no synthetic warm start."""

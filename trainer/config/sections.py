@@ -83,6 +83,10 @@ class RolloutConfig(Section):
     max_engine_restarts: int = Field(3, ge=0, le=1 << 20)
     """Restarts of a dead or hung engine allowed per engine per run; past it the run stops with
     a RolloutError naming the engine (0: the first engine failure stops the run)."""
+    routes_by_reference: bool = False
+    """ray backend with an actor group: each sample's routes stay in the object store of the
+    node that generated them; the driver gets refs, each actor rank fetches its rows' routes
+    (docs/cluster.md "Routes by reference")."""
     url: str | None = None
     """http backend: server base URL, e.g. http://127.0.0.1:30000."""
     urls: list[str] | None = None

@@ -107,10 +107,16 @@ def make_ray_engines(cfg: ExperimentConfig, model: MoEModel | Path, weight_versi
     HF folder (an actor group's run): each engine loads it."""
     from lockstep.rollout.fleet import Fleet
     ro = cfg.rollout
+    if ro.routes_by_reference and cfg.cluster.actor_ranks == 1:  # a layout key: not in the
+        # config's own checks (run hashes drop it), so here, before anything starts
+        raise ValueError("rollout.routes_by_reference=true needs an actor group "
+                         "(cluster.actor_ranks > 1): the in-process actor is the driver, which "
+                         "would fetch every route anyway")
     source = str(model) if isinstance(model, Path) else model
     return Fleet.ray(source, engine_cfg, ro.num_engines, weight_version, cfg.model,
                      address=ray_address(cfg), request_timeout_s=ro.request_timeout_s,
                      node_selectors=bundle_selectors(cfg)[1],
+                     routes_by_reference=ro.routes_by_reference,
                      max_engine_restarts=ro.max_engine_restarts,
                      threads_per_engine=cfg.cluster.threads_per_rank)
 

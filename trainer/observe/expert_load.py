@@ -42,6 +42,8 @@ import torch
 
 ROLLOUT_PREFIX, ACTOR_PREFIX = "rollout/moe", "actor/moe"
 COUNT_KEY = "moe_load_count"  # stats key prefix of the actor's per-(layer, expert) counts
+ROLLOUT_COUNT_KEY = "rollout_load_count"  # the engine routes' counts, from the ranks (routes
+# by reference: the driver holds no routes)
 VERL_KEYS = ("max_vio", "min_vio", "avg_vio")
 OUR_KEYS = ("cv", "entropy", "dead_experts")
 
@@ -103,26 +105,26 @@ def rollout_load_metrics(batch, layer_names: Sequence[int], num_experts: int) ->
 
 
 def load_count_stats(routes_BTLK: torch.Tensor, tokens_BT: torch.Tensor,
-                     layer_names: Sequence[int], num_experts: int, first: bool
-                     ) -> dict[str, tuple[float, float]]:
+                     layer_names: Sequence[int], num_experts: int, first: bool,
+                     key: str = COUNT_KEY) -> dict[str, tuple[float, float]]:
     """A rank's counts as `Stats` pairs (count, 1 on the group's first rank, else 0): the sum
     over ranks divided by the count is the group's total."""
     counts = load_counts(routes_BTLK, tokens_BT, num_experts).tolist()
     one = 1.0 if first else 0.0
-    return {f"{COUNT_KEY}/{int(name)}/{e}": (float(c), one)
+    return {f"{key}/{int(name)}/{e}": (float(c), one)
             for name, row in zip(layer_names, counts) for e, c in enumerate(row)}
 
 
-def take_load_counts(stats: dict[str, tuple[float, float]], num_experts: int
-                     ) -> tuple[list[int], torch.Tensor] | None:
+def take_load_counts(stats: dict[str, tuple[float, float]], num_experts: int,
+                     key: str = COUNT_KEY) -> tuple[list[int], torch.Tensor] | None:
     """Remove the `load_count_stats` pairs from `stats` (added over ranks) and return
     (decoder layer ids, int64 counts [L, E]); None when there were none."""
-    keys = [k for k in stats if k.startswith(COUNT_KEY + "/")]
+    keys = [k for k in stats if k.startswith(key + "/")]
     if not keys:
         return None
     got: dict[int, list[float]] = {}
     for k in keys:
-        layer, e = (int(x) for x in k[len(COUNT_KEY) + 1:].split("/"))
+        layer, e = (int(x) for x in k[len(key) + 1:].split("/"))
         s, c = stats.pop(k)
         got.setdefault(layer, [0.0] * num_experts)[e] = s / c if c else 0.0
     layers = sorted(got)
@@ -135,4 +137,7 @@ def step_load_metrics(batch, stats: dict[str, tuple[float, float]], layer_names:
     the actor's ranks put in its pi_old `stats`, removed from them)."""
     taken = take_load_counts(stats, num_experts)
     actor = {} if taken is None else load_metrics(taken[1], taken[0], ACTOR_PREFIX)
-    return {**rollout_load_metrics(batch, layer_names, num_experts), **actor}
+    by_ref = take_load_counts(stats, num_experts, ROLLOUT_COUNT_KEY)  # routes by reference
+    rollout = (rollout_load_metrics(batch, layer_names, num_experts) if by_ref is None
+               else load_metrics(by_ref[1], by_ref[0], ROLLOUT_PREFIX))
+    return {**rollout, **actor}
