@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import shutil
-import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -31,9 +29,9 @@ from ..replay.indexer_codec import (INDEXER_ENCODING_FIELD, INDEXER_META_FIELD,
                                     indexer_encoding, int32_rows, wire_layer_sources)
 from ..replay.trace import RouteError
 from .engine import Engine
-from .types import EngineDown, GenerateRequest, GenerationResult, PushRefused, RolloutError
-from .weight_sync import (TENSOR_FORMAT, DistributedWeightSync, as_buckets, tensor_payload,
-                          write_hf_buckets)
+from .types import EngineDown, GenerateRequest, GenerationResult, RolloutError
+from .weight_push import WeightPush
+from .weight_sync import TENSOR_FORMAT, DistributedWeightSync, tensor_payload
 
 
 class RolloutBackend(ABC):
@@ -161,12 +159,10 @@ class HTTPBackend(RolloutBackend):
         if weight_sync not in self.WEIGHT_SYNC:
             raise ValueError(f"HTTPBackend: weight_sync={weight_sync!r}; valid: "
                              f"{list(self.WEIGHT_SYNC)}")
-        self.weight_sync, self.bucket_bytes = weight_sync, bucket_bytes
+        self.bucket_bytes = bucket_bytes
         self.abort_retries = abort_retries
         self.aborted_resent = 0  # requests sent again because a sample came back aborted
-        self._sync = None  # the DistributedWeightSync, joined on the first push
         self._log = log or (lambda s: None)
-        self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"} of the last push
         self.url = url.rstrip("/")
         self.cfg = model_cfg
         self.api_key = api_key
@@ -183,7 +179,11 @@ class HTTPBackend(RolloutBackend):
         self._pushed_version: str | None = None  # what results must carry after update_weights
         self.encodings_seen: dict[str, int] = {ENCODING_INT32: 0, ENCODING_COMPACT: 0}
         self.route_bytes_received = 0
-        self._written: list[Path] = []  # weight folders this client saved for the server
+        # how update_weights moves weights (rollout/weight_push.py: the one place for one
+        # server and for fleets)
+        self.pusher = WeightPush(model_cfg, weight_sync, self.SYNC_CLS,
+                                 weights_dir=self.weights_dir, api_key=api_key,
+                                 timeout_s=timeout_s, bucket_bytes=bucket_bytes, log=self._log)
 
     # -- transport ----------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -408,69 +408,37 @@ class HTTPBackend(RolloutBackend):
             raise RolloutError(f"{who}: {e}") from None
 
     # -- weights ------------------------------------------------------------------------------
+    @property
+    def weight_sync(self) -> str:
+        """How weights move now (`auto` becomes `disk` once it fell back)."""
+        return self.pusher.mode
+
+    @property
+    def last_push(self) -> dict:
+        """{"mode", "bytes", "seconds", "buckets"} of the last push."""
+        return self.pusher.last_push
+
     async def aupdate_weights(self, source: Any, weight_version: str | None = None) -> str:
         """`source`: an HF folder path the server can read; or a model, its HF-named tensors
         or an iterable of weight buckets (consumed once), sent as `weight_sync` says (class
-        docstring): with `disk` first saved under `weights_dir/<version>` (a filesystem the
-        server shares)."""
+        docstring; `WeightPush`): with `disk` first saved under `weights_dir/<version>` (a
+        filesystem the server shares)."""
         if isinstance(source, (str, Path)):
-            return await self._from_disk(source, weight_version, None)
-        weight_version = weight_version or uuid.uuid4().hex[:8]
-        buckets = as_buckets(source, self.bucket_bytes)
-        if self.weight_sync in ("auto", "distributed") and await asyncio.to_thread(self._join):
-            try:
-                return await asyncio.to_thread(self._push_distributed, buckets, weight_version)
-            except PushRefused as e:
-                if self.weight_sync != "auto":
-                    raise
-                self._fall_back(f"the server refused the push before any weight changed ({e})")
-                buckets = e.buckets
-        if self.weight_sync == "tensor":
-            return await self._push_tensor(buckets, weight_version)
-        return await self._push_disk(source, buckets, weight_version)
+            return await self._from_disk(source, weight_version)
+        weight_version = str(weight_version or uuid.uuid4().hex[:8])
+        await asyncio.to_thread(self.pusher.push, [self], source, weight_version)
+        return self.weight_version
 
-    def _fall_back(self, why: str) -> None:
-        """`auto` gives up on the distributed path for good (said once) and uses disk."""
-        self._log(f"rollout.weight_sync=auto: {why}; pushing weights through disk from now on")
-        self.weight_sync = "disk"
-        self.close()
+    async def aload_folder(self, folder: Path, weight_version: str) -> str:
+        """The server loads an HF folder at `weight_version` (WeightPush's disk path)."""
+        return await self._from_disk(folder, weight_version)
 
-    def _join(self) -> bool:
-        """Join the server in a weight-update group (once); False when `auto` cannot."""
-        if self._sync is not None:
-            return True
-        auto = self.weight_sync == "auto"
-        try:
-            self._sync = self._new_sync(
-                min(self.timeout.total, 60.0) if auto else self.timeout.total)
-        except RolloutError as e:
-            if not auto:
-                raise
-            self._fall_back(f"joining the weight group failed ({e})")
-            return False
-        if auto:
-            self._sync.timeout_s = self.timeout.total
-        self._log(f"rollout.weight_sync: joined {self.url} in weight group "
-                  f"{self._sync.group_name!r} (distributed)")
-        return True
+    def confirm_version(self, weight_version: str, what: str) -> str:
+        """After a push by a group: the server must report `weight_version`; results must
+        carry it from now on."""
+        return self._check_version(self._get_sync(self.VERSION_PATH), weight_version, what)
 
-    def _new_sync(self, timeout_s: float) -> DistributedWeightSync:
-        """Join the server's weight-update group (SGLang's /init_weights_update_group)."""
-        return self.SYNC_CLS([self.url], api_key=self.api_key, timeout_s=timeout_s)
-
-    def _push_distributed(self, buckets, weight_version: str) -> str:
-        """A failed push leaves the group unusable: it is destroyed here (the next push
-        joins a new one)."""
-        try:
-            stats = self._sync.push(buckets, weight_version)
-        except BaseException:
-            self.close()
-            raise
-        self.last_push = {"mode": "distributed", **stats}
-        return self._check_version(self._get_sync(self.VERSION_PATH), weight_version,
-                                   "update_weights_from_distributed")
-
-    async def _push_tensor(self, buckets, weight_version: str) -> str:
+    async def apush_tensor(self, buckets, weight_version: str) -> dict:
         """Each bucket as base64 safetensors (our server's safe format; real SGLang's
         formats are pickled and refused by ours), the last one flushing with the version,
         inside one weight-update session. Refused before sending for a server that does not
@@ -484,7 +452,7 @@ class HTTPBackend(RolloutBackend):
                 f"/server_info weight_tensor_formats (real SGLang unpickles "
                 f"/update_weights_from_tensor payloads; lockstep's safetensors payload would "
                 f"kill its scheduler); use weight_sync 'distributed' or 'disk'")
-        t0, total, count = time.perf_counter(), 0, 0
+        total, count = 0, 0
         async with aiohttp.ClientSession(timeout=self.timeout) as s:
             await self._post(s, "/begin_weight_update", {})
             pushed = False
@@ -506,23 +474,9 @@ class HTTPBackend(RolloutBackend):
                 except RolloutError:
                     if pushed:  # else the push's own error says more
                         raise
-        self.last_push = {"mode": "tensor", "bytes": total, "buckets": count,
-                          "seconds": time.perf_counter() - t0}
-        return self._check_version(await self.get("/model_info"), weight_version,
-                                   "update_weights_from_tensor")
-
-    async def _push_disk(self, source, buckets, weight_version: str) -> str:
-        if self.weights_dir is None:
-            raise RolloutError("pushing weights through disk needs weights_dir (a folder the "
-                               "server can read)")
-        t0 = time.perf_counter()
-        folder = self.weights_dir / f"weights_{weight_version}"
-        written, nbytes, count = await asyncio.to_thread(write_hf_buckets, buckets, self.cfg,
-                                                         folder)
-        now = await self._from_disk(written, weight_version, written)
-        self.last_push = {"mode": "disk", "bytes": nbytes, "buckets": count,
-                          "seconds": time.perf_counter() - t0}
-        return now
+        self._check_version(await self.get("/model_info"), weight_version,
+                            "update_weights_from_tensor")
+        return {"mode": "tensor", "bytes": total, "buckets": count}
 
     def _get_sync(self, path: str) -> Any:
         return asyncio.run(self.get(path))
@@ -547,18 +501,9 @@ class HTTPBackend(RolloutBackend):
 
     def close(self) -> None:
         """Leave the weight-update group (the server destroys its side)."""
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
+        self.pusher.close()
 
-    def _keep_only(self, written: Path) -> None:
-        """The server holds the weights in memory: keep only the newest folder written."""
-        for old in self._written:
-            if Path(old) != Path(written):
-                shutil.rmtree(old, ignore_errors=True)
-        self._written = [written]
-
-    async def _from_disk(self, source, weight_version: str | None, written) -> str:
+    async def _from_disk(self, source, weight_version: str | None) -> str:
         body: dict[str, Any] = {"model_path": str(source), "flush_cache": True,
                                 "abort_all_requests": False}
         if weight_version is not None:
@@ -567,8 +512,6 @@ class HTTPBackend(RolloutBackend):
             resp = await self._post(s, "/update_weights_from_disk", body)
         if not isinstance(resp, dict) or not resp.get("success"):
             raise RolloutError(f"update_weights_from_disk({source}) failed: {resp!r}")
-        if written is not None:
-            self._keep_only(written)
         info = await self.get("/model_info")
         if weight_version is None:  # a folder pushed without a version: take the server's
             weight_version = info.get("weight_version") if isinstance(info, dict) else None

@@ -6,7 +6,8 @@
 - `HTTPCalls`: SGLang-wire servers (`lockstep serve`, real SGLang, or given URLs); every
   request is a POST (fanned out into single-sample requests for sampling masks or
   `fan_out_samples`), weights go by `/update_weights_from_distributed` (one torch.distributed
-  group with the trainer as rank 0) or `/update_weights_from_disk` (an HF folder written once).
+  group with the trainer as rank 0) or `/update_weights_from_disk` (an HF folder written once):
+  `rollout/weight_push.py`, the same push as one `HTTPBackend`'s.
 
 Each raises `EngineDown` for an engine that died or did not answer in time, `EnginesDown` for
 the engines a push did not reach, and `RolloutError` for an answer that breaks the contract.
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,12 @@ from typing import Any
 import aiohttp
 
 from lockstep.moe.buckets import tensor_bytes
-from lockstep.moe.checkpoint import hf_state_dict, save_hf_state_dict
 from lockstep.moe.config import ModelConfig
-from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend
 from lockstep.rollout.dispatch import Aborted, EnginesDown, EngineSlot, Group, reiterable
 from lockstep.rollout.types import (EngineDown, FleetError, GenerateRequest, PushRefused,
                                     RolloutError)
+from lockstep.rollout.weight_push import WeightPush
 from lockstep.rollout.weight_sync import as_buckets
 
 
@@ -196,16 +194,21 @@ class HTTPCalls:
                              f"every server can read)")
         self.cfg, self.api_key = model_cfg, api_key
         self.client_cls = client_cls  # the servers' wire: HTTPBackend (SGLang) or VLLMBackend
-        self.weight_sync = "distributed" if weight_sync == "auto" else weight_sync
-        self.auto_sync = weight_sync == "auto"
-        self.weights_dir = None if weights_dir is None else Path(weights_dir)
         self.max_concurrency, self.fan_out_samples = max_concurrency, fan_out_samples
         self.sampling_mask_max_tokens, self.bucket_bytes = sampling_mask_max_tokens, bucket_bytes
-        self.last_push: dict = {}
-        self._sync = None  # DistributedWeightSync over the servers in `_sync_urls`
-        self._sync_urls: list[str] = []
-        self._last_folder: Path | None = None  # the folder of the last disk push
-        self._last_version: str | None = None
+        # the weight push, the same code as one HTTPBackend's (rollout/weight_push.py)
+        self.pusher = WeightPush(model_cfg, weight_sync, client_cls.SYNC_CLS,
+                                 weights_dir=weights_dir, api_key=api_key,
+                                 bucket_bytes=bucket_bytes, who="fleet: ")
+
+    @property
+    def weight_sync(self) -> str:
+        """distributed (also while `auto` has not fallen back) or disk."""
+        return "distributed" if self.pusher.mode == "auto" else self.pusher.mode
+
+    @property
+    def last_push(self) -> dict:
+        return self.pusher.last_push
 
     def attach(self, fleet: Any, slot: EngineSlot, info: dict | None = None) -> None:
         """A client for the slot's server (a new one after a relaunch: a new URL)."""
@@ -255,9 +258,11 @@ class HTTPCalls:
     def catch_up(self, fleet: Any, slot: EngineSlot, version: str) -> bool:
         """Disk sync: the relaunched server loads the last folder now; distributed: it joins
         the group at the next push."""
-        if self._last_folder is None or version != self._last_version:
+        folder = self.pusher.last_folder
+        if folder is None or version != self.pusher.last_version:
             return False
-        self._push_disk(fleet, self._last_folder, version, [slot])
+        self.pusher.load_folder([slot.client], folder, version)
+        slot.version = version
         return True
 
     def can_repeat(self, source: Any) -> bool:
@@ -266,24 +271,24 @@ class HTTPCalls:
     def forget(self, slot: EngineSlot) -> None:
         """A dead server leaves the weight group: the next push forms a new one (also when a
         server comes back at the same URL)."""
-        if slot.url in self._sync_urls:
-            self._sync_urls = []
+        self.pusher.forget(slot.url)
 
     def push(self, fleet: Any, source: Any, version: str, targets: list[EngineSlot]) -> None:
-        t0 = time.perf_counter()
+        """`WeightPush.push` to the targets' servers; a server that did not take it is found
+        (/health) and reported dead (`EnginesDown`), so the fleet relaunches it."""
+        self.pusher.timeout_s = fleet.request_timeout_s
         try:
-            if self.weight_sync == "disk" or isinstance(source, (str, Path)):
-                self._push_disk(fleet, source, version, targets)
-            else:
-                self._push_distributed(fleet, source, version, targets)
-        except EngineDown as e:
+            stats = self.pusher.push([s.client for s in targets], source, version, fleet.log)
+        except (EngineDown, PushRefused) as e:
             dead = self._find_dead(fleet, targets)
             if not dead:
                 raise FleetError(f"weight push {version!r} failed ({e}); no engine was found "
                                  f"dead") from e
             raise EnginesDown(str(e), dead, [s for s in targets if s.version != version]) from e
-        self.last_push = {"mode": self.weight_sync, "bytes": fleet.stats.push_bytes,
-                          "seconds": time.perf_counter() - t0}
+        for s in targets:
+            s.version = version
+        fleet.stats.push_bytes = int(stats.get("bytes", 0))
+        fleet.stats.disk_bytes_written += int(stats.get("disk_bytes", 0))
 
     def _find_dead(self, fleet: Any, targets: list[EngineSlot]) -> list[EngineSlot]:
         async def health(s: EngineSlot) -> None:
@@ -300,95 +305,9 @@ class HTTPCalls:
                 dead.append(s)
         return dead
 
-    def _push_distributed(self, fleet: Any, source: Any, version: str,
-                          targets: list[EngineSlot]) -> None:
-        urls = [s.url for s in targets]
-        if self._sync is None or self._sync_urls != urls:  # a new member: a new group
-            self.close()
-            try:
-                self._sync = self.client_cls.SYNC_CLS(urls, master_addr=_master_addr(urls),
-                                                   api_key=self.api_key,
-                                                   timeout_s=fleet.request_timeout_s)
-            except PushRefused as e:  # an engine refused to join
-                if not self.auto_sync:
-                    raise
-                return self._fall_back(fleet, e, source, version, targets)
-            self._sync_urls = urls
-        try:
-            got = self._sync.push(as_buckets(source, self.bucket_bytes), version)
-        except PushRefused as e:  # refused before any weight changed
-            self.close()
-            if not self.auto_sync:
-                raise EngineDown(f"distributed weight push to {urls}: {e}") from e
-            return self._fall_back(fleet, e, e.buckets, version, targets)
-        except Exception as e:
-            self.close()
-            raise EngineDown(f"distributed weight push to {urls}: {e}") from e
-        fleet.stats.push_bytes = int(got.get("bytes", 0))
-        for s in targets:
-            s.version = version
-            s.client.expect_version(version)
-
-    def _fall_back(self, fleet: Any, why: Exception, source: Any, version: str,
-                   targets: list[EngineSlot]) -> None:
-        """weight_sync=auto: disk from now on (said once), this push included."""
-        fleet.log(f"fleet: rollout.weight_sync=auto: {why}; pushing weights through disk from "
-                  f"now on")
-        self.weight_sync, self.auto_sync = "disk", False
-        self._push_disk(fleet, source, version, targets)
-
-    def _push_disk(self, fleet: Any, source: Any, version: str,
-                   targets: list[EngineSlot]) -> None:
-        folder = source
-        if not isinstance(source, (str, Path)):
-            weights = (hf_state_dict(source) if isinstance(source, MoEModel) else
-                       dict(source) if isinstance(source, dict) else
-                       {k: t for b in source for k, t in b})
-            folder = save_hf_state_dict(weights, self.cfg, self.weights_dir / f"weights_{version}")
-            fleet.stats.disk_bytes_written += sum(
-                f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
-            old, self._last_folder = self._last_folder, Path(folder)
-            if old is not None and old != Path(folder) and old.parent == self.weights_dir:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            self._last_folder = Path(folder)
-        self._last_version = version
-
-        async def all_() -> list:
-            return await asyncio.gather(*(s.client.aupdate_weights(str(folder), version)
-                                          for s in targets), return_exceptions=True)
-        got = asyncio.run(all_())
-        errors = [(s, e) for s, e in zip(targets, got) if isinstance(e, Exception)]
-        for s, e in zip(targets, got):
-            if not isinstance(e, Exception):
-                s.version = version
-        down = [(s, e) for s, e in errors if isinstance(e, EngineDown)]
-        if len(down) != len(errors):
-            s, e = next((s, e) for s, e in errors if not isinstance(e, EngineDown))
-            raise RolloutError(f"{s}: /update_weights_from_disk {folder}: {e}")
-        if down:
-            raise EngineDown(f"{len(down)} engine(s) did not load {folder}: {down[0][1]}")
-
     def close(self) -> None:
         """Leave the weight-update group (a dead member: the group is gone either way)."""
-        if self._sync is not None:
-            try:
-                self._sync.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self._sync, self._sync_urls = None, []
+        self.pusher.close()
 
 
 UNKNOWN = "unknown"  # the version of servers given by URL until the first push
-
-
-def _master_addr(urls: list[str]) -> str:
-    """The trainer's address for the weight group's rendezvous: loopback when every engine
-    is on this machine's loopback, else the local interface that routes to the first engine."""
-    from urllib.parse import urlsplit
-    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
-    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((hosts[0], 9))  # UDP: no packet is sent, only a route is chosen
-        return s.getsockname()[0]

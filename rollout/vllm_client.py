@@ -259,11 +259,11 @@ class VLLMBackend(HTTPBackend):
                                     {"request_ids": [REQUEST_PREFIX + r for r in rids]})
 
     # -- weights --------------------------------------------------------------------------------
-    async def _push_tensor(self, buckets, weight_version: str) -> str:
+    async def apush_tensor(self, buckets, weight_version: str) -> dict:
         raise RolloutError("rollout.weight_sync=tensor is lockstep serve's; vLLM takes "
                            "'distributed' (its native weight transfer) or 'disk'")
 
-    async def _from_disk(self, source, weight_version: str | None, written) -> str:
+    async def _from_disk(self, source, weight_version: str | None) -> str:
         """Reload an HF folder (`reload_weights`, inside /pause ... /resume), then set the
         version (vLLM's reload does not take one)."""
         version = weight_version or Path(source).name
@@ -275,7 +275,5 @@ class VLLMBackend(HTTPBackend):
                 await self._post(s, "/update_weight_version", {"new_version": str(version)})
             finally:
                 await self._post(s, "/resume", {})
-        if written is not None:
-            self._keep_only(written)
         return self._check_version(await self.get(self.VERSION_PATH), version,
                                    f"reload_weights({source})")

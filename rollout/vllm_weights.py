@@ -67,6 +67,16 @@ class VLLMWeightSync(DistributedWeightSync):
     def _answered(self, resp: Any) -> bool:
         return isinstance(resp, dict) and "error" not in resp  # vLLM: {"message"} or {"status"}
 
+    def _post(self, i: int, path: str, body: dict, timeout_s: float | None = None) -> Any:
+        try:
+            return super()._post(i, path, body, timeout_s)
+        except PushRefused:
+            raise
+        except RolloutError as e:  # vLLM answers its workers' refusal of a join with HTTP 500
+            if path == "/init_weight_transfer_engine" and "HTTP 500" in str(e):
+                raise PushRefused(str(e)) from None
+            raise
+
     def _open_session(self, i: int) -> None:
         try:
             self._post(i, "/pause?mode=wait", {})

@@ -186,7 +186,7 @@ def test_kill9_mid_generate_every_sample_once_and_server_relaunched(fleet, model
         fleet.stats.events
     assert victim.url.startswith("http://127.0.0.1:")
     sync = fleet.transport  # the HTTP transport's weight group
-    assert sync._sync is not None and victim.url in sync._sync_urls  # in the new group
+    assert sync.pusher.sync is not None and victim.url in sync.pusher.sync_urls  # new group
     assert fleet.stats.disk_bytes_written == 0 and fleet.stats.push_bytes > 0
     reqs = requests(k=8, seed=9)
     got = fleet.generate(reqs)

@@ -334,7 +334,7 @@ def test_group_names_are_unique_and_a_failed_push_destroys_its_group(served):
     bad = {"model.layers.1.mlp.gate.nope": torch.zeros(3), **hf_state_dict(_model(3))}
     with pytest.raises(RolloutError, match="'model.layers.1.mlp.gate.nope' is not a weight"):
         client.update_weights(bad, "b1")
-    assert not receiver.groups and not receiver.session and client._sync is None
+    assert not receiver.groups and not receiver.session and client.pusher.sync is None
 
 
 def test_trainer_that_fails_at_start_up_leaves_no_group(served, tmp_path):
