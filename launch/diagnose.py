@@ -22,7 +22,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from lockstep.trainer.state.rundir import report_dir_problem
 
@@ -136,8 +135,8 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
     from lockstep.trainer.actor.torch_actor import TorchActor
     from lockstep.trainer.observe.dump import record_step, run_header
     from lockstep.trainer.driver.data import TaskSource
+    from lockstep.trainer.driver.requests import step_requests
     from lockstep.trainer.driver.rollouts import make_rollout
-    from lockstep.trainer.loop import Trainer
 
     task = Task(cfg.task)
     ro = cfg.rollout
@@ -145,18 +144,17 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
         cfg = cfg.model_copy(update={"rollout": ro.model_copy(update={"backend": "embedded"})})
     # the loop's own request and engine builders, so the samples are the run's
     source = TaskSource(task, cfg.loop.seed)
-    loop = SimpleNamespace(cfg=cfg, task=task, source=source, out=None, mode=cfg.replay.mode,
-                           max_new_tokens=ro.max_new_tokens or task.max_new_tokens)
+    max_new_tokens = ro.max_new_tokens or task.max_new_tokens
     n = ro.samples_per_prompt
     prompts = ro.prompts_per_step if samples is None else max(1, math.ceil(samples / n))
     if data is None:
         drawn = source.prompts((step - 1) * ro.prompts_per_step, prompts)
         problems = [p.ground_truth for p in drawn]
-        requests = Trainer.requests(loop, drawn, step)
+        requests = step_requests(cfg, drawn, step, max_new_tokens)
     else:
         rows = read_data(data, task)[:prompts]
         problems = [p for _, p in rows]
-        template = Trainer.requests(loop, source.prompts(0, 1) * len(rows), step)
+        template = step_requests(cfg, source.prompts(0, 1) * len(rows), step, max_new_tokens)
         requests = [GenerateRequest(ids, r.sampling, rid=r.rid,
                                     return_sampling_mask=r.return_sampling_mask)
                     for (ids, _), r in zip(rows, template)]
@@ -169,8 +167,8 @@ def collect(cfg, model, step: int, weight_version: str, *, url: str | None = Non
                          max_concurrency=prompts, timeout_s=ro.request_timeout_s)
     else:
         backend = make_rollout(cfg, model, weight_version,
-                               max_len=source.max_prompt_len + loop.max_new_tokens,
-                               run_dir=loop.out, log=print)
+                               max_len=source.max_prompt_len + max_new_tokens,
+                               run_dir=None, log=print)
     try:
         results = backend.generate(requests)
     finally:

@@ -118,10 +118,11 @@ def run(args: argparse.Namespace) -> int:
             print(msg, file=sys.stderr, flush=True)
 
         bar = not args.no_progress and sys.stderr.isatty()
-        trainer = Trainer(cfg, out, resume=args.resume, log=log, progress=bar)
-        if args.resume:  # the run now goes on with these settings (e.g. a new loop.steps)
-            save_config(cfg, out / "config.yaml")
-        if not bar:
-            trainer.metrics.log_lines(log, args.log_every)
-        print(json.dumps(trainer.run()))
+        with Trainer(cfg, out, resume=args.resume, log=log, progress=bar) as trainer:
+            if args.resume:  # the run now goes on with these settings (e.g. a new loop.steps)
+                save_config(cfg, out / "config.yaml")
+            if not bar:
+                trainer.metrics.log_lines(log, args.log_every)
+            summary = trainer.run()
+        print(json.dumps(summary))
     return 0

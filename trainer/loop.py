@@ -12,6 +12,7 @@ Shapes: B = prompts_per_step x samples_per_prompt rows, T padded time, L MoE lay
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -23,7 +24,6 @@ import torch
 from lockstep.kernels.device import resolve_device
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
-from lockstep.replay import ReplayMode
 from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner, Turns
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.env import EnvPool
@@ -35,11 +35,11 @@ from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs
 from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import save_config
-from lockstep.trainer.config.replay import wants_indexer_picks
 from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
 from lockstep.trainer.driver.data import DatasetSource, TaskSource, check_data_on_resume
 from lockstep.trainer.driver.lr_trigger import LRTrigger
 from lockstep.trainer.driver.pipeline import RolloutPipeline
+from lockstep.trainer.driver.requests import step_requests
 from lockstep.trainer.driver.rollouts import make_rollout, needs_initial_push
 from lockstep.trainer.driver.warmstart import WarmstartResult, cache_key, warm_start
 from lockstep.trainer.objective.correction import (correct, CorrectionResult, is_split_metrics,
@@ -123,25 +123,52 @@ def initial_folder(cfg: ExperimentConfig, run_dir: Path, model: MoEModel) -> Pat
 
 
 class Trainer:
-    """Owns the engine, the actor, the prompt source (task or data set) and the run directory."""
+    """Owns the engine, the actor, the prompt source (task or data set) and the run directory.
+
+    A run owns what it starts: the reward and environment workers, the actor (group), the
+    rollout backend (servers, weight groups), the async pipeline and the metrics writer are
+    closed together, newest first, by `close()` (a context manager: `with Trainer(...) as t`),
+    on every exit path: a failed start-up, an exception or Ctrl-C mid-step, the run's end."""
 
     def __init__(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool = False,
                  progress: bool = True, log: Callable[[str], None] = print):
+        self._owned = contextlib.ExitStack()
         self.rollout: RolloutBackend | None = None
+        self.wandb: WandbRun | None = None
         try:
             self._build(cfg, out_dir, resume, progress, log)
-        except BaseException:  # a failed start-up leaves no weight group on the servers
-            if self.rollout is not None:
-                self.rollout.close()
+        except BaseException:  # a failed start-up leaves no worker, actor or weight group
+            self.close()
             raise
+
+    def _own(self, part):
+        """`part`, closed by `close()` (newest first)."""
+        self._owned.callback(part.close)
+        return part
+
+    def close(self, failed: bool = False) -> None:
+        """Close everything this run started, newest first (idempotent); an open W&B run is
+        finished (`failed`: as a failed one)."""
+        try:
+            if self.wandb is not None:
+                self.wandb.finish(failed=failed)
+        finally:
+            self._owned.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
 
     def _build(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool,
                progress: bool, log: Callable[[str], None]) -> None:
         check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
-        self.source = (DatasetSource(cfg.data, cfg.reward, cfg.model.path, cfg.loop.seed, log)
-                       if cfg.data.enabled else TaskSource(self.task, cfg.loop.seed))
+        self.source = self._own(  # a data set's reward workers
+            DatasetSource(cfg.data, cfg.reward, cfg.model.path, cfg.loop.seed, log)
+            if cfg.data.enabled else TaskSource(self.task, cfg.loop.seed))
         self.mode = cfg.replay.mode
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None
@@ -157,14 +184,16 @@ class Trainer:
         reference = run_reference(cfg, self.out, None if resume or lean else model,
                                   in_driver=not lean)
         self._make_backends(model, self.state.weight_version)
+        self._own(self.actor)
+        self._own(self.rollout)  # closed before the actor: colocated servers are in its bundles
         self.runner = self._make_runner()  # rollout.env: multi-turn trajectories
         # loop.max_staleness >= 1: generation of the next steps runs while the actor trains
-        self.pipeline = RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
+        self.pipeline = self._own(RolloutPipeline(self.rollout, self.step_requests, cfg.loop.max_staleness,
                                         cfg.loop.steps, first_version=int(self.state.weight_version),
                                         generate=None if self.runner is None else self.trajectories,
                                         turns=self.trajectory_turns,
                                         turns_before_push=0 if cfg.rollout.env is None else
-                                        cfg.rollout.env.turns_before_push)
+                                        cfg.rollout.env.turns_before_push))
         # pi_gen of samples of older versions: the actor's ranks keep their own old shards
         self.versions = VersionSplit(cfg.loop.max_staleness)
         if lean and needs_initial_push(cfg):  # the servers' weights are not the policy's
@@ -186,8 +215,8 @@ class Trainer:
                                                                self.rollout.engine, log)
         if resume and self.injection is not None and "mismatch" in trainer_state:
             self.injection.load_state(trainer_state["mismatch"])
-        self.metrics = MetricsWriter(self.out, cfg.loop.steps, self.state.step,
-                                     cfg.loop.tensorboard, progress, log=log)
+        self.metrics = self._own(MetricsWriter(self.out, cfg.loop.steps, self.state.step,
+                                               cfg.loop.tensorboard, progress, log=log))
         self.wandb = WandbRun.start(cfg, self.out, resume)  # loop.wandb; None when unset
 
     def _resume_from(self, lean: bool) -> tuple[Path, MoEModel | Path, dict, LoopState]:
@@ -282,7 +311,7 @@ class Trainer:
         if env is None:
             return None
         c = self.cfg.model
-        return TrajectoryRunner(self.rollout.generate, EnvPool(env, self.log),
+        return TrajectoryRunner(self.rollout.generate, self._own(EnvPool(env, self.log)),
                                 ObservationCodec(self.source.tokenizer, env.observation_role),
                                 self.engine_max_len, c.num_experts, c.eos_token_id,
                                 c.vocab_size, release=self.rollout.release_trajectories)
@@ -387,18 +416,8 @@ class Trainer:
         return prompts, self.requests(prompts, step)
 
     def requests(self, prompts, step: int) -> list[GenerateRequest]:
-        """One request per prompt, n samples each; seeds are a function of (seed, step).
-        With sampling-mask replay each request also asks for the kept candidate sets."""
-        ro, n = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
-        base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24)
-        # the engine's gate weights: replay.gates=engine under R3 (R2 records the actor's own)
-        gates = self.cfg.replay.gates == "engine" and self.mode is ReplayMode.R3
-        picks = wants_indexer_picks(self.cfg)
-        return [GenerateRequest(list(p.ids), SamplingParams(
-            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-            max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n), rid=f"s{step}p{i}",
-            return_sampling_mask=ro.mask_replay, return_gates=gates, return_indexer_topk=picks)
-            for i, p in enumerate(prompts)]
+        """Step `step`'s requests for `prompts` (trainer/driver/requests.py)."""
+        return step_requests(self.cfg, prompts, step, self.max_new_tokens)
 
     def trigger_lr(self, step: int, batch: Batch, corr: CorrectionResult,
                    old: OldLogprobs) -> dict[str, float]:
@@ -461,39 +480,41 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> dict:
-        """Steps until loop.steps, checkpointing every loop.checkpoint_every; plots at the end."""
+        """Steps until loop.steps, checkpointing every loop.checkpoint_every; plots and
+        summary.json at the end. Every way out closes the run (`close`)."""
+        with self:
+            step = self._steps()
+            self._owned.close()  # workers, backends and the metrics file before the summary
+            summary = self._summary(step)
+            if self.wandb is not None:
+                self.wandb.finish(summary)
+        return summary
+
+    def _steps(self) -> int:
+        """The steps after the loop state's, each logged and checked; the last step's number."""
         cfg = self.cfg.loop
         step = self.state.step
-        try:
-            for step in range(self.state.step + 1, cfg.steps + 1):
-                try:
-                    m = self.step(step)
-                except (ValueError, RuntimeError, FloatingPointError) as e:  # NaN checks inside
-                    raise from_step_error(step, e, self.cfg, latest_checkpoint(self.out)) or e
-                if cfg.val_every and step % cfg.val_every == 0:
-                    m.update(self.validate(step))
-                self.metrics.log(m)
-                if self.wandb is not None:
-                    self.wandb.log(m)
-                # NaN/Inf stops the run here, before a checkpoint could keep the broken model
-                check_step(step, m, self.cfg, latest_checkpoint(self.out))
-                if self.saves_at(step):
-                    self.save()
-                    if cfg.plots and step != cfg.steps:
-                        self._plots(step)  # refreshed at each checkpoint, not only at the end
-        except BaseException:
+        for step in range(self.state.step + 1, cfg.steps + 1):
+            try:
+                m = self.step(step)
+            except (ValueError, RuntimeError, FloatingPointError) as e:  # NaN checks inside
+                raise from_step_error(step, e, self.cfg, latest_checkpoint(self.out)) or e
+            if cfg.val_every and step % cfg.val_every == 0:
+                m.update(self.validate(step))
+            self.metrics.log(m)
             if self.wandb is not None:
-                self.wandb.finish(failed=True)
-            raise
-        finally:
-            self.metrics.close()
-            self.pipeline.close()
-            self.rollout.close()
-            self.actor.close()
-            self.source.close()
-            if self.runner is not None:
-                self.runner.env.close()
-        if cfg.plots:
+                self.wandb.log(m)
+            # NaN/Inf stops the run here, before a checkpoint could keep the broken model
+            check_step(step, m, self.cfg, latest_checkpoint(self.out))
+            if self.saves_at(step):
+                self.save()
+                if cfg.plots and step != cfg.steps:
+                    self._plots(step)  # refreshed at each checkpoint, not only at the end
+        return step
+
+    def _summary(self, step: int) -> dict:
+        """The end-of-run plots and summary.json (run means, the warm start's accuracy)."""
+        if self.cfg.loop.plots:
             self._plots(step)
         summary = summarize(read_metrics(self.out / "metrics.jsonl"))
         if self.warmstart is None and (self.out / "warmstart.json").exists():
@@ -502,8 +523,6 @@ class Trainer:
             summary["warmstart/accuracy"] = self.warmstart.accuracy
             summary["warmstart/expected_reward"] = self.warmstart.expected_reward
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self.wandb is not None:
-            self.wandb.finish(summary)
         return summary
 
     def _plots(self, step: int) -> None:

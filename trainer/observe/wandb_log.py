@@ -28,6 +28,7 @@ class WandbRun:
 
     def __init__(self, run: Any, wandb: Any):
         self._run, self._wandb = run, wandb
+        self._finished = False
 
     @classmethod
     def start(cls, cfg, out: Path, resume: bool) -> "WandbRun | None":
@@ -59,6 +60,10 @@ class WandbRun:
         self._run.log({f"plots/{p.stem}": self._wandb.Image(str(p)) for p in paths}, step=step)
 
     def finish(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
+        """End the W&B run (once: later calls do nothing), with the run's summary."""
+        if self._finished:
+            return
+        self._finished = True
         if summary:
             self._run.summary.update({f"summary/{k}": v for k, v in summary.items()})
         self._run.finish(exit_code=1 if failed else 0)
