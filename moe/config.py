@@ -70,13 +70,9 @@ _IGNORED_PER_ARCH = {
 }
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
 # Fields added with gpt-oss, Qwen3-Next / Qwen3.5, DeepSeek-V3.2 / GLM-5 and MTP: experiment
-# configs leave them out at the family's value, so older runs save and hash as before.
-LATER_FIELDS = ("layer_types", "sliding_window", "attention_sinks", "attention_out_bias",
-                "router_bias", "expert_mlp_bias", "swiglu_limit", "swiglu_alpha",
-                "norm_unit_offset", "attn_output_gate", "linear_conv_kernel_dim",
-                "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                "linear_num_value_heads", "index_topk", "index_head_dim", "index_n_heads",
-                "indexer_rope_interleave", "indexer_types", "num_nextn_predict_layers")
+# configs leave them out at the family's value (`family_default`), so older runs save and hash
+# as before (trainer/config/types.py, "Saved-config compatibility").
+LATER_FAMILY_FIELD = {"saved": "family_default"}
 # Families whose matmuls MoEModel.set_precision(fp8=True) maps (moe/checkpoint.py FP8_WEIGHTS).
 _FP8_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 
@@ -179,55 +175,55 @@ class ModelConfig:
     {rope_type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
     mscale_all_dim}; None = plain RoPE."""
     # -- families added since: gpt-oss, Qwen3-Next / Qwen3.5-MoE, DeepSeek-V3.2 / GLM-5 ------
-    layer_types: list[str] | None = None
+    layer_types: list[str] | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """Per decoder layer: full_attention, sliding_attention (gpt-oss) or linear_attention
     (Gated DeltaNet: Qwen3-Next, Qwen3.5-MoE); None = every layer full attention."""
-    sliding_window: int | None = None
+    sliding_window: int | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """Keys a sliding_attention layer sees: the query's own position and the W-1 before it."""
-    attention_sinks: bool | None = None
+    attention_sinks: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """Per-head learned sink logit in the attention softmax, dropped after it (gpt-oss)."""
-    attention_out_bias: bool | None = None
+    attention_out_bias: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """o_proj carries a bias (gpt-oss, whose attention_bias covers q, k, v and o)."""
-    router_bias: bool | None = None
+    router_bias: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """The router linear has a (trainable) bias added to its logits (gpt-oss)."""
-    expert_mlp_bias: bool | None = None
+    expert_mlp_bias: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """Experts' gate_up and down projections carry biases (gpt-oss)."""
-    swiglu_limit: float | None = None
+    swiglu_limit: float | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """gpt-oss's clamped SwiGLU: gate clamped above, up to [-limit, limit], then
     (up + 1) * gate * sigmoid(swiglu_alpha * gate); None = plain SiLU(gate) * up."""
-    swiglu_alpha: float = 1.702
+    swiglu_alpha: float = field(default=1.702, metadata=LATER_FAMILY_FIELD)
     """Sigmoid gain of the clamped SwiGLU."""
-    norm_unit_offset: bool | None = None
+    norm_unit_offset: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """RMSNorms scale by (1 + weight), weights zero-initialised (Qwen3-Next, Qwen3.5)."""
-    attn_output_gate: bool | None = None
+    attn_output_gate: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """Gated attention: q_proj also yields a per-head gate, the output is times sigmoid(gate)
     (Qwen3-Next, Qwen3.5)."""
-    linear_conv_kernel_dim: int = 4
+    linear_conv_kernel_dim: int = field(default=4, metadata=LATER_FAMILY_FIELD)
     """Gated DeltaNet: width of the causal depthwise convolution over q, k, v."""
-    linear_key_head_dim: int = 0
+    linear_key_head_dim: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Gated DeltaNet: query/key head width."""
-    linear_value_head_dim: int = 0
+    linear_value_head_dim: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Gated DeltaNet: value head width."""
-    linear_num_key_heads: int = 0
+    linear_num_key_heads: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Gated DeltaNet: query/key heads."""
-    linear_num_value_heads: int = 0
+    linear_num_value_heads: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Gated DeltaNet: value heads (a multiple of the key heads)."""
-    index_topk: int = 0
+    index_topk: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """DeepSeek sparse attention: key positions the lightning indexer keeps per query; 0 =
     no indexer (dense attention)."""
-    index_head_dim: int = 0
+    index_head_dim: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Indexer query/key width (its first qk_rope_head_dim dims are rotated)."""
-    index_n_heads: int = 0
+    index_n_heads: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Indexer query heads."""
-    indexer_rope_interleave: bool | None = None
+    indexer_rope_interleave: bool | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """The indexer rotates interleaved pairs (GLM-5) instead of half-split (DeepSeek-V3.2)."""
-    indexer_types: list[str] | None = None
+    indexer_types: list[str] | None = field(default=None, metadata=LATER_FAMILY_FIELD)
     """Per decoder layer: full (runs its indexer) or shared (reuses the previous full layer's
     choice; GLM-5); None = every layer full."""
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = field(default=0, metadata=LATER_FAMILY_FIELD)
     """Multi-token-prediction layers after the decoder (DeepSeek-V3, GLM): loaded and saved,
     never part of the policy's forward or of route replay (docs/model.md "MTP layers")."""
-    path: str | None = None
+    path: str | None = field(default=None, metadata={"hashed": "non_default"})
     """Experiment configs only (never in config.json): an HF folder (config, safetensors,
     tokenizer) whose weights are the initial policy; the fields above then come from its
     config.json."""

@@ -64,7 +64,7 @@ class RewardConfig:
     """Score of a sample whose reward call raised, timed out or returned garbage."""
     num_workers: int = 2
     """Reward worker processes, in [1, 256]."""
-    import_timeout_s: float = 120.0
+    import_timeout_s: float = field(default=120.0, metadata={"saved": "non_default"})
     """Seconds a worker may take to start and import the function file, in (0, 3600]."""
 
     def __post_init__(self) -> None:

@@ -52,13 +52,13 @@ class SGLangOptions:
     sampling_mask_max_tokens: int | None = None
     """--sampling-mask-max-tokens: largest kept candidate set returned for sampling-mask replay
     (SGLang's default 4096); truncated sampling needs rollout.top_k at most this."""
-    max_total_tokens: int | None = None
+    max_total_tokens: int | None = field(default=None, metadata={"saved": "non_default"})
     """--max-total-tokens: KV-cache size in tokens per server; None = SGLang's own sizing on
     GPUs, 8192 with cluster.device=cpu (SGLang would take a share of the machine's free RAM)."""
     startup_timeout_s: float = 900.0
     """Seconds the fleet waits for its servers: for their placement-group bundles, and for
     each server to load the model and answer /health (also a relaunched one)."""
-    bind: Literal["auto", "loopback", "node"] = "auto"
+    bind: Literal["auto", "loopback", "node"] = field(default="auto", metadata={"saved": "non_default"})
     """Address the servers listen on: loopback = 127.0.0.1 (only this machine reaches them;
     needs a one-node Ray cluster), node = the Ray node's IP; auto = loopback when the Ray
     cluster has one node, else node."""
@@ -67,7 +67,7 @@ class SGLangOptions:
     running lockstep."""
     extra_args: list[str] = field(default_factory=list)
     """Appended verbatim to every server's command line (e.g. ["--cuda-graph-max-bs", "256"])."""
-    extra_env: list[str] = field(default_factory=list)
+    extra_env: list[str] = field(default_factory=list, metadata={"saved": "non_default"})
     """`NAME=VALUE` entries: environment variables set for every server process over the
     inherited ones (e.g. PYTHONPATH for packages SGLang's venv lacks, SGLANG_* switches)."""
 

@@ -17,7 +17,7 @@ have (the data cursor is just the next index).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenizers import Tokenizer
@@ -51,7 +51,7 @@ class TaskConfig:
     the first operand (the second has one)."""
     sort_length: int = 4
     """sort: number of digits to sort."""
-    reward: Literal["exact", "partial"] = "exact"
+    reward: Literal["exact", "partial"] = field(default="exact", metadata={"saved": "non_default"})
     """exact: 1 for the exact answer then `<eos>`, else 0; partial: the fraction of the answer's
     tokens (its `<eos>` included) the response has at the same position (a long answer, e.g.
     sort_length 32, then gives every sample a graded score)."""

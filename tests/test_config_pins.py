@@ -46,3 +46,26 @@ def test_run_hash_and_saved_config_are_pinned(tmp_path, name, overrides):
     saved = hashlib.sha256((tmp_path / "config.yaml").read_bytes()).hexdigest()[:16]
     assert (run_hash(cfg), run_hash(cfg, layout=True), cfg.hash(), saved) == PINS[name, overrides]
     assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_the_compatibility_markers_each_do_what_they_say():
+    """One rule (trainer/config/types.py): a `saved: non_default` field is saved (and hashed)
+    only away from its default, a `hashed: False` one never moves the hash, a
+    `hashed: non_default` one is saved always and hashed only away from its default."""
+    base = load_config(CONFIGS / "toy_r3.yaml", [])
+    moved = {s: load_config(CONFIGS / "toy_r3.yaml", [s]) for s in (
+        "replay.bias_meter_rows=0.5",        # saved: non_default
+        "rollout.request_timeout_s=5",       # saved: non_default, hashed: False
+        "rollout.sampling_mask_replay=true")}  # hashed: non_default
+    assert "bias_meter_rows" not in base.to_dict()["replay"]
+    assert moved["replay.bias_meter_rows=0.5"].to_dict()["replay"]["bias_meter_rows"] == 0.5
+    assert moved["replay.bias_meter_rows=0.5"].hash() != base.hash()
+    assert moved["rollout.request_timeout_s=5"].to_dict()["rollout"]["request_timeout_s"] == 5
+    assert moved["rollout.request_timeout_s=5"].hash() == base.hash()
+    assert "sampling_mask_replay" in base.to_dict()["rollout"]
+    assert moved["rollout.sampling_mask_replay=true"].hash() != base.hash()
+    gpt_oss = ["model.model_type=gpt_oss", "model.intermediate_size=96"]  # saved: family_default
+    family = load_config(CONFIGS / "toy_r3.yaml", gpt_oss)
+    assert family.model.swiglu_limit == 7.0 and "swiglu_limit" not in family.to_dict()["model"]
+    other = load_config(CONFIGS / "toy_r3.yaml", [*gpt_oss, "model.swiglu_limit=5.0"])
+    assert other.to_dict()["model"]["swiglu_limit"] == 5.0

@@ -11,17 +11,16 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lockstep.moe.config import LATER_FIELDS, ConfigError, ModelConfig
+from lockstep.moe.config import ConfigError, ModelConfig
 from lockstep.rollout.rewards import RewardConfig
-from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.tasks import Task, TaskConfig
-from lockstep.trainer.config.megatron import MegatronOptions
 from lockstep.trainer.config.mismatch import check_exact, check_mismatch
 from lockstep.trainer.config.replay import ReplayConfig, check_replay
 from lockstep.trainer.config.sections import (ActorConfig, AdvantageConfig, ClusterConfig,
                                               DataConfig, LoopConfig, RolloutConfig,
                                               WarmstartConfig)
-from lockstep.trainer.config.types import Section, dataclass_section, need, plain
+from lockstep.trainer.config.types import (compat_form, dataclass_section, HASHED_LATER, LATER, need,
+                                           Section)
 from lockstep.trainer.objective.correction import CorrectionConfig
 from lockstep.trainer.objective.losses import LossConfig
 from lockstep.trainer.objective.presets import expand_preset
@@ -50,18 +49,9 @@ def _correction_preset(value: Any) -> Any:
         raise PydanticCustomError("section", "{error}", {"error": str(e)}) from None
 
 
-# task / loss / correction options added later; left out at their defaults
-_LATER_KEYS = {"task": (TaskConfig, ("reward",)),
-               "loss": (LossConfig, ("loss_mode", "unbiased_kl", "opsm_delta", "opsm_logprobs")),
-               "correction": (CorrectionConfig, ("m2po_threshold", "kpop", "kpop_phi",
-                                                 "trm_delta", "trm_k3_mean"))}
-# actor.megatron keys added after saved configs were pinned; left out at their defaults
-_LATER_MEGATRON_KEYS = ("pipeline_layers", "context_parallel", "fp8")
-# rollout keys of the fleet and its fault handling; left out at their defaults
-_FLEET_KEYS = ("urls", "request_timeout_s", "max_engine_restarts", "routes_by_reference")
-# cluster keys `lockstep plan` reads; left out of saved configs and hashes at their defaults
-_PLAN_KEYS = ("nodes", "gpus_per_node", "gpu_memory_gib", "placement", "gpus_per_engine",
-              "cpus_per_node", "node_label")
+# a rollout field removed after the first release, kept in the hashed form with the one value
+# it ever had, so that the hashes of runs written while it existed still hold
+REMOVED_HASHED_ROLLOUT = {"api_key": None}
 
 
 class ExperimentConfig(Section):
@@ -73,9 +63,11 @@ class ExperimentConfig(Section):
     random init under loop.seed."""
     task: dataclass_section(TaskConfig) = Field(default_factory=TaskConfig)
     """The synthetic verifiable task (unused when data.train_files is set)."""
-    data: dataclass_section(DataConfig) = Field(default_factory=DataConfig)
+    data: dataclass_section(DataConfig) = Field(default_factory=DataConfig,
+                                                json_schema_extra=HASHED_LATER)
     """Prompt data sets (verl columns) instead of the synthetic task: lockstep.trainer.driver.data."""
-    reward: dataclass_section(RewardConfig) = Field(default_factory=RewardConfig)
+    reward: dataclass_section(RewardConfig) = Field(default_factory=RewardConfig,
+                                                    json_schema_extra=HASHED_LATER)
     """Reward function of data-set samples: lockstep.rollout.rewards."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout engine and sampling."""
@@ -95,7 +87,7 @@ class ExperimentConfig(Section):
     """Supervised warm start before RL."""
     loop: LoopConfig = Field(default_factory=LoopConfig)
     """Step loop, checkpoints and outputs."""
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, json_schema_extra=LATER)
     """Actor ranks (in-process or a Ray actor group), devices, weight buckets."""
 
     @model_validator(mode="after")
@@ -180,80 +172,17 @@ class ExperimentConfig(Section):
              f"max_position_embeddings={self.model.max_position_embeddings}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every section; a default `cluster` (one in-process actor) and an unset
-        `actor.lr_trigger` are left out, so saved configs and hashes read as before they
-        existed."""
-        d = plain(self)
-        for k in LATER_FIELDS:  # model fields of the later families, at the family's value
-            if d["model"][k] == self.model.family_default(k):
-                d["model"].pop(k)
-        if self.cluster == ClusterConfig():
-            d.pop("cluster")
-        else:  # the plan's keys at their defaults: as before they existed (runs resume)
-            for k in _PLAN_KEYS:
-                if d["cluster"][k] == ClusterConfig.model_fields[k].default:
-                    d["cluster"].pop(k)
-        if self.actor.lr_trigger is None:  # as before the triggered schedule existed
-            d["actor"].pop("lr_trigger")
-        if self.rollout.sglang == SGLangOptions():
-            d["rollout"].pop("sglang")
-        else:  # rollout.sglang keys added later, at their defaults: as before they existed
-            for k in ("max_total_tokens", "bind", "extra_env"):
-                if d["rollout"]["sglang"][k] == getattr(SGLangOptions(), k):
-                    d["rollout"]["sglang"].pop(k)
-        for k in ("weight_sync", "env", "engine", "exact", "mismatch",
-                  *_FLEET_KEYS):  # at defaults: as before they existed
-            if d["rollout"][k] == RolloutConfig.model_fields[k].default:
-                d["rollout"].pop(k)
-        if d["reward"]["import_timeout_s"] == RewardConfig.import_timeout_s:  # likewise
-            d["reward"].pop("import_timeout_s")
-        if self.loop.wandb is None:  # likewise
-            d["loop"].pop("wandb")
-        d["correction"].pop("preset")  # always None here: a preset is saved as its fields
-        for section, (cls, keys) in _LATER_KEYS.items():  # at defaults: saved as before they existed
-            for k in keys:
-                if d[section][k] == cls.__dataclass_fields__[k].default:
-                    d[section].pop(k)
-        if not self.actor.fp8:  # likewise
-            d["actor"].pop("fp8")
-        # replay options at their defaults: as before they existed
-        for k in ("gates", "check", "min_overlap", "partial", "bias_meter_rows", "indexer"):
-            if d["replay"][k] == ReplayConfig.model_fields[k].default:
-                d["replay"].pop(k)
-        for k in _LATER_MEGATRON_KEYS:  # likewise
-            if d["actor"]["megatron"][k] == getattr(MegatronOptions(), k):
-                d["actor"]["megatron"].pop(k)
-        return d
+        """Every section, as config.yaml saves it: the fields added after the first release
+        are left out at their defaults (config/types.py "Saved-config compatibility"), so
+        files written before them read the same bytes."""
+        return compat_form(self, "saved")
 
     def hash(self, *sections: str) -> str:
-        """Short stable hash of the named sections (all when none), e.g. for caches.
-        A default `actor.megatron` and an unset `rollout.sampling_mask_replay` are left out (a
-        default `cluster` and an unset `actor.lr_trigger` too, by `to_dict`), so configs hash
-        as they did before they existed (runs written then still resume); any other value
-        changes the hash."""
-        d = self.to_dict()
-        if self.actor.megatron == MegatronOptions():
-            d["actor"].pop("megatron")
-        else:  # megatron options added later are left out at their defaults, likewise
-            for k in ("logprob_chunk_tokens", "virtual_pipeline_parallel"):
-                if getattr(self.actor.megatron, k) == getattr(MegatronOptions(), k):
-                    d["actor"]["megatron"].pop(k)
-        if self.rollout.sampling_mask_replay is None:
-            d["rollout"].pop("sampling_mask_replay")
-        if self.loop.max_staleness == 0 and "loop" in d:  # synchronous runs hash as before
-            d["loop"].pop("max_staleness", None)
-        # where the API key is read from is not the run's identity; runs written while the key
-        # itself was a (null) config field keep their hash
-        d["rollout"].pop("api_key_file")
-        for k in ("weight_sync", "request_timeout_s", "max_engine_restarts", "engine"):  # not numbers
-            d["rollout"].pop(k, None)
-        d["rollout"]["api_key"] = None
-        for k in ("check", "min_overlap"):  # the validator checks; it changes no numbers
-            d["replay"].pop(k, None)
-        if self.model.path is None:
-            d["model"].pop("path")
-        for name, default in (("data", DataConfig()), ("reward", RewardConfig())):
-            if getattr(self, name) == default:
-                d.pop(name)
+        """Short stable hash of the named sections (all when none), e.g. for caches: the saved
+        form without what changes no number and without the hash-later fields at their
+        defaults, so runs written before those existed still resume; any other value changes
+        the hash."""
+        d = compat_form(self, "saved", "hashed")
+        d["rollout"].update(REMOVED_HASHED_ROLLOUT)
         d = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -9,7 +9,7 @@ them and `lockstep plan` prints them, so the plan shows what runs.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lockstep.kernels.dtypes import HF_PRECISIONS, hf_name, torch_dtype
@@ -31,7 +31,7 @@ class MegatronOptions:
     pipeline_parallel: int = 1
     """PP size: the decoder layers are split over this many stages (1F1B schedule), as
     `pipeline_layers` says."""
-    pipeline_layers: list[int] | None = None
+    pipeline_layers: list[int] | None = field(default=None, metadata={"saved": "non_default"})
     """Decoder layers of each pipeline stage, first to last (one count per stage, each >= 1,
     summing to model.num_hidden_layers), e.g. [2, 1]; None = equal counts, or where
     pipeline_parallel does not divide the layers, the first L % PP stages hold one layer more
@@ -53,21 +53,21 @@ class MegatronOptions:
     """Weight of the load-balancing loss (the torch model's, see replay.py); 0 = none."""
     seed: int = 1234
     """Seed for megatron-core's RNG tracker (dropout is 0; initial weights are overwritten)."""
-    context_parallel: int = 1
+    context_parallel: int = field(default=1, metadata={"saved": "non_default"})
     """CP size: each row's tokens are split over this many ranks in megatron-core's
     load-balanced layout (2 x CP chunks, rank r holding chunks r and 2 x CP - 1 - r:
     context_parallel.py); megatron-core runs it with Transformer Engine's attention only (GPU).
     The ranks of a CP group share their rows, as TP ranks do; DP is what TP x CP x PP leave.
     > 1 is refused for now (`context_parallel_problems`): the actor's passes do not apply the
     layout yet."""
-    virtual_pipeline_parallel: int | None = None
+    virtual_pipeline_parallel: int | None = field(default=None, metadata={"hashed": "non_default"})
     """Virtual pipeline stages (model chunks) per PP stage, megatron-core's interleaved 1F1B
     schedule; None / 1 = one chunk per stage. Stage p's chunk c holds the layers
     (c * PP + p) * n .. with n = layers / (PP x VPP)."""
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int = field(default=1024, metadata={"hashed": "non_default"})
     """TP > 1: tokens per chunk of the vocabulary-parallel log-prob kernel (logprob.py); a
     chunk holds [chunk, V/TP] fp32 logits per rank (TP = 1 uses actor.logprob_chunk)."""
-    fp8: bool = False
+    fp8: bool = field(default=False, metadata={"saved": "non_default"})
     """FP8 GEMMs through Transformer Engine's blockwise recipe (TransformerConfig fp8="e4m3",
     fp8_recipe="blockwise": 1x128 activation and 128x128 weight scales, as kernels/fp8.py);
     from actor.fp8. GPU with transformer_engine only."""

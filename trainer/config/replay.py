@@ -10,7 +10,7 @@ from pydantic import Field
 
 from lockstep.moe.replay_check import ReplayCheck
 from lockstep.replay import PartialReplay, ReplayMode, ReplayOptions
-from lockstep.trainer.config.types import Float, Section, need
+from lockstep.trainer.config.types import Float, LATER, NOT_HASHED, Section, need
 
 
 class PartialReplayConfig(Section):
@@ -31,24 +31,24 @@ class ReplayConfig(Section):
     mode: ReplayMode = Field(ReplayMode.R3, strict=False)
     """off: actor routes freely; R2: updates replay the actor's own old-logprob routes;
     R3: old-logprob and update forwards replay the rollout engine's routes."""
-    check: ReplayCheck = Field(ReplayCheck.SAMPLE, strict=False)
+    check: ReplayCheck = Field(ReplayCheck.SAMPLE, strict=False, json_schema_extra={**LATER, **NOT_HASHED})
     """Replay validator in every replayed forward (moe/replay_check.py): each MoE layer got
     ids, ran them, none left over; `sample` checks every 8th token, `full` all, `off` none."""
-    min_overlap: Float | None = Field(None, ge=0.0, le=1.0)
+    min_overlap: Float | None = Field(None, ge=0.0, le=1.0, json_schema_extra={**LATER, **NOT_HASHED})
     """Validator, pi_old forwards of synchronous runs: least share of replayed expert slots
     the router's own top-k must agree with (null: halfway between chance K/E and 1; 0: off)."""
 
-    gates: Literal["recompute", "engine"] = "recompute"
+    gates: Literal["recompute", "engine"] = Field("recompute", json_schema_extra=LATER)
     """Gate weights of the replayed experts: recompute (from the actor's router) or engine
     (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
     forward's under R2; straight-through, so the router still learns; docs/replay.md)."""
 
-    partial: PartialReplayConfig | None = None
+    partial: PartialReplayConfig | None = Field(None, json_schema_extra=LATER)
     """Replay only where the actor's router is unsure (None: wherever a route exists)."""
-    bias_meter_rows: Float = Field(0.125, ge=0.0, le=1.0)
+    bias_meter_rows: Float = Field(0.125, ge=0.0, le=1.0, json_schema_extra=LATER)
     """Fraction of rows the replay bias meter re-runs after each update, replayed and natural
     (replay_bias/k3; 0 = only the flip rate; docs/replay.md)."""
-    indexer: Literal["off", "r2", "r3"] = "off"
+    indexer: Literal["off", "r2", "r3"] = Field("off", json_schema_extra=LATER)
     """DSA models (deepseek_v32, glm_moe_dsa): lightning-indexer replay, independent of mode:
     off (every forward picks its own keys), r2 (updates replay the old-logprob forward's
     picks), r3 (every forward replays the engine's picks; docs/replay.md "Indexer replay")."""

@@ -26,8 +26,8 @@ from lockstep.rollout.mismatch import MismatchConfig
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
 from lockstep.trainer.config.megatron import MegatronOptions  # no megatron-core import
-from lockstep.trainer.config.types import (dataclass_section, ExperimentConfigError, Float, need,
-                                           Section)
+from lockstep.trainer.config.types import (dataclass_section, ExperimentConfigError, Float,
+                                           HASHED_LATER, LATER, need, NOT_HASHED, Section)
 
 
 # why a bound is what it is, added to the message of a value outside it
@@ -55,7 +55,7 @@ class RolloutConfig(Section):
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = -1
     """Top-k sampling (-1 = whole vocabulary)."""
-    sampling_mask_replay: bool | None = None
+    sampling_mask_replay: bool | None = Field(None, json_schema_extra=HASHED_LATER)
     """Record each token's kept candidate set and have the actor recompute log-probs over it
     (rollout log-probs := the engine's truncated, renormalised `sampling_logprobs`). None = on
     exactly when sampling is truncated (top_p < 1 or top_k set); truncated sampling with false
@@ -80,48 +80,48 @@ class RolloutConfig(Section):
     ray_address: str | None = None
     """ray backend: cluster to join (None: RAY_ADDRESS, else the one `ray start` began on this
     machine, else a new local one)."""
-    max_engine_restarts: int = Field(3, ge=0, le=1 << 20)
+    max_engine_restarts: int = Field(3, ge=0, le=1 << 20, json_schema_extra={**LATER, **NOT_HASHED})
     """Restarts of a dead or hung engine allowed per engine per run; past it the run stops with
     a RolloutError naming the engine (0: the first engine failure stops the run)."""
-    routes_by_reference: bool = False
+    routes_by_reference: bool = Field(False, json_schema_extra=LATER)
     """ray backend with an actor group: each sample's routes stay in the object store of the
     node that generated them; the driver gets refs, each actor rank fetches its rows' routes
     (docs/cluster.md "Routes by reference")."""
     url: str | None = None
     """http backend: server base URL, e.g. http://127.0.0.1:30000."""
-    urls: list[str] | None = None
+    urls: list[str] | None = Field(None, json_schema_extra=LATER)
     """http backend: several running servers behind one balancing client (lockstep.rollout.fleet)
     instead of `url`."""
-    engine: Literal["auto", "sglang", "vllm"] = "auto"
+    engine: Literal["auto", "sglang", "vllm"] = Field("auto", json_schema_extra={**LATER, **NOT_HASHED})
     """http backend: the wire the server(s) at url/urls speak: sglang (SGLang's /generate: real
     SGLang or lockstep serve), vllm (vLLM 0.32's /inference/v1/generate and its native weight
     sync; docs/rollout.md "vLLM"), or auto (asked of the first server's /server_info once, and
     said in the log)."""
-    api_key_file: str | None = None
+    api_key_file: str | None = Field(None, json_schema_extra=NOT_HASHED)
     """http backend: file holding the server's bearer token (first line). The token itself is
     never part of the config (it would be saved in config.yaml and show in `ps`): it comes from
     this file, else the LOCKSTEP_API_KEY environment variable (`rollout_api_key`)."""
     weights_dir: str | None = None
     """http backend: folder shared with the server for weight pushes (None = out_dir/weights)."""
-    request_timeout_s: Float = Field(600.0, gt=0.0)
+    request_timeout_s: Float = Field(600.0, gt=0.0, json_schema_extra={**LATER, **NOT_HASHED})
     """A request or weight push not answered in this time fails naming its engine; the fleet
     (serve, sglang, http with urls) then marks that engine dead, retries its requests on the
     others and relaunches it; the ray backend kills and replaces it (docs/ray.md, "Faults")."""
-    weight_sync: WeightSync = "auto"
+    weight_sync: WeightSync = Field("auto", json_schema_extra={**LATER, **NOT_HASHED})
     """How each step's weights reach the engines (docs/rollout.md, "Weight sync"): http takes
     distributed (a gloo/NCCL group the server joins; no disk), tensor (safetensors over HTTP),
     disk (`weights_dir` + /update_weights_from_disk) or auto (distributed, else disk); ray takes
     object_store (= auto); embedded copies in process (auto)."""
-    env: dataclass_section(EnvConfig) | None = None
+    env: dataclass_section(EnvConfig) | None = Field(None, json_schema_extra=LATER)
     """Multi-turn trajectories: the env (or tool) answering each turn (docs/agent.md); null: one."""
-    sglang: dataclass_section(SGLangOptions) = Field(default_factory=SGLangOptions)
+    sglang: dataclass_section(SGLangOptions) = Field(default_factory=SGLangOptions, json_schema_extra=LATER)
     """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
-    exact: bool = False
+    exact: bool = Field(False, json_schema_extra=LATER)
     """Exact mode: the engine and the torch actor run batch-invariant kernels (kernels/exact.py)
     so the engine's log-probs and routes are bitwise the actor's (k3 KL and flip rate exactly
     0); needs actor.dtype = rollout.dtype (docs/precision.md "Exact mode")."""
-    mismatch: dataclass_section(MismatchConfig) | None = None
+    mismatch: dataclass_section(MismatchConfig) | None = Field(None, json_schema_extra=LATER)
     """Injected engine-side mismatch (rollout/mismatch.py): router_flip_rate (calibrated
     target), router_noise (fixed), logprob_noise, calibrate_every; null = none."""
 
@@ -212,7 +212,7 @@ class ActorConfig(Section):
     """Router dtype; None = same as dtype (the Megatron moe_router_dtype knob)."""
     lm_head_dtype: Dtype | None = None
     """LM-head dtype; None = same as dtype (the MiniMax-M1 fp32 head knob)."""
-    fp8: bool = False
+    fp8: bool = Field(False, json_schema_extra=LATER)
     """Run the forward's attention/MLP/expert matmuls in block FP8 as rollout.dtype=fp8 does
     (the same quantiser), with a straight-through backward into the actor.dtype master
     weights ("unified FP8" with rollout.dtype=fp8; docs/precision.md). Megatron backend: TE's
@@ -252,9 +252,9 @@ class ActorConfig(Section):
     e_score_correction_bias += rate * sign(mean load - load), the load counted over the routes
     the mini-batch ran (the replayed ones under R2/R3). Sigmoid-router models, torch backend;
     0 = off."""
-    lr_trigger: LRTriggerConfig | None = None
+    lr_trigger: LRTriggerConfig | None = Field(None, json_schema_extra=LATER)
     """lr_schedule=triggered only: the triggers, factor and cooldown (trainer/driver/lr_trigger.py)."""
-    megatron: dataclass_section(MegatronOptions) = Field(default_factory=MegatronOptions)
+    megatron: dataclass_section(MegatronOptions) = Field(default_factory=MegatronOptions, json_schema_extra=HASHED_LATER)
     """backend=megatron only: TP/EP/ETP layout, dispatcher, TE, recompute (docs/megatron.md)."""
 
     @model_validator(mode="after")
@@ -348,10 +348,10 @@ class LoopConfig(Section):
     `lockstep diagnose --dump FILE` reads them (docs/diagnose.md)."""
     val_every: int = Field(0, ge=0, le=2**31 - 1)
     """Score data.val_files every N steps, logged as val/... (0 = never), in [0, 2^31)."""
-    wandb: WandbConfig | None = None
+    wandb: WandbConfig | None = Field(None, json_schema_extra=LATER)
     """Also log every metric row, the plots and the config to Weights & Biases, e.g.
     `{project: moe-rl, name: r3, mode: offline}` (None = no W&B)."""
-    max_staleness: int = Field(0, ge=0, le=64)
+    max_staleness: int = Field(0, ge=0, le=64, json_schema_extra=HASHED_LATER)
     """Async rollout (docs/training.md): 0 = synchronous, step n samples with the weights of
     step n-1's update; k >= 1 = the engines generate the next steps' samples while the actor
     trains, so a step's samples may come from up to k versions before the current one
@@ -374,24 +374,24 @@ class ClusterConfig(Section):
     weight_bucket_mb: Float = Field(256.0, gt=0.0)
     """Weights travel from the actor to the rollout engine and to checkpoints in buckets of
     at most this many MiB (one larger tensor is a bucket of its own)."""
-    nodes: int = Field(1, ge=1, le=4096)
+    nodes: int = Field(1, ge=1, le=4096, json_schema_extra=LATER)
     """Machines of the cluster (`lockstep plan` lays the actor ranks and engines over them);
     training over more than one needs ray_address, the Ray cluster spanning them."""
-    gpus_per_node: int = Field(0, ge=0, le=64)
+    gpus_per_node: int = Field(0, ge=0, le=64, json_schema_extra=LATER)
     """GPUs per machine; 0 = no GPUs (every rank and engine on CPU bundles)."""
-    gpu_memory_gib: Float | None = Field(None, gt=0.0, le=1 << 20)
+    gpu_memory_gib: Float | None = Field(None, gt=0.0, le=1 << 20, json_schema_extra=LATER)
     """Memory of one GPU in GiB (e.g. 79.6 for an 80 GB H100, 140 for an H200); `lockstep
     plan` refuses layouts whose estimate exceeds it; None = not checked."""
-    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    placement: Literal["disaggregated", "colocated"] = Field("disaggregated", json_schema_extra=LATER)
     """disaggregated: rollout engines on GPUs of their own; colocated: engines share the actor
     ranks' GPUs (the engines release their memory while the actor trains)."""
-    gpus_per_engine: int | None = Field(None, ge=1, le=1024)
+    gpus_per_engine: int | None = Field(None, ge=1, le=1024, json_schema_extra=LATER)
     """GPUs of one rollout engine; None = rollout.sglang.tp_size with rollout.backend=sglang
     (the embedded engines of the other backends run on CPU)."""
-    cpus_per_node: int = Field(0, ge=0, le=1 << 16)
+    cpus_per_node: int = Field(0, ge=0, le=1 << 16, json_schema_extra=LATER)
     """CPUs per machine for CPU bundles (no GPUs): `lockstep plan` lays the CPU actor ranks
     and then the engines node by node by it; 0 = Ray chooses each bundle's node."""
-    node_label: str | None = Field(None, min_length=1, max_length=63)
+    node_label: str | None = Field(None, min_length=1, max_length=63, json_schema_extra=LATER)
     """Ray node label whose value is the plan's node index (`ray start
     --labels='{"lockstep-node": "0"}'`): every actor-rank and engine bundle is pinned to the
     node `lockstep plan` gives it; None = Ray chooses (PACK)."""

@@ -104,6 +104,51 @@ def dataclass_section(cls: type) -> Any:
     return Annotated[_mirror(cls), WrapValidator(validate)]
 
 
+# Saved-config compatibility, one rule. A field's metadata (pydantic `json_schema_extra`, a
+# dataclass field's `metadata`) may hold:
+#   "saved": "non_default"    left out of config.yaml (and so of the run hash) at its default:
+#                             the fields added after the first release, so config files and
+#                             run hashes written before them stay the same bytes
+#   "saved": "family_default" the same, at the value its model family gives it
+#                             (`ModelConfig.family_default`)
+#   "saved": False            never saved (a preset: config.yaml holds the fields it set)
+#   "hashed": "non_default"   left out of the run hash at its default (config.yaml keeps it)
+#   "hashed": False           never in the run hash: it changes no number
+# `compat_form` is the one pass that applies them; lower folders' dataclasses write the same
+# plain dicts in their field metadata.
+LATER = {"saved": "non_default"}
+HASHED_LATER = {"hashed": "non_default"}
+NOT_HASHED = {"hashed": False}
+
+
+def _kept(obj: Any, name: str, default: Any, meta: Any, rules: tuple[str, ...]) -> bool:
+    value = getattr(obj, name)
+    for rule in rules:
+        how = (meta or {}).get(rule)
+        if how is False or (how == "non_default" and value == default) or (
+                how == "family_default" and value == obj.family_default(name)):
+            return False
+    return True
+
+
+def compat_form(obj: Any, *rules: str) -> Any:
+    """`plain(obj)` without the fields whose `rules` ("saved", "hashed") leave them out, in
+    every section and sub-section (the rule above)."""
+    if isinstance(obj, BaseModel):
+        return {k: compat_form(getattr(obj, k), *rules) for k, f in type(obj).model_fields.items()
+                if _kept(obj, k, f.get_default(call_default_factory=True), f.json_schema_extra,
+                         rules)}
+    if dataclasses.is_dataclass(obj):
+        d = dataclasses.asdict(obj)
+        for f in dataclasses.fields(obj):
+            default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                       else f.default)
+            if not _kept(obj, f.name, default, f.metadata, rules):
+                d.pop(f.name)
+        return d
+    return plain(obj)
+
+
 def plain(obj: Any) -> Any:
     """Sections as nested dicts in field order (enums kept), as `dataclasses.asdict` gives."""
     if isinstance(obj, BaseModel):

@@ -30,7 +30,7 @@ response positions; every tensor is `[B, T]`; `response_mask` is 1 on valid toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -57,12 +57,18 @@ class CorrectionConfig:
     bypass_mode: bool = False  # True: pi_old := mu_old, IS/RS against the current policy in the loss
     loss_type: Literal[LOSS_TYPES] = "ppo_clip"  # bypass only: "ppo_clip" (ratio is the IS) | "reinforce" (apply weights)
     prob_diff_eps: float | None = None  # IPO/DPPO mask: drop tokens with |p_old - p_rollout| > eps (0.3 typical)
-    m2po_threshold: float | None = None  # M2PO (AReaL actor.m2_threshold): mask the largest (log r)^2 tokens until the rest's mean < it
-    kpop: bool = False  # KPop (AReaL rejection_sampling.metric=binary_kl): mask tokens whose binary KL either way > kpop_phi
-    kpop_phi: float = 2.0  # KPop's threshold phi (AReaL's rejection_sampling.upper; 2.0 in its example)
-    trm_delta: float | None = None  # TRM (arXiv 2512.23075) max criterion: mask a sequence with max_t |log r_t| > delta
-    trm_k3_mean: float | None = None  # TRM average criterion: mask a sequence whose mean k3 over its tokens > it
-    preset: Literal[tuple(PRESETS)] | None = None  # verl preset name: sets verl's 7 fields (correction_presets), then None
+    # M2PO (AReaL actor.m2_threshold): mask the largest (log r)^2 tokens until the rest's mean < it
+    m2po_threshold: float | None = field(default=None, metadata={"saved": "non_default"})
+    # KPop (AReaL rejection_sampling.metric=binary_kl): mask tokens whose binary KL either way > kpop_phi
+    kpop: bool = field(default=False, metadata={"saved": "non_default"})
+    # KPop's threshold phi (AReaL's rejection_sampling.upper; 2.0 in its example)
+    kpop_phi: float = field(default=2.0, metadata={"saved": "non_default"})
+    # TRM (arXiv 2512.23075) max criterion: mask a sequence with max_t |log r_t| > delta
+    trm_delta: float | None = field(default=None, metadata={"saved": "non_default"})
+    # TRM average criterion: mask a sequence whose mean k3 over its tokens > it
+    trm_k3_mean: float | None = field(default=None, metadata={"saved": "non_default"})
+    # verl preset name: sets verl's 7 fields (correction_presets), then None
+    preset: Literal[tuple(PRESETS)] | None = field(default=None, metadata={"saved": False})
 
     def __post_init__(self):
         if self.preset is not None:  # a field away from its default must agree with the preset

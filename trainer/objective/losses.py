@@ -12,7 +12,7 @@ dashboards carry over; DeepSeek-V3.2's off-policy sequence masking and unbiased 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -46,10 +46,14 @@ class LossConfig:
     kl_coef: float = 0.0  # weight of the KL-to-reference loss (0 = off, ref_logprobs not needed)
     kl_loss_type: Literal[KL_ESTIMATORS] = "low_var_kl"  # verl's names: kl/k1, abs, mse/k2, low_var_kl/k3; "+" = k2 grad
     entropy_coef: float = 0.0  # subtract entropy_coef * aggregated entropy from the loss
-    loss_mode: Literal[LOSS_MODES] = "vanilla"  # verl's name: vanilla (PPO/GSPO) | dppo_tv | dppo_kl (clip_ratio_* = divergence bounds)
-    unbiased_kl: bool = False  # DeepSeek-V3.2: KL term times pi_theta/pi_old (slime/miles --use-unbiased-kl)
-    opsm_delta: float | None = None  # DeepSeek-V3.2 OPSM: mask A<0 sequences whose mean log(behaviour/pi_theta) > delta (slime --use-opsm --opsm-delta, 1e-4 there)
-    opsm_logprobs: Literal[OPSM_LOGPROBS] = "rollout"  # OPSM's behaviour policy: rollout (mu_old, DeepSeek-V3.2) | old (pi_old)
+    # verl's name: vanilla (PPO/GSPO) | dppo_tv | dppo_kl (clip_ratio_* = divergence bounds)
+    loss_mode: Literal[LOSS_MODES] = field(default="vanilla", metadata={"saved": "non_default"})
+    # DeepSeek-V3.2: KL term times pi_theta/pi_old (slime/miles --use-unbiased-kl)
+    unbiased_kl: bool = field(default=False, metadata={"saved": "non_default"})
+    # DeepSeek-V3.2 OPSM: mask A<0 sequences whose mean log(behaviour/pi_theta) > delta (slime --use-opsm --opsm-delta, 1e-4 there)
+    opsm_delta: float | None = field(default=None, metadata={"saved": "non_default"})
+    # OPSM's behaviour policy: rollout (mu_old, DeepSeek-V3.2) | old (pi_old)
+    opsm_logprobs: Literal[OPSM_LOGPROBS] = field(default="rollout", metadata={"saved": "non_default"})
 
     def __post_init__(self):
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
