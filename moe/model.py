@@ -27,7 +27,7 @@ from .dsa import indexer_replay
 from .gpt_oss import GptOssExperts
 from .mixers import layer_norm, token_mixer
 from .mtp import MTPLayer
-from .replay_check import RouteCheck
+from .replay_check import RouteCheck, check_registered
 from .router import bias_update, expert_load, partial_replay_mask, route, router_probs
 
 
@@ -286,6 +286,14 @@ class MoEModel(nn.Module):
                           shape=(B, T, cfg.num_moe_layers, cfg.num_experts_per_tok))
         return ids_BTLK.long()
 
+    def _check_routers(self, check: RouteCheck) -> None:
+        """Orphaned routers (moe/replay_check.py `check_registered`): every MoE block of the
+        decoder (the draft layers stay out of replay) must be a replayed layer's."""
+        blocks = [(name, getattr(m, "moe_index", None)) for name, m in self.named_modules()
+                  if isinstance(m, MoEBlock) and not name.startswith("mtp.")]
+        reported = [f"layers.{i}.mlp" for i, layer in enumerate(self.layers) if layer.is_moe]
+        check_registered(blocks, self.cfg.num_moe_layers, reported, check.what)
+
     def forward(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None,
                 routed_experts_BTLK: torch.Tensor | None = None,
                 replay_mask_BT: torch.Tensor | None = None,
@@ -344,6 +352,8 @@ class MoEModel(nn.Module):
                                            cfg.rope_scaling, cfg.max_position_embeddings)
         cache_rows = None if kv_cache is None else \
             CacheRows.build(kv_cache, cache_slots_B, positions_BT)
+        if replay_check is not None:
+            self._check_routers(replay_check)
         routes, natural, router_logits, gates, replayed = [], [], [], [], []
         sparse = None
         if cfg.is_dsa:
@@ -352,7 +362,7 @@ class MoEModel(nn.Module):
         elif indexer_topk_BTLK is not None:
             raise RouteError(f"indexer_topk given, but model_type {cfg.model_type} has no "
                              f"lightning indexer")
-        for layer in self.layers:
+        for d, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + (layer.self_attn(h, cos, sin_signed, cache_rows) if sparse is None else
                      layer.self_attn(h, cos, sin_signed, cache_rows, sparse))
@@ -367,8 +377,9 @@ class MoEModel(nn.Module):
                 gates.append(gates_NK)
                 replayed.append(mask_N)
                 if replay_check is not None:  # partial replay: only its replayed tokens count
-                    replay_check.ran(layer.mlp.moe_index, ids_NK, nat_NK,
-                                     None if partial_replay is None else mask_N)
+                    replay_check.ran(getattr(layer.mlp, "moe_index", None), ids_NK, nat_NK,
+                                     None if partial_replay is None else mask_N,
+                                     router=f"layers.{d}.mlp")
                 routes.append(ids_NK)
                 natural.append(nat_NK)
                 router_logits.append(logits_NE)

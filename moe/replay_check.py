@@ -11,6 +11,14 @@ after the forward then checks, naming the layer (and the sample and position):
 - the ids each router ran equal the given ones on the checked tokens (`full`: every replayed
   real token; `sample`: every SAMPLE_EVERY-th token, at an offset that moves by one with
   every checked forward);
+- no checked token's routes repeat an expert within one top-k (given or run), and none is
+  all zeros where a route must hold an expert other than 0 (top-k >= 2: every one of K
+  distinct ids cannot be 0; top-1: every checked token of a layer given expert 0 while its
+  router picks others): routes that were never written (a fused kernel that left its output
+  zeroed) or a top-k that repeats;
+- every router of the model is one the plan knows (`check_registered`: a router module
+  outside the replayed MoE layers, or one with no / another MoE-layer index, routes on its
+  own, unseen);
 - the given ids overlap the router's own top-k well above chance on the checked tokens
   (at least `min_overlap` of the expert slots; default halfway between chance K/E and 1; only
   where MIN_OVERLAP_TOKENS tokens were checked): routes of another step or sample, which a
@@ -91,21 +99,53 @@ class RouteCheck:
         self._natural: list[torch.Tensor | None] = [None] * L
         self._replayed: list[torch.Tensor | None] = [None] * L
 
-    def ran(self, layer: int, ids_NK: torch.Tensor, natural_NK: torch.Tensor,
-            replayed_N: torch.Tensor | None = None) -> None:
+    def ran(self, layer: int | None, ids_NK: torch.Tensor, natural_NK: torch.Tensor,
+            replayed_N: torch.Tensor | None = None, *, router: str | None = None) -> None:
         """Router of MoE layer `layer` ran `ids_NK`; its own top-k was `natural_NK`.
         `replayed_N` (partial replay): the tokens this layer replayed; only those must have
-        run the given ids (None: every checked token)."""
-        if not 0 <= layer < len(self.counts):
-            raise ReplayCheckError(f"replay check ({self.what}): a router reported MoE layer "
+        run the given ids (None: every checked token). `router` names it (messages)."""
+        if not isinstance(layer, int) or not 0 <= layer < len(self.counts):
+            who = "a router" if router is None else f"router {router}"
+            raise ReplayCheckError(f"replay check ({self.what}): {who} reported MoE layer "
                                    f"index {layer}, but the plan replays {len(self.counts)} "
-                                   f"MoE layers")
+                                   f"MoE layers (0..{len(self.counts) - 1}): a router the "
+                                   f"replay plan does not know")
         self.counts[layer] += 1
         if self.counts[layer] == 1:
             self._ids[layer] = ids_NK[self.tokens]
             self._natural[layer] = natural_NK[self.tokens]
             if replayed_N is not None:
                 self._replayed[layer] = replayed_N[self.tokens]
+
+    def _at(self, i: int) -> str:
+        sample, pos = self.where(self.tokens.start + i * self.tokens.step)
+        return f"sample {sample}, position {pos}"
+
+    def _bad_rows(self, head, n, K, given, natural, zero, wrong, dup_given, dup_ran) -> None:
+        """All-zero routes and repeated ids within one top-k (module doc), first layer first.
+        Each of `zero`, `wrong`, `dup_given`, `dup_ran` is (per-layer counts, bool [n, L])."""
+        (zeros, zero_nL), (wrongs, wrong_nL) = zero, wrong
+        (dup_given, dup_given_nL), (dup_ran, dup_ran_nL) = dup_given, dup_ran
+        for l in range(len(zeros)):
+            # top-1: one 0 is a real route; a layer given nothing but 0, where its router
+            # picks other experts, is not
+            if zeros[l] and (K > 1 or (n >= MIN_OVERLAP_TOKENS and zeros[l] == n
+                                       and wrongs[l])):
+                i = int((zero_nL if K > 1 else wrong_nL)[:, l].nonzero()[0])
+                raise ReplayCheckError(
+                    f"{head}: {self._name(l)}: all-zero routes at {self._at(i)}: every one of "
+                    f"its {K} replayed ids is expert 0, the router's own top-k is "
+                    f"{natural[i, l].tolist()}; {int(zeros[l])} of {n} checked tokens (routes "
+                    f"never written: a kernel that left its output zeroed?)")
+            for what, bad, bad_nL, ids in (("replayed", dup_given[l], dup_given_nL, given),
+                                           ("run", dup_ran[l], dup_ran_nL, None)):
+                if bad:
+                    i = int(bad_nL[:, l].nonzero()[0])
+                    got = (ids[i, l] if ids is not None else self._ids[l][i]).tolist()
+                    raise ReplayCheckError(
+                        f"{head}: {self._name(l)}: duplicate expert ids in one top-k at "
+                        f"{self._at(i)}: the {what} ids are {got}; {int(bad)} of {n} checked "
+                        f"tokens (a top-k holds {K} distinct experts)")
 
     def _name(self, layer: int) -> str:
         return f"MoE layer {self.moe_ids[layer]} (decoder layer {self.layer_names[layer]})"
@@ -129,23 +169,29 @@ class RouteCheck:
         L, K = ran.shape[1:]
         given = self.given_nLK.to(ran.device, torch.long)  # compact routes are uint8/uint16
         checked = self.checked_n.to(ran.device)[:, None]
+        natural = torch.stack(self._natural, 1)
+        zero_nL = (given == 0).all(-1) & checked
+        wrong_nL = zero_nL & (natural != 0).any(-1)  # zeros the router would not pick
+        dup_given_nL, dup_ran_nL = _repeats(given) & checked, _repeats(ran) & checked
         if self.any_order:
             ran, given = ran.sort(-1).values, given.sort(-1).values
         bad_nL = (ran != given).any(-1) & checked
         if any(r is not None for r in self._replayed):  # partial replay: its own tokens only
             bad_nL &= torch.stack([torch.ones_like(self.checked_n, device=ran.device)
                                    if r is None else r.to(ran.device) for r in self._replayed], 1)
-        natural = torch.stack(self._natural, 1)
         agree_nL = (given[..., :, None] == natural[..., None, :]).sum((-1, -2)) * checked
-        sums = torch.cat([bad_nL.sum(0), agree_nL.sum(0), checked.sum(0)]).tolist()  # one sync
-        n = int(sums[-1])
+        sums = torch.cat([bad_nL.sum(0), agree_nL.sum(0), zero_nL.sum(0), wrong_nL.sum(0),
+                          dup_given_nL.sum(0), dup_ran_nL.sum(0), checked.sum(0)]).tolist()
+        n = int(sums[-1])  # (one sync above)
+        self._bad_rows(head, n, K, given, natural, *(
+            (sums[j * L:(j + 1) * L], m) for j, m in
+            ((2, zero_nL), (3, wrong_nL), (4, dup_given_nL), (5, dup_ran_nL))))
         for l, bad in enumerate(sums[:L]):
             if bad:
                 i = int(bad_nL[:, l].nonzero()[0])
-                sample, pos = self.where(self.tokens.start + i * self.tokens.step)
                 raise ReplayCheckError(
                     f"{head}: {self._name(l)}: the router did not run the replayed ids: at "
-                    f"sample {sample}, position {pos} it was given experts "
+                    f"{self._at(i)} it was given experts "
                     f"{self.given_nLK[i, l].tolist()} and ran {self._ids[l][i].tolist()}; "
                     f"{int(bad)} of {n} checked tokens differ (a router that ignores the "
                     f"given ids?)")
@@ -157,3 +203,32 @@ class RouteCheck:
                     f"own top-k on only {overlap:.1%} of {n * K} expert slots (chance "
                     f"{K / self.num_experts:.1%}, floor {self.floor:.1%}): routes of "
                     f"another step or sample? (replay.min_overlap sets the floor)")
+
+
+def _repeats(ids_nLK: torch.Tensor) -> torch.Tensor:
+    """bool [n, L]: the K ids of a row repeat an expert (pairwise compares; K is small)."""
+    K = ids_nLK.shape[-1]
+    out = torch.zeros(ids_nLK.shape[:-1], dtype=torch.bool, device=ids_nLK.device)
+    for j in range(1, K):
+        out |= (ids_nLK[..., j:j + 1] == ids_nLK[..., :j]).any(-1)
+    return out
+
+
+def check_registered(routers: Sequence[tuple[str, int | None]], num_layers: int,
+                     reported: Sequence[str], what: str = "forward") -> None:
+    """Orphaned routers: `routers` are (name, MoE-layer index) of every router module of the
+    model (draft layers excluded), `reported` the names of those the forward reports to the
+    ledger. Raise `ReplayCheckError` naming a router the forward never reports (it would
+    route on its own, unseen) or one whose index is no MoE layer the plan replays."""
+    head = f"replay check ({what})"
+    seen = set(reported)
+    for name, index in routers:
+        if name not in seen:
+            raise ReplayCheckError(
+                f"{head}: router {name} is in the model but not registered for replay (no "
+                f"replayed MoE layer runs it; MoE-layer index {index}): it routes on its own")
+        if not isinstance(index, int) or not 0 <= index < num_layers:
+            raise ReplayCheckError(
+                f"{head}: router {name} reports MoE-layer index {index}, but the plan replays "
+                f"{num_layers} MoE layers (0..{num_layers - 1}): a router the replay plan "
+                f"does not know")
