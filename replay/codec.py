@@ -23,6 +23,13 @@ vLLM (0.32, `choices[i].routed_experts` of `/inference/v1/generate`): base64 of 
 uint8 (uint16 above 256 experts) [prompt + completion - 1 - routed_experts_prompt_start,
 num_hidden_layers, K]; `decode_vllm` reads it without unpickling anything.
 
+A row with no route (`RoutingTrace` "missing", replay.missing): SGLang int32 carries -1 in
+every slot of the row (every decoder layer; a decoder accepts 0 in the dense layers too);
+compact carries the all-ones code 2^b - 1 in every slot of the row, which no real route holds
+(K >= 2 distinct ids are never all equal; under top-1 the code is past the last expert unless
+num_experts = 2^b, where compact cannot mark a missing row: encoding one is refused, send
+int32). Both decode back to the same missing rows.
+
 Rows, L, K and E are not spelled out: the decoder already knows what to expect and checks the
 body length ceil(rows*L*K*b/8), the low byte of rows and the layout byte against it. An SGLang
 int32 payload never has a non-zero byte 2 (its first id is < 2**16), so `decode_routes` tells
@@ -119,6 +126,9 @@ def _decode_sglang_raw(raw: bytes, num_tokens_expected: int, num_hidden_layers: 
         dense = [h for h in range(num_hidden_layers) if h not in moe]
         if dense:
             nz_NDK = ids_NHK[:, dense] != 0
+            if nz_NDK.any():  # a missing row may hold -1 there too
+                gone_N = (ids_NHK == -1).all((1, 2))
+                nz_NDK &= ~gone_N[:, None, None]
             if nz_NDK.any():
                 n, d, k = (int(v) for v in np.argwhere(nz_NDK)[0])
                 raise RouteError(
@@ -137,6 +147,9 @@ def encode_sglang(trace: RoutingTrace, num_hidden_layers: int,
         raise RouteError(f"trace has {trace.num_layers} MoE layers, moe_layer_ids lists {len(layers)}")
     out_NHK = np.zeros((trace.num_rows, num_hidden_layers, trace.top_k), dtype="<i4")
     out_NHK[:, layers] = trace.ids_NLK.numpy()
+    miss_N = trace.missing_rows()
+    if miss_N is not None:
+        out_NHK[miss_N.numpy()] = -1
     return base64.b64encode(out_NHK.tobytes()).decode("ascii")
 
 
@@ -241,7 +254,25 @@ def encode_compact(trace: RoutingTrace) -> str:
     bits = compact_bits(trace.num_experts)
     header = _HEADER.pack(COMPACT_MAGIC, COMPACT_VERSION, bits, trace.num_rows & 0xFF,
                           _layout_check(trace.num_layers, trace.top_k, trace.num_experts))
-    return base64.b64encode(header + pack_bits(trace.ids_NLK.numpy(), bits)).decode("ascii")
+    ids_NLK = trace.ids_NLK.numpy()
+    miss_N = trace.missing_rows()
+    if miss_N is not None:
+        code = _compact_missing_code(bits, trace.num_experts, trace.top_k)
+        if code is None:
+            n = int(miss_N.nonzero()[0])
+            raise RouteError(f"routes row {n} has no route, which the compact encoding cannot "
+                             f"mark for top-1 routes of {trace.num_experts} = 2^{bits} experts "
+                             f"(every code is an expert id): use the int32 encoding")
+        ids_NLK = ids_NLK.astype(np.int64)
+        ids_NLK[miss_N.numpy()] = code
+    return base64.b64encode(header + pack_bits(ids_NLK, bits)).decode("ascii")
+
+
+def _compact_missing_code(bits: int, num_experts: int, top_k: int) -> int | None:
+    """The compact code of a missing row's every slot (module doc), or None where it would be
+    a real route."""
+    code = (1 << bits) - 1
+    return code if top_k > 1 or code >= num_experts else None
 
 
 def _decode_compact_raw(raw: bytes, num_tokens_expected: int, num_layers: int, top_k: int,
@@ -281,8 +312,11 @@ def _decode_compact_raw(raw: bytes, num_tokens_expected: int, num_layers: int, t
     if not clean_pad:
         raise RouteError(f"{who}: compact body has non-zero padding bits after id {count} "
                          f"(corrupt payload, or fewer rows than {num_tokens_expected})")
-    ids_NLK = torch.from_numpy(ids_n.reshape(num_tokens_expected, num_layers, top_k))
-    return RoutingTrace(ids_NLK, num_experts, start=start_len, sample=sample)
+    ids_NLK = ids_n.reshape(num_tokens_expected, num_layers, top_k)
+    code = _compact_missing_code(bits, num_experts, top_k)
+    if code is not None and ids_NLK.size and int(ids_NLK.max()) == code:
+        ids_NLK[(ids_NLK == code).all((1, 2))] = -1  # missing rows (module doc)
+    return RoutingTrace(torch.from_numpy(ids_NLK), num_experts, start=start_len, sample=sample)
 
 
 def decode_compact(payload: str | bytes, num_tokens_expected: int, num_layers: int, top_k: int,

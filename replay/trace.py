@@ -7,6 +7,14 @@ model's MoE layers only, in order (dense layers have no rows). Ids are logical e
 [0, num_experts), distinct within a row. Storage is uint8 when num_experts <= 256, else uint16
 (torch keeps few ops for uint16, so all arithmetic happens on an int32/int64 copy).
 
+A row may be *missing* (the engine had no route for that token: -1 in every slot on the wire,
+NeMo-RL's sentinel): it is stored as the storage dtype's largest value (255 / 65535, the
+`missing_code`) in every slot of every layer, which no real route holds: K >= 2 distinct ids
+are never all equal, and under top-1 the code is past the last expert unless num_experts is
+exactly 256 (65536), where a missing row cannot be stored and is refused. Given as int64, a
+row of -1s is taken as missing; a row with -1 in some slots only is an error.
+`batch_traces` refuses missing rows or leaves them to the live router (`replay.missing`).
+
 Shapes: N rows (token positions), L MoE layers, K top-k, B batch, T padded time.
 """
 
@@ -41,6 +49,21 @@ def compact_dtype(num_experts: int) -> torch.dtype:
     raise RouteError(f"num_experts={num_experts} exceeds the supported maximum {MAX_EXPERTS}")
 
 
+def missing_code(num_experts: int, top_k: int) -> int | None:
+    """The stored value of a missing row's every slot (module doc): the storage dtype's
+    largest value; None where it could be a real route (top-1 with exactly 256 or 65536
+    experts)."""
+    code = torch.iinfo(compact_dtype(num_experts)).max
+    return code if top_k > 1 or code >= num_experts else None
+
+
+def _rows_equal(ids_NLK: torch.Tensor, value: int) -> torch.Tensor:
+    """bool [N]: every slot of the row holds `value`."""
+    if ids_NLK.dtype == torch.uint16:
+        ids_NLK = ids_NLK.to(torch.int32)
+    return (ids_NLK == value).flatten(1).all(1)
+
+
 def _as_int64_NLK(ids, sample: int | None) -> torch.Tensor:
     """Any integer array-like [N, L, K] -> int64 tensor (CPU), with dtype/shape errors named."""
     if isinstance(ids, np.ndarray):
@@ -67,25 +90,53 @@ def validate_ids(ids_NLK: torch.Tensor, num_experts: int, sample: int | None = N
         return
     if ids_NLK.dtype == torch.uint16:  # few kernels exist for uint16
         ids_NLK = ids_NLK.to(torch.int32)
+    K = ids_NLK.shape[2]
+    code = missing_code(num_experts, K)
+
+    def missing_N() -> torch.Tensor:  # missing rows (module doc); looked for only when needed
+        if code is None:
+            return torch.zeros(ids_NLK.shape[0], dtype=torch.bool)
+        return _rows_equal(ids_NLK, code)
+
     lo = 0 if ids_NLK.dtype == torch.uint8 else int(ids_NLK.min())
     if lo < 0 or int(ids_NLK.max()) >= num_experts:  # a min/max pass; locate only when bad
-        bad_NLK = (ids_NLK < 0) | (ids_NLK >= num_experts)
-        n, l, k = (int(v) for v in bad_NLK.nonzero()[0])
-        raise RouteError(
-            f"{_who(sample)} row {n + row_offset} (position), layer {l}, slot {k}: expert id "
-            f"{int(ids_NLK[n, l, k])} outside [0, {num_experts})")
-    K = ids_NLK.shape[2]
+        bad_NLK = ((ids_NLK < 0) | (ids_NLK >= num_experts)) & ~missing_N()[:, None, None]
+        if bool(bad_NLK.any()):
+            n, l, k = (int(v) for v in bad_NLK.nonzero()[0])
+            v = int(ids_NLK[n, l, k])
+            hint = (" (a row with no route has -1 in every slot of every layer)"
+                    if v in (-1, code) else "")
+            raise RouteError(
+                f"{_who(sample)} row {n + row_offset} (position), layer {l}, slot {k}: expert "
+                f"id {v} outside [0, {num_experts}){hint}")
     if K > 1:  # pairwise compares of contiguous [N, L] slices: much cheaper than a sort per row
         ids_KNL = ids_NLK.permute(2, 0, 1).contiguous()
         dup_NL = torch.zeros(ids_KNL.shape[1:], dtype=torch.bool)
         for j in range(1, K):
             for i in range(j):
                 dup_NL |= ids_KNL[j] == ids_KNL[i]
-        if bool(dup_NL.any()):
+        if bool(dup_NL.any()) and bool((dup_NL := dup_NL & ~missing_N()[:, None]).any()):
             n, l = (int(v) for v in dup_NL.nonzero()[0])
             raise RouteError(
                 f"{_who(sample)} row {n + row_offset} (position), layer {l}: expert ids "
                 f"{ids_NLK[n, l].tolist()} repeat an expert (top-k ids must be distinct)")
+
+
+def _mark_missing(ids_NLK: torch.Tensor, num_experts: int, sample: int | None,
+                  start: int) -> torch.Tensor:
+    """int64 ids with rows of -1 -> the same with those rows set to `missing_code`."""
+    miss_N = _rows_equal(ids_NLK, -1)
+    if not bool(miss_N.any()):
+        return ids_NLK
+    code = missing_code(num_experts, ids_NLK.shape[2])
+    if code is None:
+        n = int(miss_N.nonzero()[0])
+        raise RouteError(f"{_who(sample)} row {n + start} (position) has no route (-1), which "
+                         f"cannot be stored for top-1 routes of exactly {num_experts} experts "
+                         f"(every stored value is an expert id)")
+    ids_NLK = ids_NLK.clone()
+    ids_NLK[miss_N] = code
+    return ids_NLK
 
 
 class RoutingTrace:
@@ -104,6 +155,8 @@ class RoutingTrace:
             and ids_NLK.dim() == 3
         # already compact: validated as is and kept without a copy when contiguous on CPU
         ids = ids_NLK.detach().cpu().contiguous() if compact else _as_int64_NLK(ids_NLK, sample)
+        if not compact and ids.numel() and int(ids.min()) < 0:
+            ids = _mark_missing(ids, num_experts, sample, start)
         validate_ids(ids, num_experts, sample, row_offset=start)
         self.ids_NLK = ids if compact else ids.to(dtype).contiguous()
         self.num_experts = num_experts
@@ -147,6 +200,16 @@ class RoutingTrace:
     def to_int64(self) -> torch.Tensor:
         """[N, L, K] int64 copy (for arithmetic, or Megatron's int64 replay tensors)."""
         return self.ids_NLK.to(torch.int64)
+
+    def missing_rows(self) -> torch.Tensor | None:
+        """bool [N]: the rows with no route (module doc), or None when there are none."""
+        code, ids = missing_code(self.num_experts, self.top_k), self.ids_NLK
+        if ids.dtype == torch.uint16:
+            ids = ids.to(torch.int32)
+        if code is None or not ids.numel() or int(ids.max()) < code:
+            return None
+        miss_N = _rows_equal(ids, code)
+        return miss_N if bool(miss_N.any()) else None
 
     # ---- checks ----------------------------------------------------------------------------
     def check(self, prompt_len: int, response_len: int, num_layers: int, top_k: int,
@@ -223,14 +286,23 @@ def _check_alike(traces: Sequence[RoutingTrace]) -> tuple[int, int, int]:
     return first.num_layers, first.top_k, first.num_experts
 
 
+MISSING = ("refuse", "live")
+"""`replay.missing`: what `batch_traces` does with a row that has no route."""
+
+
 def batch_traces(traces: Sequence[RoutingTrace], T: int,
-                 seq_lens: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 seq_lens: Sequence[int] | None = None,
+                 missing: str = "refuse") -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad complete traces into (ids_BTLK compact dtype, valid_BT bool).
 
     Row t of sample b is the token at absolute position t, matching a right-padded token batch
     of length T. Positions with no route (the last token of each sample, padding) are invalid
     and hold id 0. With `seq_lens` (tokens per sample, P+R), each trace must have seq_len-1 rows.
+    A missing row (module doc) is refused (`missing="refuse"`, RouteError naming the sample and
+    position) or, under `"live"`, invalid too and id 0: the live router routes that token.
     """
+    if missing not in MISSING:
+        raise RouteError(f"missing={missing!r}; valid: {list(MISSING)}")
     L, K, E = _check_alike(traces)
     if seq_lens is not None and len(seq_lens) != len(traces):
         raise RouteError(f"got {len(seq_lens)} seq_lens for {len(traces)} traces")
@@ -247,6 +319,18 @@ def batch_traces(traces: Sequence[RoutingTrace], T: int,
                              f"{seq_lens[b] - 1} = sequence length {seq_lens[b]} - 1")
         ids_BTLK[b, :t.num_rows] = t.ids_NLK
         valid_BT[b, :t.num_rows] = True
+        miss_N = t.missing_rows()
+        if miss_N is not None:
+            if missing == "refuse":
+                n = int(miss_N.nonzero()[0])
+                raise RouteError(
+                    f"sample {b}: routes row {n} (position) has no route (the engine sent -1: "
+                    f"{int(miss_N.sum())} of its {t.num_rows} rows); replay.missing=live routes "
+                    f"such rows with the actor's live router (logged as "
+                    f"replay/fallback_fraction)")
+            rows = miss_N.nonzero()[:, 0]
+            ids_BTLK[b, rows] = 0
+            valid_BT[b, rows] = False
     return ids_BTLK, valid_BT
 
 

@@ -29,7 +29,7 @@ from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.env import EnvPool
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
-from lockstep.trainer.actor.batch import Batch, collate
+from lockstep.trainer.actor.batch import Batch, collate, fallback_fraction
 from lockstep.trainer.actor.build import colocates_fleet, make_actor, run_reference
 from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs
 from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
@@ -349,7 +349,8 @@ class Trainer:
         prompts, results, gen_s = self.pipeline.take(step)  # generate (made ahead when async)
         versions, lag_m = self.pipeline.check_versions(results, step)  # in {step-1-k..step-1}
         batch = collate(results, self.source.pad_id, *self._route_shape(),
-                        sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size)
+                        sampling_mask=cfg.rollout.mask_replay, vocab_size=cfg.model.vocab_size,
+                        missing=cfg.replay.missing)
         lag_m.update(self.mask_stale_turns(batch, versions))  # rollout.env.mask_stale_turns
         rewards_B, reward_m = self.rewards(                                            # rewards
             [prompts[i // cfg.rollout.samples_per_prompt] for i in range(len(results))], results)
@@ -387,13 +388,20 @@ class Trainer:
         return merge_metrics(
             step={"step": step}, rewards=self.reward_metrics(rewards_B, batch, group_B),
             reward_parts=reward_m, correction=driver_corr, is_split=split, expert_load=moe_load,
-            mode={"replay/mode": self.mode.value}, old_logprobs=stats_values(old.stats),
+            mode={"replay/mode": self.mode.value, **self.fallback(batch)}, old_logprobs=stats_values(old.stats),
             update=stats_values(upd.stats), lr_trigger=lr_m, versions=lag_m,
             rollout=self.rollout.counters(),
             mismatch={} if self.injection is None else self.injection.metrics(),
             time={"time/rollout_s": gen_s, **t.metrics()})
 
     # -- pieces of the step ----------------------------------------------------------------
+    def fallback(self, batch) -> dict:
+        """replay.missing=live: replay/fallback_fraction, the share of route rows the engine
+        sent without a route (routed by the actor's live router)."""
+        if self.cfg.replay.missing != "live":
+            return {}
+        return {"replay/fallback_fraction": fallback_fraction(batch)}
+
     def calibrate_injection(self, step: int) -> None:
         """rollout.mismatch.router_flip_rate: recalibrate the router noise when it is due, on
         the last step's samples (before the first step: a batch generated for it)."""

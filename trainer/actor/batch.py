@@ -78,7 +78,7 @@ class Batch:
 
 def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
             num_layers: int, top_k: int, *, sampling_mask: bool = False,
-            vocab_size: int | None = None) -> Batch:
+            vocab_size: int | None = None, missing: str = "refuse") -> Batch:
     """Right-pad engine results into a Batch; routes are checked against each sample's length
     and the model (an error names the sample).
 
@@ -86,7 +86,9 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
     `sampling_logprobs` (request them with `return_sampling_mask`); the rollout log-probs are
     then the truncated, renormalised `sampling_logprobs` and `candidates_BTS` holds each
     response token's kept ids. `vocab_size` is required then (ids are checked against it, and a
-    support of the whole vocabulary is stored as "no restriction")."""
+    support of the whole vocabulary is stored as "no restriction"). `missing`
+    (`replay.missing`): a route row the engine marked missing is refused, or left to the live
+    router (`batch_traces`; `fallback_fraction` counts them)."""
     if not results:
         raise ValueError("collate needs at least one GenerationResult")
     if sampling_mask and vocab_size is None:
@@ -131,7 +133,7 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
         if ref.start != 0 or ref.rows != P + R - 1:
             raise ValueError(f"sample {b}: routes by reference of {ref.rows} rows from position "
                              f"{ref.start}, expected {P + R - 1} from 0")
-    routes, valid = batch_traces(traces, T, seq_lens) if traces else (None, None)
+    routes, valid = batch_traces(traces, T, seq_lens, missing) if traces else (None, None)
     cand_BTS = _candidates(results, T, vocab_size) if sampling_mask else None
     gates = _gates(results, T, routes) if any(r.gates_NLK is not None for r in results) else None
     picks, picks_valid = _indexer(results, T, seq_lens)
@@ -140,6 +142,16 @@ def collate(results: Sequence[GenerationResult], pad_id: int, num_experts: int,
                  gates, turn_BT=turn_BT, rollout_indexer_BTLK=picks,
                  rollout_indexer_valid_BT=picks_valid,
                  rollout_route_refs=RouteRefs(tuple(refs)) if refs else None)
+
+
+def fallback_fraction(batch: Batch) -> float:
+    """Share of the batch's route rows (P+R-1 per sample) that had no route and route live
+    (`replay.missing=live`); 0 without routes."""
+    valid_BT = batch.rollout_routes_valid_BT
+    if valid_BT is None:
+        return 0.0
+    rows = int((batch.seq_lens_B - 1).sum())
+    return 1.0 - float(valid_BT.sum()) / max(rows, 1)
 
 
 def _indexer(results: Sequence[GenerationResult], T: int, seq_lens: list[int]):

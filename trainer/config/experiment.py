@@ -146,6 +146,9 @@ class ExperimentConfig(Section):
         need(self.replay.gates != "engine", f"{f} does not carry the engine's gate weights "
              f"(replay.gates=engine)")
         need(ro.env is None, f"{f} does not stitch multi-turn routes (rollout.env)")
+        need(self.replay.missing == "refuse", f"{f}: the ranks lay out the routes they fetch "
+             f"and refuse rows with no route; replay.missing=live needs the routes on the "
+             f"driver (routes_by_reference=false)")
         from lockstep.rollout.route_refs import KEEP_VERSIONS
         need(self.loop.max_staleness <= KEEP_VERSIONS - 2, f"{f}: the engines' route stores keep "
              f"{KEEP_VERSIONS} weight versions, so loop.max_staleness <= {KEEP_VERSIONS - 2} "

@@ -38,6 +38,10 @@ class ReplayConfig(Section):
     """Validator, pi_old forwards of synchronous runs: least share of replayed expert slots
     the router's own top-k must agree with (null: halfway between chance K/E and 1; 0: off)."""
 
+    missing: Literal["refuse", "live"] = Field("refuse", json_schema_extra=LATER)
+    """A route row the engine sent as missing (-1 in every slot): refuse (the step stops,
+    naming sample and position) or live (that token routes with the actor's own router in
+    every forward; replay/fallback_fraction logs the share of rows; docs/replay.md)."""
     gates: Literal["recompute", "engine"] = Field("recompute", json_schema_extra=LATER)
     """Gate weights of the replayed experts: recompute (from the actor's router) or engine
     (replay the weights of whoever picked the routes: the engine's under R3, the old-logprob
