@@ -234,10 +234,13 @@ def write_manifest(folder: str | Path, known: dict[str, dict] | None = None) -> 
     return out
 
 
-def verify_manifest(folder: str | Path) -> None:
+def verify_manifest(folder: str | Path, under: str | None = None) -> None:
     """Check every file of `folder/manifest.json` (present, size, sha256) and that no file was
-    added. Raises `CheckpointError` naming the first file that fails."""
+    added. Raises `CheckpointError` naming the first file that fails. `under` (a relative
+    folder, e.g. "hf"): only the files below it (what a reader of that folder reads)."""
     folder = Path(folder)
+    prefix = () if under in (None, "", ".") else Path(under).parts
+    top = folder.joinpath(*prefix)
     mpath = folder / MANIFEST_FILE
     if not mpath.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST_FILE} (incomplete checkpoint)")
@@ -248,6 +251,7 @@ def verify_manifest(folder: str | Path) -> None:
         entries = [(str(k), str(v["sha256"]), int(v["bytes"])) for k, v in files.items()]
     except Exception as e:  # noqa: BLE001 - any malformation means the same thing
         raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+    entries = [e for e in entries if Path(e[0]).parts[:len(prefix)] == prefix]
     for rel, sha, size in entries:
         p = folder / rel
         if ".." in Path(rel).parts or not p.is_file():
@@ -258,7 +262,7 @@ def verify_manifest(folder: str | Path) -> None:
         if file_sha256(p) != sha:
             raise CheckpointError(f"{p}: sha256 does not match the manifest (corrupted)")
     listed = {rel for rel, _, _ in entries}
-    extra = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
+    extra = [p.relative_to(folder).as_posix() for p in top.rglob("*")
              if p.is_file() and p.name != MANIFEST_FILE
              and p.relative_to(folder).as_posix() not in listed]
     if extra:
