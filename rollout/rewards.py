@@ -12,7 +12,7 @@ a number in [-SCORE_LIMIT, SCORE_LIMIT] (bool counts as 0/1) or a dict with such
 "score" (other keys are ignored). Anything else (a NaN, 1e300, a string) is a `bad_value` error
 naming the value: a score that large would overflow the float32 rewards to inf.
 
-Workers are fresh `python -m lockstep.rollout.rewards` processes (no fork of a process holding
+Workers are fresh `python -m lockstep.rollout.workers` processes (no fork of a process holding
 torch threads, no re-import of the caller's main module) that load the function once and take
 one call at a time over a socket; a call past its deadline gets its worker killed and replaced.
 Error kinds: `raised`, `timeout`, `bad_value`, `crashed` (the worker died).
@@ -168,47 +168,6 @@ def check_score(out: Any) -> float:
     return float(out)
 
 
-# -- worker processes ----------------------------------------------------------------------
-def _worker(spec: str, conn: Connection, role: str = "reward") -> None:
-    """Load the function, say "ready" (or ("error", message)), then answer (i, kwargs) with
-    (i, kind, score-or-message). `role` "env": `spec` is an environment file
-    (rollout/env.py), each call names the function it runs and the reply is checked by
-    `env.check_reply` instead of `check_score`."""
-    check, errors = check_score, (RewardFunctionError,)
-    try:
-        if role == "env":
-            # stdlib only, like this file; a worker runs this file as __main__, so the package's
-            # copy of RewardFunctionError (what env.py raises) is another class
-            from lockstep.rollout import rewards
-            from lockstep.rollout.env import check_reply, load_env
-            errors += (rewards.RewardFunctionError,)
-            fn, check = load_env(spec), check_reply
-        else:
-            fn = load_function(spec)
-    except errors as e:
-        conn.send(("error", str(e)))
-        return
-    conn.send("ready")
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        i, kwargs = msg
-        try:
-            out = fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - the user's code may raise anything
-            reply = (i, "raised", f"{type(e).__name__}: {e}")
-        else:
-            try:
-                reply = (i, "ok", check(out))
-            except ValueError as e:
-                reply = (i, "bad_value", str(e))
-        conn.send(reply)
-
-
 @dataclass
 class RewardCall:
     """One sample to score (verl's compute_score keywords)."""
@@ -256,7 +215,8 @@ class RewardPool:
         ours, theirs = socket.socketpair()
         with theirs:
             proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), self.cfg.function,
+                [sys.executable, "-m", "lockstep.rollout.workers", str(theirs.fileno()),
+                 self.cfg.function,
                  self.role], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         conn = Connection(ours.detach())
         # the deadline of a call starts once the worker has loaded the function
@@ -373,8 +333,3 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-
-if __name__ == "__main__":  # a worker: python -m lockstep.rollout.rewards FD SPEC [ROLE]
-    _worker(sys.argv[2], Connection(int(sys.argv[1])), *sys.argv[3:4])
