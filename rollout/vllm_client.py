@@ -39,27 +39,10 @@ from ..replay.codec import decode_vllm
 from ..replay.trace import RouteError
 from .client import HTTPBackend
 from .types import GenerateRequest, GenerationResult, RolloutError
-from .vllm_weights import VLLMWeightSync
+from .vllm_weights import VLLMWeightSync, server_config
 
 REQUEST_PREFIX = "generate-tokens-"
 """vLLM's name for request `rid` on /inference/v1/generate (what abort needs)."""
-
-
-def server_config(info: Any) -> dict:
-    """The fields lockstep reads from vLLM's `GET /server_info?config_format=json`."""
-    cfg = info.get("vllm_config") if isinstance(info, dict) else None
-    if not isinstance(cfg, dict):
-        raise RolloutError(f"/server_info has no vllm_config object (not a vLLM server?): "
-                           f"{str(info)[:300]}")
-    model = cfg.get("model_config") or {}
-    par = cfg.get("parallel_config") or {}
-    wt = cfg.get("weight_transfer_config") or {}
-    return {"return_sampling_mask": bool(model.get("return_sampling_mask")),
-            "logprobs_mode": model.get("logprobs_mode"),
-            "max_model_len": model.get("max_model_len"),
-            "tp_size": int(par.get("tensor_parallel_size") or 1),
-            "device": (cfg.get("device_config") or {}).get("device", "cpu"),
-            "weight_transfer_backend": wt.get("backend")}
 
 
 def detect_engine(url: str, api_key: str | None = None, timeout_s: float = 60.0) -> str:

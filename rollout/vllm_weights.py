@@ -25,11 +25,27 @@ from .types import PushRefused, RolloutError
 from .weight_sync import DistributedWeightSync, dtype_name
 
 
+def server_config(info: Any) -> dict:
+    """The fields lockstep reads from vLLM's `GET /server_info?config_format=json`."""
+    cfg = info.get("vllm_config") if isinstance(info, dict) else None
+    if not isinstance(cfg, dict):
+        raise RolloutError(f"/server_info has no vllm_config object (not a vLLM server?): "
+                           f"{str(info)[:300]}")
+    model = cfg.get("model_config") or {}
+    par = cfg.get("parallel_config") or {}
+    wt = cfg.get("weight_transfer_config") or {}
+    return {"return_sampling_mask": bool(model.get("return_sampling_mask")),
+            "logprobs_mode": model.get("logprobs_mode"),
+            "max_model_len": model.get("max_model_len"),
+            "tp_size": int(par.get("tensor_parallel_size") or 1),
+            "device": (cfg.get("device_config") or {}).get("device", "cpu"),
+            "weight_transfer_backend": wt.get("backend")}
+
+
 class VLLMWeightSync(DistributedWeightSync):
     """Rank 0 of a weight-transfer group over vLLM servers (module docstring)."""
 
     def _server_info(self, i: int) -> Any:
-        from .vllm_client import server_config
         info = server_config(self._request(i, "GET", "/server_info?config_format=json", None,
                                            min(self.timeout_s, 60.0)))
         world = self._request(i, "GET", "/get_world_size?include_dp=true", None, 30.0)
