@@ -51,8 +51,8 @@ def command_parser(commands: Sequence[AddParser]) -> argparse.ArgumentParser:
 
 def describe_error(e: BaseException) -> tuple[str, int]:
     """(one-line message, exit status) for an exception that ended a command."""
-    from lockstep.moe.checkpoint import CheckpointError
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
+    from lockstep.moe.hf_lazy import CheckpointError
     from lockstep.trainer.observe.metrics import MetricsFileError
     from lockstep.trainer.observe.nonfinite import DivergenceError
     from lockstep.trainer.state.rundir import RunDirError

@@ -24,8 +24,7 @@ import json
 from typing import Any
 
 from lockstep.kernels.dtypes import FP8, base_precision
-from lockstep.launch.plan_estimate import (GiB, Estimates, _stage_chunks,  # noqa: F401
-                                          count_params)
+from lockstep.launch.plan_estimate import GiB, Estimates, _stage_chunks, count_params
 from lockstep.launch.plan_placement import Placement, _colocated_note, gpus_needed
 from lockstep.launch.plan_render import render
 from lockstep.trainer.actor.build import colocation_refusal

@@ -157,8 +157,9 @@ def _check_port(host: str, port: int) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
-    from lockstep.moe.checkpoint import CheckpointError
-    from lockstep.moe.config import ConfigError, ModelConfig
+    from lockstep.moe.checks import ConfigError
+    from lockstep.moe.config import ModelConfig
+    from lockstep.moe.hf_lazy import CheckpointError
     from lockstep.rollout.engine import Engine, EngineConfig
     from lockstep.rollout.server import run_server
     from lockstep.rollout.server_limits import ServerLimits

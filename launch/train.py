@@ -50,9 +50,9 @@ def _nothing_to_run(out: Path, cfg) -> str | None:
     """Why `--resume` with this config would run no step (nothing is written then), or None.
     A newest checkpoint that fails verification is not counted: the resume redoes it; one
     written under another config is not either: the Trainer refuses that with the reason."""
-    from lockstep.moe.checkpoint import CheckpointError
-    from lockstep.trainer.state.checkpoint import list_checkpoints, STATE_FILE, verify_manifest
+    from lockstep.moe.hf_lazy import CheckpointError
     from lockstep.trainer.loop import run_hash
+    from lockstep.trainer.state.checkpoint import list_checkpoints, STATE_FILE, verify_manifest
 
     ckpts, steps = list_checkpoints(out), cfg.loop.steps
     if not ckpts:

@@ -28,8 +28,7 @@ from safetensors.torch import save_file
 
 from ..kernels.fp8 import BLOCK, quantize_weight
 from .config import ModelConfig
-from .hf_lazy import (INDEX_FILE, SCALE_SUFFIX, SINGLE_FILE, CheckpointError,  # noqa: F401
-                      LazyHF, regular_file)
+from .hf_lazy import INDEX_FILE, SCALE_SUFFIX, SINGLE_FILE, CheckpointError, LazyHF
 from .model import MoEModel
 
 FP8_WEIGHTS = re.compile(

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .checks import ConfigError, need, strict_kwargs  # noqa: F401 (re-exported)
-from .config_families import (LAYER_TYPES, NEW_FAMILY_READERS,  # noqa: F401
-                              NEW_FAMILY_WRITERS, _DSA_HF_FIELDS, _LINEAR_HF_FIELDS,
-                              validate_new_families)
+from .checks import ConfigError, need
+from .config_families import (NEW_FAMILY_READERS, NEW_FAMILY_WRITERS, _DSA_HF_FIELDS,
+                              _LINEAR_HF_FIELDS, validate_new_families)
 
 
 # Keys of a HF config.json that carry no information for us and are accepted silently.

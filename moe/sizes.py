@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.checks import ConfigError
+from lockstep.moe.config import ModelConfig
 
 
 def param_count(cfg: ModelConfig) -> int:

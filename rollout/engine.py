@@ -28,16 +28,16 @@ import torch
 
 from ..moe.checkpoint import (check_tensors, hf_state_dict, load_hf, load_hf_state_dict,
                               read_hf_state_dict)
+from .decode import cached_forward_step, decode_step, make_decode_weights
 from ..kernels.device import resolve_device
 from ..kernels.dtypes import BY_NAME, ENGINE_PRECISIONS, FP8, PRECISIONS, base_precision
-from ..moe.config import strict_kwargs
+from .mismatch import logit_noise, router_noise
 from ..moe.cache import allocate_cache
+from ..moe.checks import strict_kwargs
 from ..moe.model import MoEModel
 from ..moe.sizes import check_fits, kv_cache_bytes
-from .decode import cached_forward_step, decode_step, make_decode_weights
-from .mismatch import logit_noise, router_noise
-from .sampling import RowUniforms, SamplingTensors, sample
 from ..replay.indexer import IndexerTrace
+from .sampling import RowUniforms, SamplingTensors, sample
 from .types import GenerateRequest, GenerationResult, RequestError
 
 DTYPES = {n: BY_NAME[n].torch for n in PRECISIONS}  # our spellings -> torch

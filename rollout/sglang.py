@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.dtypes import HF_PRECISIONS
-from ..moe.config import need as _need, strict_kwargs
+from ..moe.checks import need as _need, strict_kwargs
 
 _DTYPES = ("auto", *HF_PRECISIONS)
 # What SGLang 0.5.23 needs to run on a CPU (its CPU platform, no CUDA graphs, an attention

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lockstep.moe.config import need as _need
+from lockstep.moe.checks import need as _need
 
 
 def check(cond: bool, msg: str) -> None:

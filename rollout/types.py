@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..moe.config import need as _need
+from ..moe.checks import need as _need
 from ..replay.indexer import IndexerTrace
 from ..replay.trace import RoutingTrace
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kernels.dtypes import HF_PRECISIONS
-from ..moe.config import need as _need, strict_kwargs
+from ..moe.checks import need as _need, strict_kwargs
 from .sglang import SGLangServer
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"

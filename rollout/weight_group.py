@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from lockstep.cluster.ports import free_port  # noqa: F401 (the rendezvous port, one helper)
 
 BACKENDS = ("gloo", "nccl")
 DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}

@@ -51,8 +51,9 @@ from safetensors.torch import save_file
 
 from ..cluster.ports import free_port
 from ..moe.buckets import Bucket, bucketize, flatten_bucket, tensor_bytes
-from ..moe.checkpoint import INDEX_FILE, hf_state_dict, read_hf_state_dict
+from ..moe.checkpoint import hf_state_dict, read_hf_state_dict
 from ..moe.config import ModelConfig
+from ..moe.hf_lazy import INDEX_FILE
 from ..moe.model import MoEModel
 from .types import GenerationResult, PushRefused, RolloutError
 from .weight_group import WeightGroup

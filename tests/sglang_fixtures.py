@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.rollout.weight_group import free_port
+from lockstep.cluster.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "sglang_cpu" / "shims"

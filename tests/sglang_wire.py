@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.rollout.weight_group import free_port
+from lockstep.cluster.ports import free_port
 
 from server_fixtures import call
 from sglang_fixtures import stop_group

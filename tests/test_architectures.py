@@ -125,7 +125,7 @@ def test_serve_cli_process_deepseek_v3(tmp_path):
 
 
 def test_family_defaults_and_config_errors(tmp_path):
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
 
     glm = ModelConfig(model_type="glm4_moe", num_experts=8, n_group=2, topk_group=1)
     assert (glm.router, glm.expert_bias, glm.partial_rotary_factor, glm.n_shared_experts,

@@ -6,9 +6,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lockstep.moe.checkpoint import (CheckpointError, hf_state_dict, load_hf,
-                                     read_hf_state_dict, save_hf)
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.checkpoint import hf_state_dict, load_hf, read_hf_state_dict, save_hf
+from lockstep.moe.checks import ConfigError
+from lockstep.moe.config import ModelConfig
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.moe.model import MoEModel
 from lockstep.moe.tokenizer import build_char_tokenizer, load_tokenizer
 

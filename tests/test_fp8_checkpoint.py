@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lockstep.kernels.fp8 import dequantize_weight, quantize_weight
-from lockstep.moe.checkpoint import (FP8_WEIGHTS, CheckpointError, LazyHF, hf_state_dict,
-                                     load_hf, save_hf)
+from lockstep.moe.checkpoint import FP8_WEIGHTS, hf_state_dict, load_hf, save_hf
 from lockstep.moe.config import ModelConfig
+from lockstep.moe.hf_lazy import CheckpointError, LazyHF
 from lockstep.moe.model import MoEModel
 
 from arch_fixtures import COMMON, HF_FAMILIES

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lockstep.moe.checkpoint import (CheckpointError, hf_state_dict, load_hf, read_hf_state_dict,
-                                     save_hf)
+from lockstep.moe.checkpoint import hf_state_dict, load_hf, read_hf_state_dict, save_hf
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.moe.hf_lazy import INDEX_FILE, LazyHF
 from lockstep.moe.model import MoEModel
 

@@ -169,7 +169,7 @@ def test_r2_updates_replay_the_old_logprob_forwards_picks(tmp_path):
 
 
 def test_replay_indexer_needs_a_dsa_model():
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
     from lockstep.trainer.config.load import load_config
     from pathlib import Path
 

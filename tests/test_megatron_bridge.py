@@ -6,7 +6,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from lockstep.moe.config import ConfigError, ModelConfig  # noqa: E402
+from lockstep.moe.checks import ConfigError  # noqa: E402
+from lockstep.moe.config import ModelConfig  # noqa: E402
 from lockstep.trainer.actor.megatron import cpu_bridge  # noqa: E402
 from lockstep.trainer.actor.megatron.model import (check_replay_compatible, ReplayBypassError,
                                                    transformer_config)

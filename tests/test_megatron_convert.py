@@ -24,9 +24,9 @@ def cfg_(**kw) -> ModelConfig:
 
 def hf_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every HF tensor filled with distinct values, so any misplaced element is caught."""
-    from lockstep.trainer.actor.megatron.convert import expected_hf_keys
-    from lockstep.moe.model import MoEModel
     from lockstep.moe.checkpoint import hf_state_dict
+    from lockstep.moe.model import MoEModel
+    from lockstep.trainer.actor.megatron.convert import expected_hf_keys
 
     shapes = {k: v.shape for k, v in hf_state_dict(MoEModel(cfg)).items()}
     assert set(shapes) == expected_hf_keys(cfg)
@@ -139,7 +139,7 @@ def test_replay_ids_keep_given_routes_and_placeholders_elsewhere():
                                           ("deepseek_v3", "rms_norm_eps="),
                                           ("qwen2_moe", "shared_expert_intermediate_size=")])
 def test_transformer_config_refuses_unmapped_families(family, field):
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
     from lockstep.trainer.actor.megatron.model import transformer_config
     from lockstep.trainer.config.megatron import MegatronOptions
 

@@ -99,10 +99,10 @@ def test_positions_and_placement():
 def test_context_parallel_is_refused_on_cpu_with_the_reason():
     """The loop's check before any rank starts, and the actor's TransformerConfig, name the
     reason: megatron-core's CPU attention has no context parallelism."""
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
+    from lockstep.trainer.actor.megatron.model import transformer_config
     from lockstep.trainer.config.load import load_config
     from lockstep.trainer.loop import check_megatron_world
-    from lockstep.trainer.actor.megatron.model import transformer_config
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

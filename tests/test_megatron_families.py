@@ -15,12 +15,13 @@ pytest.importorskip("megatron.core")
 
 
 from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
-from lockstep.moe.config import ConfigError, ModelConfig  # noqa: E402
+from lockstep.moe.checks import ConfigError  # noqa: E402
+from lockstep.moe.config import ModelConfig  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.trainer.actor.megatron import convert  # noqa: E402
 from lockstep.trainer.actor.megatron.model import build_gpt_model, forward_logits, token_logprobs
-from lockstep.trainer.config.megatron import check_supported, MegatronOptions
 from lockstep.trainer.actor.megatron.replay import Mode, RouteReplay  # noqa: E402
+from lockstep.trainer.config.megatron import check_supported, MegatronOptions
 
 pytestmark = pytest.mark.megatron
 

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from lockstep.trainer.actor.megatron.actor import MegatronActor  # noqa: E402
 from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
-from lockstep.trainer.actor.megatron.actor import MegatronActor  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -108,7 +108,7 @@ def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
      r"model\.num_hidden_layers=3"),
 ])
 def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(sets, msg):
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
     from lockstep.trainer.loop import check_megatron_world
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
                       ["actor.backend=megatron", *sets])
@@ -138,7 +138,7 @@ def test_bad_virtual_pipeline_is_refused_when_read(sets, msg):
 
 
 def test_virtual_pipeline_layers_must_split_over_every_chunk():
-    from lockstep.moe.config import ConfigError
+    from lockstep.moe.checks import ConfigError
     from lockstep.trainer.loop import check_megatron_world
     toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
     sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
@@ -154,9 +154,9 @@ def test_uneven_pipeline_stages_are_accepted_and_laid_out():
     """3 layers on 2 stages: [2, 1] by default, [1, 2] by pipeline_layers, and megatron-core
     is given the matching pipeline_model_parallel_layout; with a virtual pipeline the chunks
     stay equal (pipeline_layers refused, naming both options)."""
-    from lockstep.moe.config import ConfigError
-    from lockstep.trainer.loop import check_megatron_world
+    from lockstep.moe.checks import ConfigError
     from lockstep.trainer.config.megatron import chunk_layers, megatron_args
+    from lockstep.trainer.loop import check_megatron_world
     toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
     sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
             "actor.megatron.pipeline_parallel=2"]

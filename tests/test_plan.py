@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.trainer.driver.sglang_servers import sglang_server_config
 from lockstep.trainer.config.load import load_config, save_config
 from lockstep.trainer.config.types import ExperimentConfigError
+from lockstep.trainer.driver.sglang_servers import sglang_server_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "configs" / "toy_r3.yaml"
@@ -339,7 +339,7 @@ def test_parameter_count_equals_transformers(in_root):
 
     import torch
 
-    from lockstep.launch.plan import count_params
+    from lockstep.launch.plan_estimate import count_params
     from lockstep.moe.config import ModelConfig
 
     path = ROOT / "configs" / "models" / "qwen3-30b-a3b"

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lockstep.moe.config import ConfigError, need, strict_kwargs
+from lockstep.moe.checks import ConfigError, need, strict_kwargs
 from lockstep.rollout.sglang import SGLangConfig
 from lockstep.rollout.types import RequestError, SamplingParams
 from lockstep.trainer.objective.correction import CorrectionConfig

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from lockstep.cluster.ports import free_port
 from lockstep.rollout.sglang import SGLangError
 from lockstep.rollout.vllm import VLLMConfig, VLLMServer
-from lockstep.rollout.weight_group import free_port
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "vllm_cpu" / "shims"

@@ -36,9 +36,10 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_fixtures import tiny_config  # noqa: E402
 
+from lockstep.cluster.ports import free_port  # noqa: E402
 from lockstep.moe.checkpoint import hf_state_dict, save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
-from lockstep.rollout.weight_group import WeightGroup, free_port  # noqa: E402
+from lockstep.rollout.weight_group import WeightGroup  # noqa: E402
 
 ROWS: list[tuple[str, str, str, str]] = []  # (class, input, verdict, detail)
 BOUND = 20.0

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.moe.model import MoEModel
 from lockstep.trainer.state import checkpoint as ck
-from lockstep.moe.checkpoint import CheckpointError
 from lockstep.trainer.state.checkpoint import (load_checkpoint, load_latest, load_tree, LoopState,
                                                save_checkpoint, save_tree)
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.replay.codec import (decode_compact, decode_routes, decode_sglang,  # noqa: E402
                                    encode_routes)
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.replay.trace import RouteError, RoutingTrace  # noqa: E402
-from lockstep.moe.checkpoint import CheckpointError
 from lockstep.trainer.state.checkpoint import (load_checkpoint, load_tree, LoopState,
                                                save_checkpoint, save_tree)
 from lockstep.trainer.config.experiment import ExperimentConfig

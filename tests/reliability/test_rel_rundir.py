@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from lockstep.launch.cli import main
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.checks import ConfigError
+from lockstep.moe.config import ModelConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.trainer.config.load import load_config, save_config
 from lockstep.trainer.state.rundir import LOCK_FILE, MARKER, RunLock

@@ -255,7 +255,8 @@ def test_distributed_push_takes_any_mismatch(srv, data):
     """Declared names/dtypes/shapes against what the trainer broadcasts (plain and
     flattened_bucket). Sent bytes stay within twice the declared ones: beyond that gloo aborts
     the receiving process (docs/rollout.md, "Check before receiving")."""
-    from lockstep.rollout.weight_group import WeightGroup, free_port
+    from lockstep.cluster.ports import free_port
+    from lockstep.rollout.weight_group import WeightGroup
     name = data.draw(_push_name(srv))
     own = srv.targets.get(name)
     declared_shape = data.draw(_shapes(own))

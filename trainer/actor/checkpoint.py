@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lockstep.moe.checkpoint import (INDEX_FILE, CheckpointError, save_hf_state_dict,
-                                     write_hf_extras)
+from lockstep.moe.checkpoint import save_hf_state_dict, write_hf_extras
 from lockstep.moe.config import ModelConfig
+from lockstep.moe.hf_lazy import INDEX_FILE, CheckpointError
 from lockstep.trainer.state.checkpoint import file_sha256
 
 FORMAT = "lockstep-actor-ckpt/1"

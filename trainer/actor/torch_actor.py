@@ -37,7 +37,8 @@ import torch
 from lockstep.kernels import exact as exact_kernels
 from lockstep.kernels.dtypes import torch_dtype
 from lockstep.kernels.logprob import chunked_logprobs
-from lockstep.moe.checkpoint import CheckpointError, hf_state_dict
+from lockstep.moe.checkpoint import hf_state_dict
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.moe.model import MoEModel
 from lockstep.moe.replay_check import (LOGPROB_FORWARD, UPDATE_FORWARD, ReplayCheck, RouteCheck,
                                        sample_slice)

@@ -11,7 +11,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.checks import ConfigError
+from lockstep.moe.config import ModelConfig
 from lockstep.rollout.rewards import RewardConfig
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.config.mismatch import check_exact, check_mismatch

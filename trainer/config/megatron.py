@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lockstep.kernels.dtypes import HF_PRECISIONS, hf_name, torch_dtype
-from lockstep.moe.config import ConfigError, ModelConfig, strict_kwargs
+from lockstep.moe.checks import ConfigError, strict_kwargs
+from lockstep.moe.config import ModelConfig
 
 F = "actor.megatron."  # how the messages name the options (the experiment config's keys)
 

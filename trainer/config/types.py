@@ -15,7 +15,7 @@ from typing import Annotated, Any, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WrapValidator, create_model
 from pydantic_core import PydanticCustomError
 
-from lockstep.moe.config import ConfigError
+from lockstep.moe.checks import ConfigError
 from lockstep.replay import ReplayMode
 
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lockstep.moe.checkpoint import (CheckpointError, load_hf_state_dict, read_hf_state_dict,
-                                     save_hf)
+from lockstep.moe.checkpoint import load_hf_state_dict, read_hf_state_dict, save_hf
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.tasks import Problem, Task
 from lockstep.trainer.config.experiment import ExperimentConfig

@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from lockstep.moe.config import strict_kwargs
+from lockstep.moe.checks import strict_kwargs
 from lockstep.trainer.objective.presets import PRESETS, VERL_FIELDS, expand_preset
 from lockstep.trainer.objective.rollout_corr import (_checked_zero_pad, _Mask, _prefixed,
                                                      compute_rollout_correction_and_rejection_mask,

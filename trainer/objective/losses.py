@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from lockstep.moe.config import strict_kwargs
+from lockstep.moe.checks import strict_kwargs
 from lockstep.trainer.objective.correction import CorrectionConfig, correct
 from lockstep.trainer.objective.stats import k3, log_ratio, masked_mean
 

@@ -50,9 +50,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lockstep.moe.checkpoint import (CheckpointError, load_hf, save_hf,
-                                     save_hf_state_dict)
+from lockstep.moe.checkpoint import load_hf, save_hf, save_hf_state_dict
 from lockstep.moe.config import ModelConfig
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.moe.hf_lazy import LazyHF
 from lockstep.moe.model import MoEModel
 

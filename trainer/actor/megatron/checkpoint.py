@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lockstep.moe.checkpoint import CheckpointError
+from lockstep.moe.hf_lazy import CheckpointError
 from lockstep.trainer.actor.checkpoint import MOMENTS, Part, check_adam, common_step, num_parts
 from lockstep.trainer.actor.megatron import convert
 

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.kernels.dtypes import torch_dtype
-from lockstep.moe.config import ConfigError, ModelConfig
+from lockstep.moe.checks import ConfigError
+from lockstep.moe.config import ModelConfig
 # the options and the layout rules need no megatron-core import (trainer/config/load.py, the plan)
 from lockstep.trainer.config.megatron import (MegatronOptions, check_layout,
                                               context_parallel_problems,
