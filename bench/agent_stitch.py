@@ -47,7 +47,8 @@ def model_and_server(args):
         from pathlib import Path
         return ModelConfig.from_json(Path(args.model_path) / "config.json"), args.url, None
     from lockstep.moe.model import MoEModel
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.server import ServerThread
     cfg = ModelConfig(vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, intermediate_size=128,

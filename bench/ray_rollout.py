@@ -24,11 +24,12 @@ import ray
 import torch
 
 from lockstep.kernels.threads import worker_env
-from lockstep.rollout.fleet import Fleet
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import LocalBackend
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
+from lockstep.rollout.fleet import Fleet
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -32,7 +32,8 @@ from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))

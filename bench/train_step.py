@@ -33,7 +33,8 @@ import torch
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.replay import compare_routes, old_logprob_plan, update_plan
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import collate

@@ -166,8 +166,8 @@ def run(name: str, args) -> None:
 def object_store(model: MoEModel, args, buckets) -> tuple[tuple[float, int, int], float]:
     import ray
 
-    from lockstep.rollout.engine import EngineConfig
     from lockstep.kernels.threads import worker_env
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.fleet import Fleet
 
     t0 = time.perf_counter()

@@ -93,10 +93,10 @@ def main() -> None:
     args = ap.parse_args()
     counts = [int(x) for x in args.engines.split(",")]
     from lockstep.moe.sizes import param_count
-    from lockstep.rollout.engine import EngineConfig
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.fleet import Fleet
-    from lockstep.trainer.config.load import load_config
     from lockstep.trainer.actor.group import ActorGroup
+    from lockstep.trainer.config.load import load_config
 
     # node 1: room for a Ray fleet and a serve fleet of the largest count
     c = LocalCluster.start([(0, 2, "127.31.0.2"), (1, 2 * max(counts), "127.31.0.3")])

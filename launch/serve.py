@@ -160,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
     from lockstep.moe.checks import ConfigError
     from lockstep.moe.config import ModelConfig
     from lockstep.moe.hf_lazy import CheckpointError
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.server import run_server
     from lockstep.rollout.server_limits import ServerLimits
 

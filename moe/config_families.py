@@ -4,12 +4,12 @@ fields themselves)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .checks import need
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# The functions below take a moe/config.py `ModelConfig` (named in their annotations only: that
+# module imports this one).
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 _DSA_HF_FIELDS = ("norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",

@@ -23,8 +23,9 @@ from lockstep.moe.buckets import Bucket
 from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import FleetError, RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
 from lockstep.rollout.types import GenerateRequest, GenerationResult
 
 UNLOADED = "unloaded"  # version of a relaunched server before its first push (never served)

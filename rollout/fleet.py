@@ -30,7 +30,7 @@ from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.bundles import EngineBundles
 from lockstep.rollout.colocate import SERVER_SHARE
-from lockstep.rollout.engine import EngineConfig
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.engine_actors import (UNLOADED, EngineActor, ServerActor, SGLangActor,
                                             require_sglang, sglang_config)
 from lockstep.rollout.dispatch import START_GRACE_S, Dispatcher, EngineSlot

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 
 from model_fixtures import tiny_config

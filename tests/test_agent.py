@@ -9,7 +9,8 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.env import EnvConfig, EnvPool
 from lockstep.rollout.rewards import RewardFunctionError
 from lockstep.rollout.tasks import build_tokenizer

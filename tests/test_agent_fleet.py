@@ -13,7 +13,8 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.env import EnvConfig, EnvPool
 from lockstep.rollout.fleet import Fleet
 from lockstep.rollout.server import ServerThread

@@ -14,15 +14,16 @@ from tokenizers import AddedToken
 
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.env import EnvConfig, EnvPool
 from lockstep.rollout.tasks import build_tokenizer
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import collate
 from lockstep.trainer.config.load import load_config
+from lockstep.trainer.loop import Trainer
 from lockstep.trainer.observe.diagnosis import analyze
 from lockstep.trainer.observe.dump import read_dump
-from lockstep.trainer.loop import Trainer
 from model_fixtures import tiny_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

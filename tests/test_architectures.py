@@ -86,7 +86,8 @@ def test_served_folder_matches_transformers(family, tmp_path):
     routes decoded from the wire and the sampled tokens' log-probs equal transformers' forward
     over prompt + completion (prefill and cached decoding, MLA's cache included)."""
     from lockstep.rollout.client import HTTPBackend
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.server import ServerThread
 
     folder = write_hf_folder(family, tmp_path / family)

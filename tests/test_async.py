@@ -12,12 +12,12 @@ from lockstep.rollout.types import GenerationResult
 from lockstep.rollout.weight_sync import check_versions
 from lockstep.trainer.actor.batch import collate
 from lockstep.trainer.config.load import load_config
-from lockstep.trainer.objective.correction import correct, is_split_metrics
-from lockstep.trainer.observe.expert_load import COUNT_KEY
-from lockstep.trainer.loop import Trainer, run_hash
 from lockstep.trainer.driver.pipeline import allowed_versions
+from lockstep.trainer.loop import Trainer, run_hash
+from lockstep.trainer.objective.correction import correct, is_split_metrics
 from lockstep.trainer.objective.losses import grpo_advantages
 from lockstep.trainer.objective.stats import stats_values
+from lockstep.trainer.observe.expert_load import COUNT_KEY
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # the toy, smaller; lr and an entropy bonus so the weights move even where rewards are all 0
@@ -195,7 +195,8 @@ def test_staleness_1_over_a_server_and_over_ray_engines(tmp_path, backend, reque
     backend's own check (results of exactly the version it last loaded) holds, since a push
     never overlaps a generation."""
     from lockstep.moe.model import MoEModel
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.server import ServerThread
     extra = ["loop.max_staleness=1", "rollout.max_new_tokens=6"]
     if backend == "ray":

@@ -259,7 +259,7 @@ def test_aborted_samples_are_resent_never_returned(model):  # noqa: F811
     """A sample that comes back with finish_reason abort (someone called /abort_request) is
     sent again under a fresh rid (bounded), counted in the rollout/aborted_resent metric; the
     caller gets only finished samples, under the rid it asked for."""
-    from lockstep.rollout.engine import EngineConfig
+    from lockstep.rollout.engine_config import EngineConfig
     engine = Engine.from_model(model, EngineConfig(dtype="fp32", max_running=1, max_len=48))
     with ServerThread(engine) as srv:
         long = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -100,8 +100,8 @@ def test_training_step_over_http_with_top_p_and_8_samples(tmp_path):
     """The loop's own requests (top_p=0.9, n=8, sampling-mask replay) over a real loopback
     server: accepted, replayed, and the fp32 engine/actor ratios are 1."""
     from lockstep.moe.model import MoEModel
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.server import ServerThread
-    from lockstep.rollout.engine import EngineConfig
 
     small = ["warmstart.enabled=false", "rollout.prompts_per_step=2",
              "rollout.samples_per_prompt=8", "actor.mini_batch_size=16",

@@ -130,7 +130,8 @@ def test_data_files_may_be_a_string(tmp_path):
 
 def test_engine_buffers_are_estimated_before_allocation():
     from lockstep.moe.model import MoEModel
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
 
     model = MoEModel(ModelConfig(vocab_size=16, max_position_embeddings=10**9))
     with pytest.raises(ValueError, match=r"KV cache and sequence buffers \(64 slots x max_len "

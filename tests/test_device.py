@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.torch_actor import TorchActor
 from lockstep.trainer.config.sections import ActorConfig
@@ -193,10 +194,10 @@ def test_torch_actor_makes_no_tensor_off_its_device():
     aux loss and expert-bias update) creates every tensor on the actor's device or, for the
     host-side results and batch bookkeeping, names the CPU."""
     from lockstep.replay import ReplayMode
-    from lockstep.trainer.objective.correction import CorrectionConfig
-    from lockstep.trainer.objective.losses import LossConfig
     from lockstep.trainer.actor.rank import UpdateInputs
     from lockstep.trainer.actor.reference import ReferencePolicy
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
     from test_router_families import _actor_batch, make
     model = make("deepseek_mla")  # MLA, sigmoid router with the expert bias it updates
     batch = _actor_batch(model)
@@ -222,10 +223,10 @@ def test_pi_gen_makes_no_tensor_off_its_device():
     swapping it in for pi_gen and back, names every device; pi_gen of the stale rows is the
     forward under version 0, the current rows' is pi_old."""
     from lockstep.replay import ReplayMode
-    from lockstep.trainer.objective.correction import CorrectionConfig
-    from lockstep.trainer.objective.losses import LossConfig
     from lockstep.trainer.actor.rank import UpdateInputs
     from lockstep.trainer.actor.versions import VersionSplit
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
     from test_router_families import _actor_batch, make
     model = make("deepseek_mla")  # a sigmoid router with an expert bias (a buffer): the
     # update moves it enough (rate 1) to change natural routes, so a kept copy without it fails
@@ -259,11 +260,11 @@ def test_megatron_actor_makes_no_tensor_off_its_device():
     goes back to the driver is on the host."""
     pytest.importorskip("megatron.core")
     from lockstep.replay import ReplayMode
-    from lockstep.trainer.objective.correction import CorrectionConfig
-    from lockstep.trainer.objective.losses import LossConfig
     from lockstep.trainer.actor.megatron.actor import MegatronActor
     from lockstep.trainer.actor.rank import UpdateInputs
     from lockstep.trainer.actor.versions import VersionSplit
+    from lockstep.trainer.objective.correction import CorrectionConfig
+    from lockstep.trainer.objective.losses import LossConfig
     from test_router_families import _actor_batch, make
     model = make("qwen3_softmax_topk")
     batch = _actor_batch(model)

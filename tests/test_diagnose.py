@@ -18,7 +18,8 @@ from lockstep.launch import cli
 from lockstep.launch.diagnose import diagnose_checkpoint, diagnose_dump, find_checkpoint
 from lockstep.launch.diagnose_report import PLOTS, write_report
 from lockstep.moe.checkpoint import load_hf
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.trainer.config.load import load_config
 from lockstep.trainer.loop import Trainer

@@ -22,7 +22,7 @@ def test_table_rows_agree_with_torch():
 
 def test_edges_accept_the_spellings_of_today():
     from lockstep.launch.serve import _DTYPES as serve
-    from lockstep.rollout.engine import DTYPES as engine
+    from lockstep.rollout.engine_config import DTYPES as engine
     from lockstep.rollout.sglang import _DTYPES as sglang
     from lockstep.rollout.weight_receiver import DTYPES as wire
     from lockstep.trainer.config.megatron import MegatronOptions

@@ -7,7 +7,8 @@ import torch
 
 from lockstep.moe.checkpoint import hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.sampling import support_ids_to_mask, support_logprobs
 from lockstep.rollout.types import GenerateRequest, RequestError, SamplingParams
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from lockstep.kernels import exact as X
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import collate
 from lockstep.trainer.actor.torch_actor import TorchActor

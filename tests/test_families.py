@@ -155,7 +155,8 @@ def test_engine_decode_equals_the_full_forward_in_fp32(family, tmp_path):
     sliding windows and sinks over the KV cache) against one full forward of our model over
     prompt + completion (chunked DeltaNet across chunk boundaries): log-probs within 1e-5,
     routes identical."""
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.types import GenerateRequest, SamplingParams
 
     folder = write_hf_folder(family, tmp_path / family, max_position_embeddings=160)

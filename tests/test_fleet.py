@@ -12,7 +12,8 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import EngineDown, HTTPBackend, RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.fleet import Fleet, FleetError, require_sglang, sglang_config
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams

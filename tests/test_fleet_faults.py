@@ -32,9 +32,10 @@ ray = pytest.importorskip("ray")
 
 from lockstep.moe.checkpoint import save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
-from lockstep.rollout.types import FleetError, RolloutError  # noqa: E402
-from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
+from lockstep.rollout.engine import Engine  # noqa: E402
+from lockstep.rollout.engine_config import EngineConfig  # noqa: E402
 from lockstep.rollout.fleet import Fleet  # noqa: E402
+from lockstep.rollout.types import FleetError, RolloutError  # noqa: E402
 
 from kill_fixtures import generate_then, wait_gone  # noqa: E402
 from model_fixtures import tiny_config  # noqa: E402

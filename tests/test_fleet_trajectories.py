@@ -10,7 +10,8 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.replay.trace import RoutingTrace
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.fleet import Fleet
 from lockstep.rollout.pins import TrajectoriesLost
 from lockstep.rollout.server import ServerThread

@@ -145,7 +145,8 @@ def test_train_on_an_fp8_folder_and_export_it_back(tmp_path):
     from pathlib import Path
 
     from lockstep.moe.tokenizer import load_tokenizer
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.tasks import Task
     from lockstep.rollout.types import GenerateRequest, SamplingParams
     from lockstep.trainer.config.load import load_config

@@ -9,13 +9,14 @@ import torch
 from lockstep.kernels.fp8 import act_qdq, weight_qdq
 from lockstep.moe.layers import grouped_linear, grouped_linear_loop, linear
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import collate
 from lockstep.trainer.actor.torch_actor import TorchActor
 from lockstep.trainer.config.load import load_config
-from lockstep.trainer.config.sections import ActorConfig
 from lockstep.trainer.config.megatron import precision_problems
+from lockstep.trainer.config.sections import ActorConfig
 
 from model_fixtures import tiny_config
 

@@ -7,7 +7,8 @@ import torch
 
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.config import ModelConfig
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
 from arch_fixtures import write_hf_folder

@@ -8,12 +8,13 @@ import torch
 
 from lockstep.moe.model import MoEModel
 from lockstep.replay import old_logprob_plan
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.trainer.actor.batch import collate
 from lockstep.trainer.config.load import load_config
-from lockstep.trainer.objective.correction import correct
 from lockstep.trainer.loop import Trainer, run_hash
+from lockstep.trainer.objective.correction import correct
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # the toy job, smaller: 16 prompts x 4 samples, no warm start (a random policy still samples)

@@ -9,7 +9,8 @@ import torch
 from lockstep.moe.model import MoEModel
 from lockstep.replay.route_divergence import routing_divergence
 from lockstep.rollout import mismatch as MM
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import collate
 from lockstep.trainer.actor.torch_actor import TorchActor

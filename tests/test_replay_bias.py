@@ -6,16 +6,17 @@ import copy
 import torch
 
 from lockstep.replay import ReplayOptions
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import collate
+from lockstep.trainer.actor.rank import UpdateInputs
+from lockstep.trainer.actor.replay_bias import sampled_rows
 from lockstep.trainer.actor.torch_actor import TorchActor
 from lockstep.trainer.config.sections import ActorConfig
 from lockstep.trainer.objective.correction import CorrectionConfig
 from lockstep.trainer.objective.losses import LossConfig
-from lockstep.trainer.actor.rank import UpdateInputs
 from lockstep.trainer.objective.stats import stats_values
-from lockstep.trainer.actor.replay_bias import sampled_rows
 
 from server_fixtures import model  # noqa: F401 (pytest fixture)
 

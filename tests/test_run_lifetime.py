@@ -21,7 +21,8 @@ from data_fixtures import build_model_folder
 pytest.importorskip("transformers")
 pytest.importorskip("ray")
 
-from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
+from lockstep.rollout.engine import Engine  # noqa: E402
+from lockstep.rollout.engine_config import EngineConfig  # noqa: E402
 from lockstep.rollout.server import ServerThread  # noqa: E402
 from lockstep.rollout.weight_receiver import RECEIVER  # noqa: E402
 from lockstep.trainer import loop  # noqa: E402

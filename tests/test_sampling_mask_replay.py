@@ -90,7 +90,8 @@ def test_http_backend_step_replays_the_masks_the_server_returned(tmp_path):
     """The same over a real SGLang-wire server on loopback: the masks and "selected" sampling
     log-probs come back over HTTP, and the step's ratios are still 1."""
     from lockstep.moe.model import MoEModel
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.rollout.server import ServerThread
 
     cfg = load_config(CONFIGS / "toy_r3.yaml", SMALL + ["rollout.top_k=3"])
@@ -166,9 +167,9 @@ def test_megatron_actor_replays_the_kept_sets_like_the_torch_actor():
     from lockstep.moe.config import ModelConfig
     from lockstep.moe.model import MoEModel
     from lockstep.trainer.actor.batch import Batch
+    from lockstep.trainer.actor.megatron.actor import MegatronActor
     from lockstep.trainer.actor.torch_actor import TorchActor
     from lockstep.trainer.config.sections import ActorConfig
-    from lockstep.trainer.actor.megatron.actor import MegatronActor
 
     cfg = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, intermediate_size=48,

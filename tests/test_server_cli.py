@@ -11,7 +11,8 @@ import torch
 from lockstep.launch.serve import main as serve_main
 from lockstep.moe.config import ModelConfig
 from lockstep.rollout.client import HTTPBackend, RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 
 from server_fixtures import ENGINE, call, model  # noqa: F401 (pytest fixtures)

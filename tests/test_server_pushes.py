@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
+from lockstep.cluster.ports import free_port
 from lockstep.moe.checkpoint import hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
-from lockstep.cluster.ports import free_port
 from lockstep.rollout.weight_group import WeightGroup
 
 from model_fixtures import tiny_config

@@ -8,7 +8,8 @@ import threading
 import time
 
 from lockstep.moe.checkpoint import save_hf
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.weight_receiver import JOIN_THREADS
 

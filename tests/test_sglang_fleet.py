@@ -29,11 +29,12 @@ ray = pytest.importorskip("ray")
 
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.rollout.client import RolloutError  # noqa: E402
-from lockstep.rollout.engine import Engine, EngineConfig  # noqa: E402
+from lockstep.rollout.engine import Engine  # noqa: E402
+from lockstep.rollout.engine_config import EngineConfig  # noqa: E402
 from lockstep.rollout.types import FleetError  # noqa: E402
-from lockstep.trainer.driver.rollouts import make_fleet  # noqa: E402
 from lockstep.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 from lockstep.trainer.config.load import load_config  # noqa: E402
+from lockstep.trainer.driver.rollouts import make_fleet  # noqa: E402
 
 from kill_fixtures import alive, generate_then, wait_gone  # noqa: E402
 from sglang_fixtures import PYTHON, SHIMS, VENV  # noqa: E402

@@ -26,7 +26,8 @@ import torch
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.rollout.weight_sync import choose_backend
 from lockstep.trainer.config.load import load_config

@@ -35,11 +35,12 @@ import torch
 
 from lockstep.moe.checkpoint import load_hf, save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.rollout.vllm_client import VLLMBackend
-from lockstep.trainer.driver.rollouts import http_client_class
 from lockstep.trainer.config.load import load_config
+from lockstep.trainer.driver.rollouts import http_client_class
 from lockstep.trainer.loop import Trainer
 
 from vllm_fixtures import vllm_server

@@ -19,7 +19,8 @@ from lockstep.moe.buckets import bucketize
 from lockstep.moe.checkpoint import hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import HTTPBackend, RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.rollout.weight_sync import DistributedWeightSync, check_versions

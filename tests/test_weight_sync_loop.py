@@ -10,7 +10,8 @@ import torch
 from lockstep.moe.checkpoint import hf_state_dict, read_hf_state_dict
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.client import RolloutError
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.server import ServerThread
 from lockstep.trainer.config.load import load_config
 from lockstep.trainer.config.types import ExperimentConfigError

@@ -99,7 +99,8 @@ def test_second_process_on_a_run_dir_is_refused_naming_the_holder(tmp_path, caps
 
 def test_api_key_is_never_persisted_nor_taken_from_argv_or_yaml(tmp_path, capsys, monkeypatch):
     from lockstep.moe.model import MoEModel
-    from lockstep.rollout.engine import Engine, EngineConfig
+    from lockstep.rollout.engine import Engine
+    from lockstep.rollout.engine_config import EngineConfig
     from lockstep.trainer.config.load import rollout_api_key
 
     secret = "sk-do-not-persist-0123456789"

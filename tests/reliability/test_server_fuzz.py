@@ -24,7 +24,8 @@ from safetensors.torch import save as save_safetensors
 
 from lockstep.moe.checkpoint import hf_state_dict, save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.request_fields import VALID
 from lockstep.rollout.server import ServerThread
 from lockstep.rollout.types import SGLANG_SAMPLING_KEYS

@@ -20,7 +20,8 @@ import torch
 
 from lockstep.moe.checkpoint import save_hf
 from lockstep.moe.model import MoEModel
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 
 from model_fixtures import tiny_config

@@ -17,7 +17,8 @@ from lockstep.moe.model import MoEModel
 from lockstep.rollout import colocate
 from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
-from lockstep.rollout.engine import Engine, EngineConfig
+from lockstep.rollout.engine import Engine
+from lockstep.rollout.engine_config import EngineConfig
 from lockstep.trainer.actor.build import (bundle_selectors, colocates_fleet,
                                           colocation_refusal)
 from lockstep.trainer.config.experiment import ExperimentConfig
