@@ -33,7 +33,8 @@ from lockstep.rollout.colocate import SERVER_SHARE
 from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.engine_actors import (UNLOADED, EngineActor, ServerActor, SGLangActor,
                                             require_sglang, sglang_config)
-from lockstep.rollout.dispatch import START_GRACE_S, Dispatcher, EngineSlot
+from lockstep.rollout.dispatch import Dispatcher
+from lockstep.rollout.slots import START_GRACE_S, EngineSlot
 from lockstep.rollout.transports import HTTPCalls, RayCalls
 from lockstep.rollout.types import FleetError
 from lockstep.rollout.weight_sync import as_buckets

@@ -26,7 +26,8 @@ import aiohttp
 from lockstep.moe.buckets import tensor_bytes
 from lockstep.moe.config import ModelConfig
 from lockstep.rollout.client import HTTPBackend
-from lockstep.rollout.dispatch import Aborted, EnginesDown, EngineSlot, Group, reiterable
+from lockstep.rollout.dispatch import reiterable
+from lockstep.rollout.slots import Aborted, EnginesDown, EngineSlot, Group
 from lockstep.rollout.types import (EngineDown, FleetError, GenerateRequest, PushRefused,
                                     RolloutError)
 from lockstep.rollout.weight_push import WeightPush

@@ -21,10 +21,10 @@ from lockstep.moe.buckets import bucketize  # noqa: E402
 from lockstep.moe.checkpoint import hf_state_dict, save_hf  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
 from lockstep.rollout.client import LocalBackend, RolloutError  # noqa: E402
-from lockstep.rollout.dispatch import shard  # noqa: E402
 from lockstep.rollout.engine import Engine  # noqa: E402
 from lockstep.rollout.engine_config import EngineConfig  # noqa: E402
 from lockstep.rollout.fleet import Fleet  # noqa: E402
+from lockstep.rollout.slots import shard  # noqa: E402
 from lockstep.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
