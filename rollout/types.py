@@ -139,6 +139,9 @@ class SamplingParams:
         need(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         need(self.seed is None or _is_int(self.seed),
              f"sampling_seed must be an integer or null, got {self.seed!r}")
+        need(self.seed is None or -(1 << 63) <= self.seed <= (1 << 63) - self.n,
+             f"sampling_seed {self.seed} (+ n - 1 = {self.n - 1} for the last sample) is "
+             f"outside int64; engines take 64-bit seeds")
         need(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for t in self.stop_token_ids:
             need(_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size),

@@ -27,6 +27,7 @@ from lockstep.moe.model import MoEModel
 from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner, Turns
 from lockstep.rollout.client import RolloutBackend
 from lockstep.rollout.env import EnvPool
+from lockstep.rollout.seeds import sampling_seed
 from lockstep.rollout.tasks import Task
 from lockstep.rollout.types import GenerateRequest, SamplingParams
 from lockstep.trainer.actor.batch import Batch, collate, fallback_fraction
@@ -542,9 +543,9 @@ class Trainer:
         """val/... metrics of data.val_files under the current weights (greedy, or
         data.val_samples samples per prompt seeded by (loop.seed, step))."""
         n, ro = self.cfg.data.val_samples, self.cfg.rollout
-        base = (self.cfg.loop.seed * 1_000_003 + step) * (1 << 24) + (1 << 23)
         params = [SamplingParams(temperature=0.0 if n == 1 else ro.temperature,
-                                 max_new_tokens=self.max_new_tokens, n=n, seed=base + i * n)
+                                 max_new_tokens=self.max_new_tokens, n=n,
+                                 seed=sampling_seed(self.cfg.loop.seed, step, i * n, True))
                   for i in range(len(self.source.val))]
         if self.runner is None:
             return self.source.validate(self.rollout, params)

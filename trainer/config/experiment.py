@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 from lockstep.moe.checks import ConfigError
 from lockstep.moe.config import ModelConfig
 from lockstep.rollout.rewards import RewardConfig
+from lockstep.rollout.seeds import MAX_SAMPLES
 from lockstep.rollout.tasks import Task, TaskConfig
 from lockstep.trainer.config.mismatch import check_exact, check_mismatch
 from lockstep.trainer.config.replay import ReplayConfig, check_replay
@@ -94,6 +95,9 @@ class ExperimentConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
         B = self.rollout.batch_size
+        need(B <= MAX_SAMPLES, f"rollout.prompts_per_step x rollout.samples_per_prompt = {B} "
+             f"sequences per step; at most {MAX_SAMPLES} (2^23) get their own sampling seed "
+             f"(rollout/seeds.py)")
         if self.actor.backend == "megatron":
             # refuses the model fields trainer/actor/megatron does not map (naming each)
             from lockstep.trainer.config.megatron import check_supported

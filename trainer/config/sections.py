@@ -23,6 +23,7 @@ from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.mismatch import MismatchConfig
+from lockstep.rollout.seeds import MAX_LOOP_SEED
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
 from lockstep.trainer.config.megatron import MegatronOptions  # no megatron-core import
@@ -331,8 +332,9 @@ class LoopConfig(Section):
 
     steps: int = Field(100, ge=1)
     """RL steps to run."""
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    """Seeds model init, problem stream, sampling and everything else."""
+    seed: int = Field(0, ge=0, le=MAX_LOOP_SEED)
+    """Seeds model init, problem stream, sampling and everything else, in [0, 2^31)
+    (sampling seeds stay int64 for all of them: rollout/seeds.py)."""
     checkpoint_every: int = Field(25, ge=0)
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = Field(2, ge=0)
