@@ -171,11 +171,41 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+_GUARD = """
+import os, signal, sys, time
+signal.signal(signal.SIGHUP, lambda *a: os.killpg(0, signal.SIGKILL))
+signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+if os.getppid() != int(sys.argv[1]):  # the spawning thread died before the death signal was set
+    os.killpg(0, signal.SIGKILL)
+while True:
+    time.sleep(3600)
+"""
+"""The group guard of a server that must die with its parent: the leader of the server's process
+group, told by the kernel (SIGHUP, PR_SET_PDEATHSIG) when the thread that started it dies, and
+then killing the whole group. A death signal on the server alone does not reach what the server
+started: vLLM's EngineCore and its workers outlive a killed API server (seen on the CPU tier:
+orphaned engine cores of 1.7 GB each, for 20 minutes and more)."""
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is gone already
+        pass
+
+
+def _guard_before_exec() -> None:
+    os.setpgid(0, 0)  # a process group of its own, in our session (the server joins it)
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+
+
 class SGLangServer:
     """A running SGLang process: `with SGLangServer(cfg) as srv: srv.update_weights(dir)`.
-    `die_with_parent`: the server gets SIGKILL when the thread that started it dies (the
-    fleet's Ray actors: a killed actor must not leave its server running; SGLang's own
-    children already die with the server). Linux only."""
+    The server runs in a process group of its own, and `stop` ends the whole group (also when
+    the server itself has died and left children behind). `die_with_parent`: the group is
+    killed when the thread that started it dies (the fleet's Ray actors: a killed actor must not
+    leave its server, or the server's children, running; `_GUARD`). Linux only."""
 
     def __init__(self, cfg: SGLangConfig, log_path: str | None = None,
                  die_with_parent: bool = False):
@@ -183,6 +213,8 @@ class SGLangServer:
         self.log_path = log_path
         self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
+        self.guard: subprocess.Popen | None = None  # the group's guard (die_with_parent)
+        self.pgid: int | None = None
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -231,10 +263,20 @@ class SGLangServer:
         else:
             out = subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT,
-                env=self.cfg.env(), start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent else None)
+            if self.die_with_parent:
+                self.guard = subprocess.Popen(
+                    [sys.executable, "-E", "-S", "-c", _GUARD, str(os.getpid())],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, preexec_fn=_guard_before_exec)
+                self.pgid = self.guard.pid
+                self.proc = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=self.cfg.env(),
+                    process_group=self.pgid, preexec_fn=_die_with_parent)
+            else:
+                self.proc = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT,
+                    env=self.cfg.env(), start_new_session=True)
+                self.pgid = self.proc.pid
             self.wait_healthy(timeout_s)
         except BaseException:
             self.stop(grace_s=5.0)
@@ -283,16 +325,22 @@ class SGLangServer:
         return resp
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """Terminate the server's process group (SGLang spawns scheduler/detokenizer children)."""
-        if self.proc is None or self.proc.poll() is not None:
+        """End the server's process group: SIGTERM and `grace_s` for the server to exit, then
+        SIGKILL for whatever is left of the group (SGLang's scheduler and detokenizer, vLLM's
+        EngineCore and workers, the guard), also when the server had died already."""
+        if self.proc is None or self.pgid is None:
             return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc.poll() is None:
+            _signal_group(self.pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.pgid, signal.SIGKILL)
+        self.proc.wait()
+        if self.guard is not None:
+            self.guard.wait()
+        self.pgid = None  # swept once: the number may name another group later
 
     def __enter__(self) -> "SGLangServer":
         return self.start() if self.proc is None else self
