@@ -14,6 +14,7 @@ code) serves the whole module.
   server's folder, which generates the table in docs/rollout.md.
 - Greedy 3-turn trajectories (rollout/agent.py) asking each later turn's new route rows only
   equal the in-process fp32 engine's (tokens, stitched routes, log-probs).
+- loop.seed 2^31-1: the step's sampling seeds are int64 and the server takes them.
 """
 
 import copy
@@ -207,3 +208,19 @@ def test_tensor_sync_is_refused_for_real_sglang_and_the_server_lives(sgl):
     with pytest.raises(RolloutError, match="unpickles /update_weights_from_tensor payloads"):
         client.update_weights(MoEModel(cfg), "t1")
     assert alive(sgl)
+
+
+def test_the_largest_loop_seed_is_sent_as_an_int64(sgl):
+    """loop.seed 2^31-1 (rollout/seeds.py): the step's request seeds (and seed + n - 1) are
+    int64 and the server takes them. (This server runs without
+    --enable-deterministic-inference: the same seeds sent twice gave other samples, so only
+    acceptance is checked.)"""
+    from lockstep.rollout.seeds import MAX_LOOP_SEED
+    from lockstep.trainer.driver.requests import step_requests
+
+    cfg = _config(sgl, f"loop.seed={MAX_LOOP_SEED}")
+    n = cfg.rollout.samples_per_prompt
+    reqs = step_requests(cfg, [type("P", (), {"ids": p})() for p in PROBE], 9, 6)
+    assert all(0 <= r.sampling.seed and r.sampling.seed + n - 1 < 1 << 63 for r in reqs)
+    res = HTTPBackend(sgl, cfg.model).generate(reqs)
+    assert len(res) == n * len(PROBE) and all(len(r.output_ids) >= 1 for r in res)
