@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -202,7 +204,9 @@ class RewardPool:
         if role == "reward":
             function_file(cfg.function)  # a missing file fails here; its import only in a worker
         self.cfg, self.log, self.role = cfg, log, role
-        self.max_logged, self.logged = max_logged_errors, 0
+        self.max_logged, self.logged = max_logged_errors, Counter()
+        self.first_errors: dict[str, list[str]] = {}  # kind -> its first max_logged messages
+        self.calls = 0  # ids of the calls sent (a reply must carry the id of its call)
         self.workers: list[tuple[subprocess.Popen, Connection]] = []
         try:
             for _ in range(cfg.num_workers):
@@ -216,8 +220,8 @@ class RewardPool:
         with theirs:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "lockstep.rollout.workers", str(theirs.fileno()),
-                 self.cfg.function,
-                 self.role], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                 self.cfg.function, self.role], pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL, stdout=2, start_new_session=True)
         conn = Connection(ours.detach())
         # the deadline of a call starts once the worker has loaded the function
         limit = self.cfg.import_timeout_s
@@ -227,8 +231,7 @@ class RewardPool:
             msg = "died"
         if msg == "ready":
             return proc, conn
-        proc.kill()
-        code = proc.wait()
+        code = _kill(proc)
         conn.close()
         spec, sec = self.cfg.function, "reward" if self.role == "reward" else "rollout.env"
         key = "function" if self.role == "reward" else "file"
@@ -243,8 +246,7 @@ class RewardPool:
 
     def _replace(self, w: int) -> None:
         proc, conn = self.workers[w]
-        proc.kill()
-        proc.wait()
+        _kill(proc)
         conn.close()
         self.workers[w] = self._start()
 
@@ -261,50 +263,61 @@ class RewardPool:
         errors: Counter = Counter()
         messages: list[str] = []
         todo = list(range(len(payloads)))[::-1]
-        busy: dict[int, tuple[int, float]] = {}  # worker -> (call index, deadline)
+        busy: dict[int, tuple[int, int, float]] = {}  # worker -> (index, call id, deadline)
 
         def fail(i: int, kind: str, msg: str) -> None:
             errors[kind] += 1
             text = f"{labels[i]}: {kind}: {msg}"
             messages.append(text)
-            if self.logged < self.max_logged:
-                self.logged += 1
-                more = (f"; further {self.role} errors are only counted in the metrics"
-                        if self.logged == self.max_logged else "")
+            if self.logged[kind] < self.max_logged:
+                self.logged[kind] += 1
+                self.first_errors.setdefault(kind, []).append(text)
+                more = (f"; further {kind} errors of the {self.role} workers are only counted "
+                        f"in the metrics" if self.logged[kind] == self.max_logged else "")
                 self.log(text + more)
 
         while todo or busy:
             for w in range(len(self.workers)):
                 if w not in busy and todo:
                     i = todo.pop()
+                    self.calls += 1
                     try:
-                        self.workers[w][1].send((i, payloads[i]))
+                        self.workers[w][1].send((self.calls, payloads[i]))
                     except Exception as e:  # unpicklable inputs, or a dead worker
                         fail(i, "crashed", f"could not send the call: {type(e).__name__}: {e}")
                         self._replace(w)
                         continue
-                    busy[w] = (i, time.monotonic() + self.cfg.timeout_s)
+                    busy[w] = (i, self.calls, time.monotonic() + self.cfg.timeout_s)
             if not busy:
                 continue
             now = time.monotonic()
             conns = {self.workers[w][1]: w for w in busy}
-            ready = wait(list(conns), timeout=max(0.0, min(d for _, d in busy.values()) - now))
+            ready = wait(list(conns), timeout=max(0.0, min(d for *_, d in busy.values()) - now))
             for conn in ready:
                 w = conns[conn]
-                i, _ = busy.pop(w)
+                i, call, _ = busy.pop(w)
                 try:
-                    j, kind, value = conn.recv()
+                    answered, kind, value = conn.recv()
                 except (EOFError, OSError):
-                    code = self.workers[w][0].wait()
-                    fail(i, "crashed", f"worker exited (code {code})")
+                    try:  # a worker whose socket closed exits by itself, saying why (its code)
+                        self.workers[w][0].wait(2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    code = _kill(self.workers[w][0])
+                    fail(i, "crashed", f"worker exited (code {code})" + (
+                        "; did the function close its file descriptors?" if code == 3 else ""))
                     self._replace(w)
                     continue
-                if kind == "ok":
-                    scores[j] = value
+                if answered != call:  # never taken for this call's answer
+                    fail(i, "crashed", f"the worker answered call {answered}, not the call in "
+                                       f"flight ({call}): did the function fork?")
+                    self._replace(w)
+                elif kind == "ok":
+                    scores[i] = value
                 else:
-                    fail(j, kind, value)
+                    fail(i, kind, value)
             now = time.monotonic()
-            for w, (i, deadline) in list(busy.items()):
+            for w, (i, _, deadline) in list(busy.items()):
                 if now >= deadline:
                     del busy[w]
                     fail(i, "timeout", f"no result within "
@@ -324,8 +337,8 @@ class RewardPool:
             try:
                 proc.wait(2)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                pass
+            _kill(proc)  # and whatever the user's code started in its group
         self.workers = []
 
     def __enter__(self) -> "RewardPool":
@@ -333,3 +346,12 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _kill(proc: subprocess.Popen) -> int:
+    """End a worker and its process group (what the user's code started); its exit code."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.wait()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from lockstep.rollout.rewards import (RewardCall, RewardConfig, RewardFunctionError, RewardPool,
@@ -54,7 +57,11 @@ def test_every_failure_is_counted_and_scored_error_score(tmp_path):
         assert m["reward/errors"] == 6 and m["reward/errors_bad_value"] == 3
         assert any("KeyError: 'no answer'" in s for s in out.messages)
         assert any("returned str 'seven'" in s for s in out.messages)
-        assert len(logged) == 3 and "only counted" in logged[-1]
+        # the first max_logged_errors of each kind are logged, one line each: all 6 here, and
+        # the third bad_value says the rest of its kind is only counted
+        assert len(logged) == 6 and sum("only counted" in m for m in logged) == 1
+        assert [m for m in logged if "only counted" in m][0].count("bad_value") == 2
+        assert {k: len(v) for k, v in pool.first_errors.items()} == dict(out.errors)
         # the pool recovered: killed and dead workers were replaced
         assert pool.score(_calls("ok", "ok", "ok")).scores == [1.0, 1.0, 1.0]
 
@@ -120,3 +127,77 @@ def test_scores_outside_the_range_are_bad_values_named(tmp_path):
     assert "returned 1e+300, outside the score range [-1e+06, 1e+06]" in out.messages[0]
     with pytest.raises(ValueError, match="reward.error_score=1e\\+300 is outside"):
         RewardConfig(error_score=1e300)
+
+
+HOSTILE = '''
+import os
+import subprocess
+import sys
+import time
+
+print("printed at import")   # must not reach lockstep's stdout
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    kind = extra_info["kind"]
+    print("printed by a call")
+    if kind == "fork":        # both processes return: only the worker may answer
+        os.fork()
+        return 1.0
+    if kind == "grandchild":  # outlives the call, must not outlive the pool
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(extra_info["pidfile"], "w").write(str(p.pid))
+        return 1.0
+    if kind == "recursion":
+        def f(n):
+            return f(n + 1)
+        return f(0)
+    if kind == "deep":        # a result too deeply nested to check or send
+        d = {}
+        for _ in range(100000):
+            d = {"score": d}
+        return d
+    if kind == "closefd":
+        os.closerange(3, 1024)
+        return 1.0
+    return 1.0
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_hostile_functions_cost_one_call_each(tmp_path, capfd):
+    """fork, a grandchild, RecursionError, a result too deep to send, closed fds, prints: each
+    costs its own call (a named error, no traceback), never another call's score, and nothing
+    the function prints or starts outlives the pool or reaches stdout."""
+    f = tmp_path / "r.py"
+    f.write_text(HOSTILE)
+    pidfile = tmp_path / "grandchild"
+    cfg = RewardConfig(function=f"{f}:compute_score", timeout_s=20.0, error_score=-2.0,
+                       num_workers=1)
+    logged = []
+    with RewardPool(cfg, log=logged.append) as pool:
+        kinds = ["fork", "ok", "ok", "recursion", "deep", "ok", "closefd", "ok", "grandchild"]
+        calls = _calls(*kinds)
+        calls[-1].extra_info["pidfile"] = str(pidfile)
+        out = pool.score(calls)
+        assert out.scores == [1.0, 1.0, 1.0, -2.0, -2.0, 1.0, -2.0, 1.0, 1.0], out.messages
+        assert dict(out.errors) == {"raised": 1, "bad_value": 1, "crashed": 1}, out.messages
+        assert any("RecursionError" in m for m in out.messages)
+        assert any("close its file descriptors" in m for m in out.messages), out.messages
+        assert pool.score(_calls("ok", "ok")).scores == [1.0, 1.0]
+        grandchild = int(pidfile.read_text())
+        assert _alive(grandchild)
+    deadline = time.monotonic() + 10  # SIGKILL is delivered when the process next runs
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild), "the function's grandchild outlived the pool"
+    captured = capfd.readouterr()
+    assert "printed" not in captured.out and "printed at import" in captured.err
+    assert "Traceback" not in captured.err

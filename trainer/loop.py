@@ -531,6 +531,11 @@ class Trainer:
         if self.warmstart is not None:
             summary["warmstart/accuracy"] = self.warmstart.accuracy
             summary["warmstart/expected_reward"] = self.warmstart.expected_reward
+        pools = {"reward": getattr(self.source, "pool", None),
+                 "agent": None if self.runner is None else self.runner.env.pool}
+        for prefix, pool in pools.items():  # the first messages of each error kind, if any
+            if pool is not None and pool.first_errors:
+                summary[f"{prefix}/first_errors"] = pool.first_errors
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
