@@ -13,7 +13,7 @@ from dataclasses import dataclass
 class BackendKind:
     name: str
     servers: bool
-    """HTTP servers with the SGLang wire (their weights are pushed at start-up), rather than
+    """HTTP servers (SGLang's wire, or vLLM's for "vllm"; their weights are pushed at start-up), rather than
     in-process or Ray engines that start from the policy's weights."""
     launched: bool
     """lockstep launches the servers on Ray (a fleet it relaunches), rather than taking URLs."""
@@ -33,4 +33,5 @@ BACKENDS: dict[str, BackendKind] = {b.name: b for b in (
     BackendKind("ray", servers=False, launched=True, weight_syncs=("auto", "object_store")),
     BackendKind("serve", servers=True, launched=True, weight_syncs=("auto", "distributed", "disk")),
     BackendKind("sglang", servers=True, launched=True, weight_syncs=("auto", "distributed", "disk")),
+    BackendKind("vllm", servers=True, launched=True, weight_syncs=("auto", "distributed", "disk")),
 )}

@@ -265,6 +265,10 @@ class HTTPBackend(RolloutBackend):
                 body[INDEXER_ENCODING_FIELD] = "compact"
         return body
 
+    async def prepare(self) -> None:
+        """What must be known of the server before `request_body` (nothing for SGLang's wire;
+        vLLM's client reads its /server_info once)."""
+
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
         sem = asyncio.Semaphore(self.max_concurrency)
         conn = aiohttp.TCPConnector(limit=self.max_concurrency)

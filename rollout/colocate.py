@@ -51,6 +51,9 @@ def refusal(placement: str, backend: str, actor_ranks: int, num_engines: int,
     if R < M:
         return (f"{why} (one server per bundle), so it needs cluster.actor_ranks ({R}) >= "
                 f"rollout.num_engines ({M})")
+    if backend == "vllm":
+        return (f"{why}, but vLLM servers are not colocated yet (vLLM's sleep mode is not wired "
+                f"to the fleet's memory release): use cluster.placement=disaggregated")
     if backend == "sglang":
         tp = sglang_tp_size
         if tp > 1:

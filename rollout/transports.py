@@ -236,6 +236,7 @@ class HTTPCalls:
         """Send the run's wire requests to one server at once; store each answer under (rid,
         index) as it comes (a resent group's samples already held are dropped)."""
         client = slot.client
+        await client.prepare()  # vLLM: its /server_info, read once (the request bodies need it)
 
         async def one(session: aiohttp.ClientSession, g: Group, j0: int,
                       wreq: GenerateRequest) -> None:

@@ -93,6 +93,9 @@ class VLLMBackend(HTTPBackend):
                     f"processed_logprobs (the log-probs of the distribution sampled from)")
         return self.server
 
+    async def prepare(self) -> None:
+        await self._server()
+
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerationResult]:
         await self._server()
         return await super().agenerate(requests)

@@ -127,12 +127,13 @@ def planned_nodes(cfg: ExperimentConfig) -> tuple[list[int | None], list[int | N
     from lockstep.cluster.placement import first_fit, lay_out
     c, ro = cfg.cluster, cfg.rollout
     ranks = c.actor_ranks if c.actor_ranks > 1 else 0
-    sglang, fleet = ro.backend == "sglang", ro.backend in ("ray", "serve", "sglang")
+    real, fleet = ro.backend in ("sglang", "vllm"), ro.backend in ("ray", "serve", "sglang",
+                                                                    "vllm")
     engines = ro.num_engines if fleet else 0
     colocated = colocates_fleet(cfg)
     rank_gpu = c.device != "cpu" and c.gpus_per_node > 0
-    engine_gpu = sglang and c.device != "cpu" and c.gpus_per_node > 0
-    engine_size = ro.sglang.tp_size if sglang else 1
+    engine_gpu = real and c.device != "cpu" and c.gpus_per_node > 0
+    engine_size = getattr(ro, ro.backend).tp_size if real else 1
     if rank_gpu == engine_gpu:  # one kind of unit: laid out together
         per = c.gpus_per_node if rank_gpu else c.cpus_per_node
         if per == 0:

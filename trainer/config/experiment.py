@@ -108,10 +108,12 @@ class ExperimentConfig(Section):
         need(B % self.actor.mini_batch_size == 0,
              f"actor.mini_batch_size={self.actor.mini_batch_size} must divide the rollout batch "
              f"rollout.prompts_per_step * rollout.samples_per_prompt = {B}")
-        c, sg = self.cluster, self.rollout.sglang
-        need(c.gpus_per_engine in (None, sg.tp_size) or self.rollout.backend != "sglang",
-             f"cluster.gpus_per_engine={c.gpus_per_engine} but an SGLang server takes "
-             f"rollout.sglang.tp_size={sg.tp_size} GPUs; drop cluster.gpus_per_engine")
+        c, ro = self.cluster, self.rollout
+        for kind, name in (("sglang", "an SGLang"), ("vllm", "a vLLM")):
+            tp = getattr(ro, kind).tp_size
+            need(c.gpus_per_engine in (None, tp) or ro.backend != kind,
+                 f"cluster.gpus_per_engine={c.gpus_per_engine} but {name} server takes "
+                 f"rollout.{kind}.tp_size={tp} GPUs; drop cluster.gpus_per_engine")
         need(self.loop.val_every == 0 or bool(self.data.val_files),
              f"loop.val_every={self.loop.val_every} needs data.val_files")
         env = self.rollout.env

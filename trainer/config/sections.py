@@ -25,6 +25,7 @@ from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.mismatch import MismatchConfig
 from lockstep.rollout.seeds import MAX_LOOP_SEED
 from lockstep.rollout.sglang_options import SGLangOptions
+from lockstep.rollout.vllm_options import VLLMOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
 from lockstep.trainer.config.megatron import MegatronOptions  # no megatron-core import
 from lockstep.trainer.config.types import (dataclass_section, ExperimentConfigError, Float,
@@ -74,10 +75,11 @@ class RolloutConfig(Section):
     backend: RolloutBackend = "embedded"
     """embedded: our engine in this process; http: SGLang-compatible server(s) at `url` or
     `urls`; ray: `num_engines` embedded engines as Ray actors (extra 'ray';
-    lockstep.rollout.fleet, Fleet.ray); serve / sglang: a fleet of `num_engines` lockstep / real
-    SGLang servers launched as Ray actors behind one balancing client (lockstep.rollout.fleet)."""
+    lockstep.rollout.fleet, Fleet.ray); serve / sglang / vllm: a fleet of `num_engines` lockstep /
+    real SGLang / real vLLM servers launched as Ray actors behind one balancing client
+    (lockstep.rollout.fleet)."""
     num_engines: int = Field(1, ge=1, le=1 << 12)
-    """ray, serve, sglang backends: engines, one bundle each in a placement group."""
+    """ray, serve, sglang, vllm backends: engines, one bundle each in a placement group."""
     ray_address: str | None = None
     """ray backend: cluster to join (None: RAY_ADDRESS, else the one `ray start` began on this
     machine, else a new local one)."""
@@ -118,6 +120,10 @@ class RolloutConfig(Section):
     sglang: dataclass_section(SGLangOptions) = Field(default_factory=SGLangOptions, json_schema_extra=LATER)
     """How each SGLang server is launched (TP/EP sizes, memory, determinism): maps onto
     rollout/sglang.py's SGLangConfig (lockstep.rollout.sglang_options; docs/cluster.md)."""
+    vllm: dataclass_section(VLLMOptions) = Field(default_factory=VLLMOptions, json_schema_extra=LATER)
+    """rollout.backend=vllm: how each vLLM server is launched (TP size, expert parallelism,
+    memory, its interpreter): maps onto rollout/vllm.py's VLLMConfig
+    (lockstep.rollout.vllm_options; docs/rollout.md "vLLM")."""
     exact: bool = Field(False, json_schema_extra=LATER)
     """Exact mode: the engine and the torch actor run batch-invariant kernels (kernels/exact.py)
     so the engine's log-probs and routes are bitwise the actor's (k3 KL and flip rate exactly

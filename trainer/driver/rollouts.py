@@ -125,7 +125,7 @@ def make_ray_engines(cfg: ExperimentConfig, model: MoEModel | Path, weight_versi
 def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: str,
                engine_cfg: EngineConfig, out_dir: str | Path,
                log: Callable[[str], None] | None = None, actor_pg: Any = None) -> RolloutBackend:
-    """The fleet `rollout.backend` (serve, sglang, or http with `rollout.urls`) asks for,
+    """The fleet `rollout.backend` (serve, sglang, vllm, or http with `rollout.urls`) asks for,
     holding `model`'s weights at `weight_version`. Colocated (`cluster.placement`,
     rollout/colocate.py): the servers go into `actor_pg`, the actor group's placement group.
     `model` an HF folder (an actor group's run): the servers start from it and are not pushed
@@ -159,15 +159,16 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
     if ro.backend == "sglang":
         from lockstep.trainer.driver.sglang_servers import sglang_options_dict
         opts = sglang_options_dict(cfg)
-        path = str(model) if isinstance(model, Path) else cfg.model.path
-        if path is None:  # SGLang loads a folder: the initial weights, written once
-            from lockstep.moe.checkpoint import save_hf
-            path = str(save_hf(model, Path(out_dir) / "weights" / "initial"))
-        fleet = Fleet.sglang(opts, str(path), ro.num_engines, cfg.model, weight_version,
+        fleet = Fleet.sglang(opts, _initial_folder(cfg, model, out_dir), ro.num_engines, cfg.model, weight_version,
                              address=ray_address(cfg), log_dir=str(out_dir),
                              fan_out_samples=ro.sglang.deterministic_inference,
                              sampling_mask_max_tokens=ro.sglang.sampling_mask_max_tokens or 4096,
                              colocate_in=shared, **kw)
+    elif ro.backend == "vllm":
+        from lockstep.trainer.driver.vllm_servers import vllm_options_dict
+        fleet = Fleet.vllm(vllm_options_dict(cfg), _initial_folder(cfg, model, out_dir),
+                           ro.num_engines, cfg.model, weight_version, address=ray_address(cfg),
+                           log_dir=str(out_dir), colocate_in=shared, **kw)
     else:
         client = http_client_class(ro.engine, ro.urls[0], rollout_api_key(ro), log,
                                    ro.request_timeout_s)
@@ -181,3 +182,14 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
         fleet.close()
         raise
     return fleet
+
+
+def _initial_folder(cfg: ExperimentConfig, model: MoEModel | Path, out_dir: str | Path) -> str:
+    """The HF folder real SGLang / vLLM servers start from (and a relaunched one restarts
+    from): `model` itself when it is a folder, else model.path, else the initial weights
+    written once under out_dir/weights/initial."""
+    path = str(model) if isinstance(model, Path) else cfg.model.path
+    if path is None:
+        from lockstep.moe.checkpoint import save_hf
+        path = str(save_hf(model, Path(out_dir) / "weights" / "initial"))
+    return str(path)
