@@ -74,7 +74,8 @@ class _Plan(Estimates, Placement):
         self.notes: list[str] = []
 
     def refuse(self, msg: str) -> None:
-        self.refusals.append(msg)
+        if msg not in self.refusals:  # one per engine would say it again
+            self.refusals.append(msg)
 
     # -- whole plan --------------------------------------------------------------------
     def build(self, source: str | None) -> dict[str, Any]:
@@ -218,6 +219,8 @@ class _Plan(Estimates, Placement):
         ro, sg, m, c = cfg.rollout, cfg.rollout.sglang, cfg.model, cfg.cluster
         out: dict[str, Any] = {"backend": ro.backend, "engines": ro.num_engines,
                                "dtype": ro.dtype}
+        if ro.backend == "vllm":
+            return self._vllm_rollout(out)
         sglang = ro.backend == "sglang"
         if not sglang:
             urls = list(getattr(ro, "urls", None) or ([ro.url] if ro.url else []))
@@ -231,7 +234,12 @@ class _Plan(Estimates, Placement):
                            }.get(ro.backend, f"rollout.backend={ro.backend}")
             if c.gpus_per_engine:
                 self.refuse(f"cluster.gpus_per_engine={c.gpus_per_engine} with rollout.backend="
-                            f"{ro.backend}: only SGLang servers take GPUs")
+                            f"{ro.backend}: only SGLang and vLLM servers take GPUs")
+            if ro.backend == "http" and ro.engine == "vllm":  # servers you launch: their args
+                out["note"] = f"vLLM server(s) you run at {', '.join(urls)}"
+                out["vllm_command"] = self._vllm_command(
+                    {"local_index": 0, "gpus": list(range(ro.vllm.tp_size))}, host="0.0.0.0",
+                    launched=False)
             return out
         g = sg.tp_size
         out["gpus_per_engine"] = g
@@ -273,6 +281,45 @@ class _Plan(Estimates, Placement):
                           "port; the commands above show 0.0.0.0 / 127.0.0.1 and port 30000 + i")
         out["memory_per_gpu"] = self._engine_memory(g)
         return out
+
+    def _vllm_rollout(self, out: dict[str, Any]) -> dict[str, Any]:
+        """rollout.backend=vllm: the servers' TP / expert-parallel sizes, what vLLM refuses,
+        and the memory per GPU (the launch command of each engine: `_placement`)."""
+        ro, vl, m, c = self.cfg.rollout, self.cfg.rollout.vllm, self.cfg.model, self.cfg.cluster
+        g = vl.tp_size
+        out["gpus_per_engine"] = g
+        out["vllm"] = {"tp_size": g, "expert_parallel": vl.expert_parallel,
+                       "experts": (f"sharded over the {g} GPUs (expert parallel)"
+                                   if vl.expert_parallel else f"each TP-split {g} ways")}
+        if m.num_attention_heads % g:
+            self.refuse(f"rollout.vllm.tp_size={g} does not divide the model's "
+                        f"num_attention_heads={m.num_attention_heads}")
+        kv = m.num_key_value_heads
+        if not m.is_mla and (kv % g if g <= kv else g % kv):
+            self.refuse(f"rollout.vllm.tp_size={g} and the model's num_key_value_heads={kv}: "
+                        "one must divide the other (vLLM splits or replicates KV heads)")
+        if vl.expert_parallel and m.num_experts % g:
+            self.refuse(f"rollout.vllm.expert_parallel with tp_size={g}: it does not divide "
+                        f"the model's num_experts={m.num_experts}")
+        if self.gpu and g > c.gpus_per_node:
+            self.refuse(f"rollout.vllm.tp_size={g}: one vLLM server spans at most one node "
+                        f"here (cluster.gpus_per_node={c.gpus_per_node})")
+        if not m.path:
+            self.refuse("rollout.backend=vllm needs model.path: vLLM loads the policy from an "
+                        "HF folder")
+        if ro.mask_replay:
+            self.notes.append("sampling-mask replay: the servers run --return-sampling-mask, "
+                              "so every request goes out with top_k > 0 and temperature > 0 "
+                              "(top_k=-1 as the vocabulary size)")
+        self.notes.append("the fleet starts each vLLM server on its node's address with a free "
+                          "port; the commands above show 0.0.0.0 / 127.0.0.1 and port 8000 + i; "
+                          "weights move by vLLM's native weight transfer (/pause, "
+                          "/start_weight_update, /update_weights per bucket, "
+                          "/finish_weight_update, /resume)")
+        out["memory_per_gpu"] = self._engine_memory(g, vl.gpu_memory_utilization or 0.9,
+                                                    "vLLM", "rollout.vllm.gpu_memory_utilization")
+        return out
+
 
 def _replay_options(cfg: ExperimentConfig) -> dict[str, str]:
     """replay.gates / replay.partial where they are not the defaults (docs/replay.md)."""

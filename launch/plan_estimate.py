@@ -186,7 +186,10 @@ class Estimates:
         logits = tokens * math.ceil(m.vocab_size / tp) * 4
         return tokens * (per_layer * layers + (full if recompute else 0)) + logits
 
-    def _engine_memory(self, g: int) -> dict[str, Any]:
+    def _engine_memory(self, g: int, frac: float | None = None, kind: str = "SGLang",
+                       frac_key: str = "rollout.sglang.mem_fraction_static") -> dict[str, Any]:
+        """Memory per GPU of one server over `g` GPUs; `frac` its share of the GPU (None:
+        rollout.sglang.mem_fraction_static or SGLang's default)."""
         cfg, pc, m = self.cfg, self.pc, self.cfg.model
         ro, sg = cfg.rollout, cfg.rollout.sglang
         b = BY_NAME[base_precision(ro.dtype)].bytes
@@ -201,7 +204,7 @@ class Estimates:
             per_token = L * (m.kv_lora_rank + m.qk_rope_head_dim) * b
         else:
             per_token = L * 2 * max(1, m.num_key_value_heads // g) * m.head_dim * b
-        frac = sg.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION
+        frac = frac or sg.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION
         seqs = math.ceil(ro.batch_size / max(1, ro.num_engines))
         out = {"weights_bytes": int(weights),
                "kv_bytes_per_token": int(per_token),
@@ -215,12 +218,12 @@ class Estimates:
                         "kv_tokens": cap,
                         "step_fits_at_once": cap >= seqs * self.T})
             if budget <= 0:
-                self.refuse(f"SGLang engine: weights {_gib(weights)} GiB per GPU exceed "
-                            f"rollout.sglang.mem_fraction_static={frac} x "
+                self.refuse(f"{kind} engine: weights {_gib(weights)} GiB per GPU exceed "
+                            f"{frac_key}={frac} x "
                             f"cluster.gpu_memory_gib={self.cfg.cluster.gpu_memory_gib} = "
                             f"{_gib(frac * self.gpu_bytes)} GiB: no room for a KV cache")
             elif cap < self.T:
-                self.refuse(f"SGLang engine: KV budget {_gib(budget)} GiB holds {cap} tokens, "
+                self.refuse(f"{kind} engine: KV budget {_gib(budget)} GiB holds {cap} tokens, "
                             f"less than one row of {self.T} (prompt {self.prompt_len} + "
                             f"response {self.response_len})")
         return out
@@ -303,12 +306,15 @@ class Estimates:
         dp = actor["layout"]["data_parallel"]
         routes = B * T * Lm * K * rb
         wire = B * T * m.num_hidden_layers * K * 4 * 4 / 3  # SGLang: int32, base64
+        if ro.backend == "vllm":  # vLLM: a .npy of uint8 (uint16 above 256 experts), base64
+            wire = B * T * m.num_hidden_layers * K * rb * 4 / 3
         logprobs = 3 * B * T * 4  # rollout, old, new: fp32 [B, T]
         out = {"rows": B, "row_tokens": T, "prompt_tokens": self.prompt_len,
                "response_tokens": self.response_len, "multi_turn": ro.env is not None,
                "routes_dtype": "uint8" if rb == 1 else "uint16",
                "routes_bytes": int(routes), "routes_per_dp_rank_bytes": int(routes / dp),
-               "routes_on_the_wire_bytes": int(wire) if ro.backend == "sglang" else None,
+               "routes_on_the_wire_bytes": int(wire) if ro.backend in ("sglang", "vllm")
+               else None,
                "logprobs_bytes": logprobs, "logprobs_per_dp_rank_bytes": int(logprobs / dp)}
         if ro.mask_replay:
             S = ro.top_k if ro.top_k > 0 else (ro.sglang.sampling_mask_max_tokens or 4096)

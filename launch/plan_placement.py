@@ -20,7 +20,8 @@ class Placement:
         c, ro = self.cfg.cluster, self.cfg.rollout
         N = c.actor_ranks
         M, g = rollout["engines"], rollout.get("gpus_per_engine", 0)
-        sglang = ro.backend == "sglang"
+        sglang = ro.backend in ("sglang", "vllm")  # real servers: GPU bundles, a command each
+        kind = {"sglang": "SGLang", "vllm": "vLLM"}.get(ro.backend)
         if not self.gpu:
             rank_nodes, engine_nodes = planned_nodes(self.cfg)  # cluster.cpus_per_node
             for r in actor["rank_layout"]:
@@ -34,7 +35,8 @@ class Placement:
                 for x, b in zip(engines, engine_bundles(N, M)):
                     x["bundle"], x["shares_bundle_with_actor_rank"] = None, b
             if sglang:
-                self.refuse("rollout.backend=sglang needs GPUs: set cluster.gpus_per_node")
+                self.refuse(f"rollout.backend={ro.backend} needs GPUs: set "
+                            f"cluster.gpus_per_node")
             how = (f"laid out by cluster.cpus_per_node={c.cpus_per_node}" +
                    (f", pinned by the node label {c.node_label!r}" if c.node_label else "")
                    if c.cpus_per_node else "Ray chooses the nodes: PACK")
@@ -83,12 +85,14 @@ class Placement:
                             "shares_gpus_with_actor_ranks": share})
         lost = [x["engine"] for x in engines if x["node"] is None]
         if lost and need <= G:
-            self.refuse(f"engines {lost} find no node with {g} free GPUs (an SGLang server "
-                        "stays on one node): change rollout.sglang.tp_size or the placement")
+            self.refuse(f"engines {lost} find no node with {g} free GPUs (a {kind} server "
+                        f"stays on one node): change rollout.{ro.backend}.tp_size or the "
+                        f"placement")
         if need < G:
             self.notes.append(f"{G - need} of the cluster's {G} GPUs stay idle")
         for x in engines:
-            x["command"] = self._sglang_command(x) if x["node"] is not None else None
+            x["command"] = None if x["node"] is None else (
+                self._vllm_command(x) if ro.backend == "vllm" else self._sglang_command(x))
         bundle = {"CPU": 1.0, **({"GPU": 1.0} if N else {})}
         return {"actor_bundles": [bundle] * N_cpu if N_cpu > 1 else [],
                 "engines": engines, "gpus_needed": need, "gpus_total": G}
@@ -124,11 +128,40 @@ class Placement:
         return {"argv": argv, "env": env, "shell": line}
 
 
+    def _vllm_command(self, engine: dict, host: str | None = None,
+                      launched: bool = True) -> dict[str, Any]:
+        """The vLLM server of `engine` (its local index on its node, its GPUs): the argv and
+        the environment lockstep launches it with (rollout/vllm.py); `launched` false: a
+        server the user runs (rollout.urls), whose dtype knobs lockstep does not set."""
+        import os
+
+        from lockstep.rollout.vllm import CPU_ENV, PLUGIN_DIR
+        from lockstep.trainer.driver.vllm_servers import vllm_server_config
+
+        cfg = self.cfg
+        host = host or ("0.0.0.0" if cfg.cluster.nodes > 1 else "127.0.0.1")
+        try:
+            vc = vllm_server_config(cfg, engine["local_index"], host=host,
+                                    model_path=cfg.model.path or "MODEL_PATH", strict=launched)
+        except ValueError as e:
+            self.refuse(str(e))
+            return {}
+        argv = vc.command()
+        env = ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, engine["gpus"]))}
+               if vc.device == "cuda" else
+               {**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": str(vc.cpu_kv_cache_gb)})
+        env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_SERVER_DEV_MODE": "1",
+                    "PYTHONPATH": os.pathsep.join([*vc.pythonpath, str(PLUGIN_DIR)])})
+        line = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv)
+        return {"argv": argv, "env": env, "shell": line}
+
+
 def gpus_needed(cfg: ExperimentConfig) -> int:
     """GPUs the layout takes: actor ranks (on cuda) and SGLang servers, shared if colocated."""
     c, ro = cfg.cluster, cfg.rollout
     actor = c.actor_ranks if c.device != "cpu" else 0
-    engines = ro.num_engines * ro.sglang.tp_size if ro.backend == "sglang" else 0
+    engines = (ro.num_engines * getattr(ro, ro.backend).tp_size
+               if ro.backend in ("sglang", "vllm") else 0)
     return max(actor, engines) if c.placement == "colocated" else actor + engines
 
 

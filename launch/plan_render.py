@@ -81,11 +81,18 @@ def render(p: dict[str, Any]) -> str:
     if "sglang" in ro:
         s = ro["sglang"]
         w(f"  SGLang TP {s['tp_size']} x EP {s['ep_size']} (expert TP {s['moe_tp_size']})")
+    if "vllm" in ro:
+        v = ro["vllm"]
+        w(f"  vLLM TP {v['tp_size']}, experts {v['experts']}")
+    if ro.get("vllm_command"):
+        w("  launch each server with (lockstep talks to it at rollout.url / rollout.urls):")
+        w(f"    {ro['vllm_command']['shell']}")
     em = ro.get("memory_per_gpu")
     if em:
         w(f"  memory per GPU: weights {_size(em['weights_bytes'])}, KV cache "
-          f"{_size(em['kv_bytes_per_token'])} per token, mem_fraction_static "
-          f"{em['mem_fraction_static']}")
+          f"{_size(em['kv_bytes_per_token'])} per token, "
+          + ("gpu_memory_utilization " if "vllm" in ro else "mem_fraction_static ")
+          + f"{em['mem_fraction_static']}")
         if "kv_budget_bytes" in em:
             w(f"  KV budget {_size(em['kv_budget_bytes'])} = {em['kv_tokens']} tokens; a step "
               f"is {em['sequences_per_engine']} rows x {p['buffers']['row_tokens']} tokens = "
@@ -114,7 +121,9 @@ def render(p: dict[str, Any]) -> str:
       + (", a multi-turn trajectory filling the context)" if b["multi_turn"] else ")"))
     w(f"  routes ({b['routes_dtype']}) {_size(b['routes_bytes'])}, "
       f"{_size(b['routes_per_dp_rank_bytes'])} per DP rank"
-      + (f"; {_size(b['routes_on_the_wire_bytes'])} as SGLang sends them (base64 int32)"
+      + (f"; {_size(b['routes_on_the_wire_bytes'])} as "
+         + ("vLLM sends them (base64 .npy)" if ro["backend"] == "vllm"
+            else "SGLang sends them (base64 int32)")
          if b.get("routes_on_the_wire_bytes") is not None else ""))
     w(f"  log-probs (rollout, old, new; fp32) {_size(b['logprobs_bytes'])}, "
       f"{_size(b['logprobs_per_dp_rank_bytes'])} per DP rank")

@@ -462,3 +462,67 @@ def test_multi_turn_rows_are_sized_to_the_context():
     assert b["prompt_tokens"] + b["response_tokens"] == 32
     single = _plan(TOY)["buffers"]
     assert not single["multi_turn"] and single["row_tokens"] == 12
+
+
+VLLM = ["rollout.backend=vllm", "rollout.vllm.tp_size=4", "rollout.vllm.expert_parallel=true",
+        "rollout.vllm.gpu_memory_utilization=0.85", "rollout.lm_head_dtype=null"]
+
+
+def test_vllm_backend_plan_prints_vllms_launch_arguments(in_root, capsys):
+    """rollout.backend=vllm: one vLLM command per engine, on its node's GPUs, with what lockstep
+    needs of it (routes, token ids, the sampled distribution's log-probs, the weight-transfer
+    backend) and the TP/EP of rollout.vllm; the same servers' command for rollout.urls with
+    rollout.engine=vllm; what vLLM has no flag for is refused."""
+    import json
+
+    p = _plan(CLUSTER, *VLLM)
+    assert p["refusals"] == [] and p["rollout"]["vllm"]["tp_size"] == 4
+    engines = p["placement"]["engines"]
+    assert [(e["node"], e["gpus"]) for e in engines] == [(1, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
+    for i, e in enumerate(engines):
+        argv, env = e["command"]["argv"], e["command"]["env"]
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init", "--tokens-only",
+                     "--enable-expert-parallel"):
+            assert flag in argv, flag
+        assert _flag(argv, "--tensor-parallel-size") == "4"
+        assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
+        assert json.loads(_flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
+        assert _flag(argv, "--dtype") == "bfloat16" and _flag(argv, "--port") == str(8000 + i)
+        assert _flag(argv, "--model") == "configs/models/qwen3-30b-a3b"
+        assert _flag(argv, "--gpu-memory-utilization") == "0.85"
+        assert "--return-sampling-mask" not in argv  # untruncated sampling: no masks
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, e["gpus"]))
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+        assert env["PYTHONPATH"].endswith("vllm_plugin")
+    assert p["placement"]["gpus_needed"] == 16
+    code, out, err = _cli(capsys, "plan", CLUSTER.relative_to(ROOT), *[
+        x for kv in VLLM for x in ("--set", kv)])
+    assert code == 0, err
+    assert "vLLM TP 4, experts sharded over the 4 GPUs" in out
+    assert "--enable-return-routed-experts" in out and "as vLLM sends them" in out
+    # top_p < 1: the servers return sampling masks
+    argv = _plan(CLUSTER, *VLLM, "rollout.top_p=0.9")["placement"]["engines"][0]["command"]["argv"]
+    assert "--return-sampling-mask" in argv
+    # servers you run (rollout.urls, rollout.engine=vllm): the command to launch them with
+    p = _plan(CLUSTER, "rollout.backend=http", "rollout.engine=vllm", "rollout.vllm.tp_size=4",
+              "rollout.urls=[http://10.0.0.5:8000, http://10.0.0.6:8000]")
+    argv = p["rollout"]["vllm_command"]["argv"]
+    assert "--enable-return-routed-experts" in argv and _flag(argv, "--host") == "0.0.0.0"
+    assert _flag(argv, "--tensor-parallel-size") == "4" and p["refusals"] == []
+    # the fp32 LM head of the SGLang config has no vLLM flag: refused, once
+    p = _plan(CLUSTER, "rollout.backend=vllm", "rollout.vllm.tp_size=4")
+    assert len(p["refusals"]) == 1 and "lm_head_dtype='fp32'" in p["refusals"][0]
+
+
+@pytest.mark.parametrize("override, match", [
+    (["rollout.vllm.tp_sise=2"], r"did you mean 'rollout\.vllm\.tp_size'"),
+    (["rollout.vllm.extra_args=[--tensor-parallel-size, '2']"],
+     r"extra_args \['--tensor-parallel-size'\].*rollout\.vllm\.tp_size"),
+    (["rollout.vllm.gpu_memory_utilization=1.5"], r"must be in \(0, 1\)"),
+    (["rollout.backend=vllm", "cluster.gpus_per_engine=2"],
+     r"a vLLM server takes rollout\.vllm\.tp_size=1 GPUs"),
+])
+def test_bad_vllm_keys_are_refused_by_name(override, match):
+    with pytest.raises(ExperimentConfigError, match=match):
+        load_config(TOY, override)
