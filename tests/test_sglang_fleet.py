@@ -86,12 +86,13 @@ def _generate_killing(fleet, reqs, slot):
 
 
 def _group_pids(pid: int) -> list[int]:
-    """The processes of server `pid`'s process group (it is a session leader)."""
-    out = []
+    """The processes of server `pid`'s process group (led by its guard: the fleet's servers die
+    with their Ray actor, rollout/sglang.py `_GUARD`)."""
+    group, out = os.getpgid(pid), []
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
-                if os.getpgid(int(p)) == pid:
+                if os.getpgid(int(p)) == group:
                     out.append(int(p))
             except ProcessLookupError:
                 pass
@@ -152,7 +153,7 @@ def test_api_key_in_effect_and_off_every_command_line(fleet):
             urllib.request.urlopen(s.url + "/server_info", timeout=10)
         assert e.value.code == 401
         pids = _group_pids(s.pid)
-        assert len(pids) >= 3  # launch_server, scheduler, detokenizer
+        assert len(pids) >= 4  # the guard, launch_server, scheduler, detokenizer
         key = fleet.transport.api_key.encode()
         for p in pids:
             assert key not in Path(f"/proc/{p}/cmdline").read_bytes(), p
@@ -175,7 +176,7 @@ def test_kill9_mid_generate_every_sample_once_and_server_relaunched(fleet, model
     # relaunched in its bundle at once; it joins the weight group at the next push
     assert victim.state == "joining" and fleet.slots[0].state == "live"
     assert fleet.stats.retried_groups >= 1
-    assert all(wait_gone(p) for p in children)  # SGLang's children died with it
+    assert all(wait_gone(p) for p in children)  # its children and guard died with it
     # the next push relaunches it in its bundle and re-creates the weight group with it: it
     # serves only once it holds the pushed weights
     torch.manual_seed(1)
