@@ -54,7 +54,10 @@ def _seq_len(cfg: ExperimentConfig) -> tuple[int, int]:
     """(longest prompt, longest response) of a step's rows; with rollout.env a row is a whole
     trajectory, which may fill the engines' context (the model's max_position_embeddings)."""
     if cfg.data.enabled:
-        prompt, response = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens or 0
+        # unset lengths: at most what the trainer takes (from the data, within the context)
+        context = cfg.model.max_position_embeddings
+        prompt = cfg.data.prompt_cap(cfg.rollout.max_new_tokens, context)
+        response = cfg.rollout.max_new_tokens or context - prompt
     else:
         from lockstep.rollout.tasks import Task
 

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         bar = not args.no_progress and sys.stderr.isatty()
         with Trainer(cfg, out, resume=args.resume, log=log, progress=bar) as trainer:
             if args.resume:  # the run now goes on with these settings (e.g. a new loop.steps)
-                save_config(cfg, out / "config.yaml")
+                save_config(trainer.cfg, out / "config.yaml")
             if not bar:
                 trainer.metrics.log_lines(log, args.log_every)
             summary = trainer.run()

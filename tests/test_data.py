@@ -107,16 +107,22 @@ def test_data_run_config_rules(folder, tmp_path):
 
     save_hf(MoEModel(tiny()), tmp_path / "m")
     m = [f"model.path={tmp_path / 'm'}"]
+    # unset, a data run's warm start is off (tests/test_config_defaults.py); set, refused
+    assert not load_config(None, base + m).warmstart.enabled
     with pytest.raises(ExperimentConfigError, match="warmstart.enabled=true: the warm start"):
-        load_config(None, base + m)
+        load_config(None, base + m + ["warmstart.enabled=true"])
     cfg = load_config(None, base + m + ["warmstart.enabled=false"])
     assert cfg.model.vocab_size == tiny().vocab_size and cfg.model.path == str(tmp_path / "m")
     save_config(cfg, tmp_path / "c.yaml")  # a saved config repeats the folder's fields
     assert load_config(tmp_path / "c.yaml") == cfg
     with pytest.raises(ExperimentConfigError, match=r"model.hidden_size=64 \(the folder has 32\)"):
         load_config(None, base + m + ["warmstart.enabled=false", "model.hidden_size=64"])
-    with pytest.raises(ExperimentConfigError, match="needs rollout.max_new_tokens"):
-        load_config(None, [f"data.train_files=[{train}]", "warmstart.enabled=false"] + m)
+    # unset lengths are taken from the data at start; one that fills the context is refused
+    assert load_config(None, [f"data.train_files=[{train}]"] + m).rollout.max_new_tokens is None
+    context = cfg.model.max_position_embeddings
+    with pytest.raises(ExperimentConfigError, match=rf"rollout.max_new_tokens={context} leaves "
+                                                    "no room .* for the prompt"):
+        load_config(None, [f"data.train_files=[{train}]", f"rollout.max_new_tokens={context}"] + m)
     with pytest.raises(ExperimentConfigError, match="the reward section applies to data sets"):
         load_config(None, ["reward.function=math_verify"])
     with pytest.raises(ExperimentConfigError, match="loop.val_every=2 needs data.val_files"):

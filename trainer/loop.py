@@ -37,7 +37,8 @@ from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import save_config
 from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
-from lockstep.trainer.driver.data import DatasetSource, TaskSource, check_data_on_resume
+from lockstep.trainer.driver.data import (check_data_on_resume, DatasetSource,
+                                         resolve_lengths, TaskSource)
 from lockstep.trainer.driver.lr_trigger import LRTrigger
 from lockstep.trainer.driver.pipeline import RolloutPipeline
 from lockstep.trainer.driver.requests import step_requests
@@ -167,9 +168,14 @@ class Trainer:
         check_megatron_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
-        self.source = self._own(  # a data set's reward workers
-            DatasetSource(cfg.data, cfg.reward, cfg.model.path, cfg.loop.seed, log)
-            if cfg.data.enabled else TaskSource(self.task, cfg.loop.seed))
+        if cfg.data.enabled:  # a data set's reward workers
+            self.source = self._own(DatasetSource(
+                cfg.data, cfg.reward, cfg.model.path, cfg.loop.seed, log, cfg.data.prompt_cap(
+                    cfg.rollout.max_new_tokens, cfg.model.max_position_embeddings)))
+            # unset lengths from the data and the model's context (config.yaml records them)
+            cfg = self.cfg = resolve_lengths(cfg, self.source, log)
+        else:
+            self.source = self._own(TaskSource(self.task, cfg.loop.seed))
         self.mode = cfg.replay.mode
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.warmstart: WarmstartResult | None = None

@@ -92,8 +92,24 @@ class ExperimentConfig(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, json_schema_extra=LATER)
     """Actor ranks (in-process or a Ray actor group), devices, weight buckets."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_run_defaults(cls, data: Any) -> Any:
+        """A data run's prompt length, unset, is taken from the data (trainer/driver/data.py
+        `resolve_lengths`): None until then."""
+        d = data.get("data") if isinstance(data, dict) else None
+        if isinstance(d, dict) and d.get("train_files") and "max_prompt_length" not in d:
+            data = {**data, "data": {**d, "max_prompt_length": None}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
+        ws = self.warmstart
+        if self.data.enabled and "enabled" not in ws.model_fields_set:
+            # a data run's warm start, unset: off (it trains on the synthetic task only); the
+            # unset mark stays, so the trainer says the choice (`data_run_defaults`)
+            self.__dict__["warmstart"] = WarmstartConfig.model_construct(
+                set(ws.model_fields_set), **{**dict(ws), "enabled": False})
         B = self.rollout.batch_size
         need(B <= MAX_SAMPLES, f"rollout.prompts_per_step x rollout.samples_per_prompt = {B} "
              f"sequences per step; at most {MAX_SAMPLES} (2^23) get their own sampling seed "
@@ -121,6 +137,10 @@ class ExperimentConfig(Section):
              f"rollout.env.turns_before_push={env and env.turns_before_push} generates turns "
              f"ahead of a weight push: it needs loop.max_staleness >= 1 (got "
              f"{self.loop.max_staleness})")
+        need(env is None or not env.mask_stale_turns or env.turns_before_push >= 1,
+             "rollout.env.mask_stale_turns=true has no effect: no trajectory spans a weight "
+             "push unless rollout.env.turns_before_push >= 1 (with loop.max_staleness >= 1); "
+             "set those or drop it")
         check_replay(self)
         check_exact(self)
         check_mismatch(self)
@@ -170,16 +190,20 @@ class ExperimentConfig(Section):
              "template) tokenises the prompts")
         need(not self.warmstart.enabled,
              "warmstart.enabled=true: the warm start trains on the synthetic task's "
-             "demonstrations, not on data.train_files; set warmstart.enabled=false (the "
-             "policy starts from model.path)")
-        need(self.rollout.max_new_tokens is not None,
-             "data.train_files needs rollout.max_new_tokens (the response length cap)")
+             "demonstrations, not on data.train_files; drop it or set warmstart.enabled=false "
+             "(the policy starts from model.path)")
         need(self.model.eos_token_id is not None,
              f"{self.model.path}: config.json has no eos_token_id (generation must stop)")
-        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
-        need(longest <= self.model.max_position_embeddings,
-             f"data.max_prompt_length + rollout.max_new_tokens = {longest} exceeds the model's "
-             f"max_position_embeddings={self.model.max_position_embeddings}")
+        P, R = self.data.max_prompt_length, self.rollout.max_new_tokens
+        context = self.model.max_position_embeddings
+        if P is not None and R is not None:
+            need(P + R <= context,
+                 f"data.max_prompt_length + rollout.max_new_tokens = {P + R} exceeds the "
+                 f"model's max_position_embeddings={context}")
+        elif (P or R or 0) >= context:
+            need(False, f"{'data.max_prompt_length' if P else 'rollout.max_new_tokens'}="
+                        f"{P or R} leaves no room in the model's max_position_embeddings="
+                        f"{context} for the {'response' if P else 'prompt'}")
 
     def to_dict(self) -> dict[str, Any]:
         """Every section, as config.yaml saves it: the fields added after the first release

@@ -33,6 +33,7 @@ from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.sections import (BOUND_REASONS,
                                               RolloutConfig)
 from lockstep.trainer.config.types import ExperimentConfigError, need
+from lockstep.trainer.objective.presets import expand_preset
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -45,17 +46,21 @@ class _Loader(yaml.SafeLoader):
         """Refuse duplicate keys (PyYAML silently keeps the last), naming key and lines."""
         if isinstance(node, yaml.MappingNode):
             self.flatten_mapping(node)
-            seen: dict[Any, int] = {}
+            seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=True)
+                mark = key_node.start_mark
                 try:
-                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                    first = seen.setdefault(key, mark)
                 except TypeError:
                     continue  # unhashable: the base class raises its own error
-                if first != key_node.start_mark.line + 1:
+                if first is not mark:  # one line (a flow mapping, `--set a={k: 1, k: 2}`) too
+                    where = (f"lines {first.line + 1} and {mark.line + 1}"
+                             if first.line != mark.line else
+                             f"line {mark.line + 1}, columns {first.column + 1} and "
+                             f"{mark.column + 1}")
                     raise ExperimentConfigError(
-                        f"duplicate key {key!r} at lines {first} and "
-                        f"{key_node.start_mark.line + 1} (YAML would silently keep the last)")
+                        f"duplicate key {key!r} at {where} (YAML would silently keep the last)")
         return super().construct_mapping(node, deep)
 
 
@@ -265,11 +270,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         need(data is not None, f"{path} is empty (or only comments): refusing to start an "
                                 f"all-defaults run; start from configs/toy_r3.yaml")
         need(isinstance(data, dict), f"{path}: top level must be a mapping of sections")
+    # correction presets, one source at a time: the file's preset is expanded against the
+    # file's fields, a `--set` one against the command line's, and the command line wins
+    file_corr = _expanded_correction(data.pop("correction", None), f"{path}: ")
     for text in overrides or []:
         key, value = parse_override(text)
         if key == ["rollout", "api_key"]:
             _refuse_secrets({"rollout": {"api_key": value or "?"}}, None)
         _apply_override(data, key, value)
+    cli_corr = _expanded_correction(data.pop("correction", None), "")
+    if isinstance(file_corr, dict) and isinstance(cli_corr, dict):
+        data["correction"] = {**file_corr, **cli_corr}
+    elif cli_corr is not None or file_corr is not None:
+        data["correction"] = cli_corr if cli_corr is not None else file_corr
     _refuse_secrets(data, path)
     if isinstance(data.get("model"), dict) and data["model"].get("path") is not None:
         data["model"] = _model_from_folder(data["model"])
@@ -277,6 +290,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return check(ExperimentConfig, data)
     except ExperimentConfigError as e:
         raise ExperimentConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def _expanded_correction(section: Any, where: str) -> Any:
+    """One source's `correction` mapping with its `preset` expanded to the preset's fields
+    (a field of the same source that differs from the preset's is refused, naming both)."""
+    if not isinstance(section, dict):
+        return section
+    try:
+        return expand_preset(section)
+    except ValueError as e:
+        raise ExperimentConfigError(f"{where}{e}") from None
 
 
 def _refuse_secrets(data: dict[str, Any], path: Path | None) -> None:

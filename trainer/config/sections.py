@@ -63,7 +63,8 @@ class RolloutConfig(Section):
     exactly when sampling is truncated (top_p < 1 or top_k set); truncated sampling with false
     is refused (TIS/IcePop would see a ratio biased by the kept mass)."""
     max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    """Response length cap; None = the task's own cap."""
+    """Response length cap; None = the task's own cap, or in a data run the model's context
+    left after the longest prompt (max_position_embeddings - data.max_prompt_length)."""
     dtype: EngineDtype = "bf16"
     """Engine compute dtype (the train/infer mismatch comes from here); fp8: bf16 with every
     attention/MLP/expert matmul in block FP8 (e4m3, 128x128 weight blocks, 1x128 activation
@@ -305,7 +306,8 @@ class WarmstartConfig(Section):
     succeeds; the result is cached on disk keyed by a hash of model, task and this section."""
 
     enabled: bool = True
-    """Run (or load from the cache) the warm start before RL."""
+    """Run (or load from the cache) the warm start before RL; unset in a data run: false (it
+    trains on the synthetic task; the policy starts from model.path)."""
     target_accuracy: Float = Field(0.30, ge=0.0, le=1.0)
     """Stop once greedy exact-match accuracy on held-out prompts reaches this."""
     lr: Float = Field(5e-3, gt=0.0, le=1.0)
@@ -418,8 +420,10 @@ class DataConfig:
     one file may be given as a string (as verl's configs write it), read as a list of one."""
     val_files: list[str] | str = field(default_factory=list)
     """Validation prompts (same format, a string or a list), scored every loop.val_every steps."""
-    max_prompt_length: int = 512
-    """Prompts longer than this many tokens (after the chat template) are dropped, in [1, 2^20]."""
+    max_prompt_length: int | None = 512
+    """Prompts longer than this many tokens (after the chat template) are dropped, in [1, 2^20];
+    unset in a data run (None): the longest prompt of the data, within the model's context
+    (minus rollout.max_new_tokens where given, else half of it), said in the log."""
     shuffle: bool = True
     """Visit the training prompts in a new seeded order each epoch (False: file order)."""
     val_samples: int = 1
@@ -435,7 +439,7 @@ class DataConfig:
                     raise ValueError(f"data.{key}: {f!r} is neither .jsonl nor .parquet")
         if self.val_files and not self.train_files:
             raise ValueError("data.val_files is set but data.train_files is empty")
-        if not 1 <= self.max_prompt_length <= 1 << 20:
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length <= 1 << 20:
             raise ValueError(f"data.max_prompt_length={self.max_prompt_length} is outside "
                              "[1, 1048576]")
         if not 1 <= self.val_samples <= 1024:
@@ -444,3 +448,10 @@ class DataConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.train_files)
+
+    def prompt_cap(self, max_new_tokens: int | None, context: int) -> int:
+        """Prompts longer than this are dropped: max_prompt_length, or unset, what the model's
+        `context` leaves after rollout.max_new_tokens (unset too: half the context)."""
+        if self.max_prompt_length is not None:
+            return self.max_prompt_length
+        return context - max_new_tokens if max_new_tokens is not None else max(1, context // 2)

@@ -20,6 +20,7 @@ Both sources give the loop the same interface (`PromptSource`): `prompts(cursor,
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -134,6 +135,34 @@ def load_prompts(files: Sequence[str], tokenizer, max_prompt_length: int, what: 
     return prompts
 
 
+def resolve_lengths(cfg, source: DatasetSource, log: Callable[[str], None] = print):
+    """`cfg` (an ExperimentConfig of a data run) with an unset data.max_prompt_length set to the
+    longest prompt `source` kept and an unset rollout.max_new_tokens to the rest of the model's
+    context, each choice said once in the log (config.yaml records the result); the warm start
+    a data run left unset is off."""
+    data, ro = cfg.data, cfg.rollout
+    context = cfg.model.max_position_embeddings
+    if "enabled" not in cfg.warmstart.model_fields_set:
+        log("defaults: warmstart.enabled=false (a data run starts from model.path; the warm "
+            "start trains on the synthetic task only)")
+    P, R = data.max_prompt_length, ro.max_new_tokens
+    if P is None:
+        P = source.max_prompt_len
+        log(f"defaults: data.max_prompt_length={P}, the longest prompt of the data (at most "
+            f"{data.prompt_cap(R, context)}: "
+            f"{'max_position_embeddings - rollout.max_new_tokens' if R else 'half the context'})")
+        data = dataclasses.replace(data, max_prompt_length=P)
+    if R is None:
+        R = context - P
+        log(f"defaults: rollout.max_new_tokens={R}, the model's context left after the "
+            f"longest prompt (max_position_embeddings={context} - {P})")
+        ro = ro.model_copy(update={"max_new_tokens": R})
+    if data is cfg.data and ro is cfg.rollout:
+        return cfg
+    out = cfg.model_copy(update={"data": data, "rollout": ro})
+    return out._check()  # the checks across sections, on the lengths now set
+
+
 def fingerprint(prompts: Sequence[Prompt]) -> str:
     """Hash of the prompt ids and ground truths (a resumed run must see the same data)."""
     h = hashlib.sha256()
@@ -168,11 +197,15 @@ class DatasetSource:
     """Training prompts of a data set in seeded per-epoch order, scored by a RewardPool."""
 
     def __init__(self, cfg: DataConfig, reward: RewardConfig, model_path: str, seed: int,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, max_prompt_length: int | None = None):
+        """`max_prompt_length`: the cap of an unset data.max_prompt_length (`prompt_cap`)."""
         tokenizer = load_tokenizer(Path(model_path).expanduser())
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
-        self.train = load_prompts(cfg.train_files, tokenizer, cfg.max_prompt_length, "train", log)
-        self.val = (load_prompts(cfg.val_files, tokenizer, cfg.max_prompt_length, "val", log)
+        cap = cfg.max_prompt_length or max_prompt_length
+        if cap is None:
+            raise ValueError("data.max_prompt_length is unset and no cap was given")
+        self.train = load_prompts(cfg.train_files, tokenizer, cap, "train", log)
+        self.val = (load_prompts(cfg.val_files, tokenizer, cap, "val", log)
                     if cfg.val_files else [])
         self.max_prompt_len = max(len(p.ids) for p in self.train + self.val)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

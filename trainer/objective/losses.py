@@ -68,6 +68,9 @@ class LossConfig:
                                  ("opsm_logprobs", self.opsm_logprobs, OPSM_LOGPROBS)):
             if val not in valid:
                 raise ValueError(f"unknown {name} {val!r}; valid: {', '.join(valid)}")
+        if self.unbiased_kl and self.kl_coef == 0:
+            raise ValueError("loss.unbiased_kl=true has no effect with loss.kl_coef=0 (there is "
+                             "no KL term to weight); set loss.kl_coef > 0 or drop it")
         if self.loss_mode != "vanilla" and self.ratio_level != "token":
             raise ValueError(f"loss_mode={self.loss_mode} is a per-token loss; it needs ratio_level=token, "
                              f"got {self.ratio_level!r}")
