@@ -64,7 +64,6 @@ def example(tmp_path_factory):
     return write_example(tmp_path_factory.mktemp("example"), n_train=16, n_val=4)
 
 
-@pytest.mark.slow
 def test_a_data_run_with_only_model_data_and_reward_trains(example, tmp_path, capsys):
     """Warm start off, the prompt cap from the data, the response cap from the model's
     context (256 in the example), each said once; config.yaml records them and resumes."""
