@@ -17,7 +17,7 @@ LABEL = "lockstep-node"
 HEAD_IP = "127.31.0.1"
 
 
-def _children(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every descendant of `pid` (from /proc; standard library only)."""
     parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
@@ -97,7 +97,7 @@ class LocalCluster:
         self.index.pop(ip)
         raylet = node.all_processes["raylet"][0].process.pid
         t = time.monotonic()
-        for pid in _children(raylet) + [raylet]:
+        for pid in descendants(raylet) + [raylet]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -110,7 +110,7 @@ class LocalCluster:
         ray.shutdown()
         for node in list(self.nodes.values()):  # workers first: none left behind
             try:
-                for pid in _children(node.all_processes["raylet"][0].process.pid):
+                for pid in descendants(node.all_processes["raylet"][0].process.pid):
                     os.kill(pid, signal.SIGKILL)
             except (KeyError, ProcessLookupError):
                 pass

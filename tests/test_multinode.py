@@ -6,6 +6,8 @@ and the label `lockstep-node`), with `cluster.node_label` pinning every bundle t
 - placement: actor ranks on node 0, `lockstep serve` engines on node 1 (their URLs on node 1's
   address, the weight group's rendezvous across nodes), where the plan says; the toy R3 run
   there equals the same run with every bundle on node 0, bit for bit;
+- real SGLang (`sglang` tier, skipped without its venv): two servers on node 1, bound to its
+  address, serving exactly the pushed weights at every step of the toy R3 run;
 - node loss, engines: node 1 killed mid-generate (both engines on it): the run finishes, the
   engines relaunched on the surviving node, every sample once;
 - node loss, actor ranks: node 0 killed after a checkpoint: the run stops naming the node
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,8 @@ from lockstep.launch.plan import make_plan  # noqa: E402
 from lockstep.trainer.config.load import load_config  # noqa: E402
 from lockstep.trainer.loop import Trainer  # noqa: E402
 
-from multinode_fixtures import LABEL, LocalCluster  # noqa: E402
+from multinode_fixtures import LABEL, LocalCluster, descendants  # noqa: E402
+from sglang_fixtures import PYTHON as SGLANG_PYTHON, SHIMS, VENV as SGLANG_VENV  # noqa: E402
 
 pytestmark = pytest.mark.slow  # three raylets, ranks and engines: ~minutes on 2 cores
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -107,6 +112,78 @@ def test_placement_follows_the_plan_and_two_nodes_equal_one(nodes, cache, two_no
     assert [r["step"] for r in two_m] == [1, 2]
     assert two_m == one_m
     assert all(r["actor/grad_norm"] > 0 for r in two_m)  # the policy moved every step
+
+
+# real SGLang 0.5.23 servers on CPU (the `sglang` tier, tests/sglang_cpu/install.sh), fp32
+SGLANG = ["cluster.actor_ranks=2", "rollout.backend=sglang", "rollout.num_engines=2",
+          "cluster.device=cpu", "rollout.dtype=fp32",
+          f"rollout.sglang.python={SGLANG_PYTHON}",
+          f"rollout.sglang.extra_env=[PYTHONPATH={SHIMS}, LOCKSTEP_SGLANG_CPU_HOST_BUFFER=1]",
+          "rollout.sglang.extra_args=[--sleep-on-idle]", "rollout.sglang.startup_timeout_s=600"]
+
+
+def _server_checks(nodes, fleet, node_ip: str) -> list[dict]:
+    """Where each of `fleet`'s SGLang servers runs and listens, seen from outside it: its
+    process is in `node_ip`'s raylet's process tree, it was started with `--host node_ip`,
+    answers there (and reports that host in /server_info) and nothing listens on 127.0.0.1."""
+    raylet = nodes.nodes[node_ip].all_processes["raylet"][0].process.pid
+    tree, seen = set(descendants(raylet)), []
+    for s in fleet.slots:
+        assert s.pid in tree, (s, node_ip)
+        argv = Path(f"/proc/{s.pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--host") + 1] == node_ip.encode(), argv
+        assert s.url.startswith(f"http://{node_ip}:"), s.url
+        port = int(s.url.rsplit(":", 1)[1])
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), 2):
+            pass
+        req = urllib.request.Request(s.url + "/server_info", headers={
+            "Authorization": f"Bearer {fleet.transport.api_key}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            info = json.loads(r.read())
+        assert info["host"] == node_ip and info["port"] == port, info
+        seen.append(info)
+    return seen
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"real SGLang venv not found at "
+                    f"{SGLANG_VENV}; run tests/sglang_cpu/install.sh")
+def test_real_sglang_engines_on_node_1_serve_the_pushed_weights(nodes, cache, tmp_path):
+    """`rollout.backend: sglang`: two real SGLang servers launched by the fleet on node 1 (Ray
+    actors pinned there by the plan; each server binds node 1's address and a port taken
+    there), the actor ranks on node 0, every push across the nodes by the weight group. The
+    toy R3 run's own mismatch metrics hold the tolerances of tests/test_sglang_real.py at
+    every step: each token's SGLang log-prob within 1e-5 of the actor's recompute (the IS
+    ratio within 1e-5 of 1) and SGLang's routes equal to the actor's own (flip rate 0).
+
+    Not compared with a one-node run metric by metric: SGLang samples with the server's
+    torch RNG (per-request seeds need --enable-deterministic-inference, which SGLang 0.5.23
+    refuses with torch_native attention, its only CPU backend), so which samples a run gets
+    depends on how requests meet in the servers' batches, wherever they run."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    tr = Trainer(_cfg(nodes, cache, *SGLANG, *TWO_NODES), out, progress=False,
+                 log=lambda s: None)
+    started = time.monotonic() - t0
+    plan = make_plan(tr.cfg)
+    assert [e["node"] for e in plan["placement"]["engines"]] == [1, 1]
+    assert [nodes.plan_node(s.node) for s in tr.rollout.slots] == [1, 1]
+    assert [nodes.plan_node(i.node) for i in tr.actor.infos] == [0, 0]
+    assert len({s.url for s in tr.rollout.slots}) == 2
+    _server_checks(nodes, tr.rollout, NODE1)
+    tr.run()
+    print(f"2 SGLang servers on node 1 up in {started:.0f} s; 2 steps in "
+          f"{time.monotonic() - t0 - started:.0f} s")
+    m = _metrics(out)
+    assert [r["step"] for r in m] == [1, 2]
+    for r in m:  # step 2 samples the weights pushed after step 1: stale ones are far off
+        assert r["replay/mode"] == "R3" and r["rollout/weight_version_lag_max"] == 0
+        assert abs(r["rollout_corr/rollout_is_max"] - 1) <= 1e-5, (r["step"], r)
+        assert abs(r["rollout_corr/rollout_is_min"] - 1) <= 1e-5, (r["step"], r)
+        assert r["routing/flip_rate"] == 0 and r["routing/num_tokens"] > 0, (r["step"], r)
+        assert r["actor/grad_norm"] > 0  # the policy moved every step
+    assert tr.rollout.stats.pushes == 3 and tr.rollout.weight_sync == "distributed"
+    assert tr.rollout.stats.disk_bytes_written == 0 and tr.rollout.stats.push_bytes > 0
 
 
 RAY = ["cluster.actor_ranks=2", "rollout.backend=ray", "rollout.num_engines=2",
