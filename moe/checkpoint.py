@@ -309,16 +309,46 @@ def read_hf_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: hf[k] for k in hf}
 
 
+_SAID_NO_MTP: set[str] = set()
+
+
+def folder_config(folder: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig a folder loads as: its config.json, less the MTP layers
+    (`num_nextn_predict_layers`) when the folder holds weights but none of theirs.
+    transformers' `save_pretrained` writes `num_nextn_predict_layers: 1` without the MTP
+    weights, and a DeepSeek / GLM release stripped of its MTP layer keeps the key; the policy's
+    log-probs never go through MTP (docs/model.md "MTP layers"), so such a folder loads without
+    them, said once per folder (a warning). A folder of config.json alone (a plan) is left as
+    it says. Every loader of a policy folder reads its config here (load_hf, the experiment's
+    `model.path`, `lockstep serve`, the fleet)."""
+    cfg = ModelConfig.from_json(folder)
+    folder = Path(folder)
+    folder = folder.parent if folder.name == "config.json" else folder
+    if not cfg.num_nextn_predict_layers or not (
+            (folder / INDEX_FILE).exists() or (folder / SINGLE_FILE).exists()
+            or any(folder.glob("*.safetensors"))):
+        return cfg
+    if f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in LazyHF(folder, dtype=None):
+        return cfg
+    key = str(folder.resolve())
+    if key not in _SAID_NO_MTP:
+        _SAID_NO_MTP.add(key)
+        import warnings
+
+        warnings.warn(f"{folder}: config.json says num_nextn_predict_layers="
+                      f"{cfg.num_nextn_predict_layers} but the folder holds no MTP weights "
+                      f"(model.layers.{cfg.num_hidden_layers}.eh_proj.weight): loading it "
+                      "without MTP layers (they only draft; the policy never uses them)",
+                      stacklevel=2)
+    return dataclasses.replace(cfg, num_nextn_predict_layers=0)
+
+
 def load_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
     """Build a model from an HF folder of a supported family (ours or one written by
-    transformers); the family comes from config.json's model_type."""
-    cfg = ModelConfig.from_json(folder)
+    transformers); the family comes from config.json's model_type (MTP layers the folder has
+    no weights for are left out: `folder_config`)."""
+    cfg = folder_config(folder)
     hf = LazyHF(folder, dtype=None)
-    if cfg.num_nextn_predict_layers and \
-            f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" not in hf:
-        # config.json names MTP layers whose weights the folder does not hold (transformers'
-        # save_pretrained writes num_nextn_predict_layers but not the MTP weights)
-        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     model = MoEModel(cfg)
     try:  # one tensor at a time: the model plus one tensor in memory
         load_hf_state_dict(model, hf)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from lockstep.kernels.threads import worker_env
+from lockstep.moe.checkpoint import folder_config
 from lockstep.moe.config import ModelConfig
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.bundles import EngineBundles
@@ -114,7 +115,7 @@ def serve_fleet(cls, source: MoEModel | str | Path, engine_cfg: EngineConfig, nu
         model_cfg, src, state = source.cfg, None, source.state_dict()
     else:
         src, state = str(source), None
-        model_cfg = model_cfg or ModelConfig.from_json(Path(src) / "config.json")
+        model_cfg = model_cfg or folder_config(src)
     _check_engines(num_engines)
     kw["api_key"] = kw.get("api_key") or secrets.token_hex(16)
     owns = init_ray(address, worker_env(1))

@@ -83,6 +83,36 @@ def test_a_folder_without_mtp_weights_loads_without_mtp_layers(tmp_path):
     assert model.cfg.num_nextn_predict_layers == 0 and len(model.mtp) == 0
 
 
+def test_an_actor_built_from_a_folder_without_mtp_weights_drops_them_once(tmp_path):
+    """A run's `model.path` folder whose config.json names an MTP layer it holds no weights
+    for (transformers' save_pretrained, a release stripped of its MTP layer): the experiment's
+    model has no MTP layer, an actor builds from the folder as a rank does (a LazyHF reader;
+    this failed with "missing tensors model.layers.3.eh_proj..."), and the drop is said once.
+    A folder of config.json alone (a plan) keeps what it says."""
+    import warnings
+
+    from lockstep.moe.hf_lazy import LazyHF
+    from lockstep.trainer.actor.build import make_actor
+    from lockstep.trainer.config.load import load_config
+
+    folder = write_hf_folder("deepseek_v3", tmp_path / "d")
+    sets = [f"model.path={folder}", "warmstart.enabled=false", "rollout.max_new_tokens=4",
+            "task.name=sort", "task.sort_length=3"]
+    with pytest.warns(UserWarning, match=r"num_nextn_predict_layers=1 but the folder holds "
+                                         r"no MTP weights .*model.layers.3.eh_proj.weight"):
+        cfg = load_config(None, sets)
+    assert cfg.model.num_nextn_predict_layers == 0
+    actor = make_actor(cfg, LazyHF(folder), total_updates=1)
+    assert len(actor.master.mtp) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: a second read of the folder is silent
+        assert load_config(None, sets).model == cfg.model
+    plan = tmp_path / "plan"
+    plan.mkdir()
+    (plan / "config.json").write_text((folder / "config.json").read_text())
+    assert load_config(None, [f"model.path={plan}", *sets[1:]]).model.num_nextn_predict_layers == 1
+
+
 def test_an_mtp_router_never_receives_the_decoders_routes(tmp_path):
     """Route replay (R3) of every decoder MoE layer, then an MTP draft: every decoder router
     gets its layer's replayed ids and the MTP router gets none (it routes on its own). A

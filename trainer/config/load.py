@@ -28,7 +28,7 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from lockstep.moe.config import ModelConfig
+from lockstep.moe.checkpoint import folder_config
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.sections import (BOUND_REASONS,
                                               RolloutConfig)
@@ -337,7 +337,7 @@ def _model_from_folder(section: dict[str, Any]) -> dict[str, Any]:
     path = section["path"]
     need(isinstance(path, str), f"model.path must be a string, got {path!r}")
     try:
-        folder = dataclasses.asdict(ModelConfig.from_json(Path(path).expanduser()))
+        folder = dataclasses.asdict(folder_config(Path(path).expanduser()))
     except ValueError as e:
         raise ExperimentConfigError(f"model.path={path!r}: {e}") from None
     differ = [f"model.{k}={v!r} (the folder has {folder[k]!r})" for k, v in section.items()
