@@ -64,6 +64,9 @@ class SGLangConfig:
     """Compute the LM head in fp32 (less train/infer mismatch)."""
     enable_deterministic_inference: bool = False
     """Batch-invariant kernels (slower; reproducible log-probs)."""
+    enable_return_indexer_topk: bool = False
+    """--enable-return-indexer-topk: the DSA indexer's picks per token (replay.indexer=r3;
+    SGLang captures them on CUDA / NPU only)."""
     sampling_mask_max_tokens: int | None = None
     """Largest sampling support returned with return_sampling_mask (SGLang default 4096)."""
     random_seed: int | None = None
@@ -160,6 +163,8 @@ class SGLangConfig:
             argv.append("--enable-fp32-lm-head")
         if self.enable_deterministic_inference:
             argv.append("--enable-deterministic-inference")
+        if self.enable_return_indexer_topk:
+            argv.append("--enable-return-indexer-topk")
         if self.device == "cpu":
             argv += CPU_FLAGS
         return argv + list(self.extra_args)

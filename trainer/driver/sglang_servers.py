@@ -12,6 +12,7 @@ from lockstep.kernels.dtypes import FP8, base_precision, hf_name
 from lockstep.rollout.sglang import SGLangConfig
 from lockstep.rollout.sglang_options import FLEET_KEYS
 from lockstep.rollout.sglang_options import check as _check
+from lockstep.trainer.config.replay import wants_indexer_picks
 
 
 def sglang_options_dict(cfg: Any) -> dict[str, Any]:
@@ -28,6 +29,7 @@ def sglang_options_dict(cfg: Any) -> dict[str, Any]:
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length,
         enable_fp32_lm_head=ro.lm_head_dtype == "fp32" and ro.dtype != "fp32",
         enable_deterministic_inference=sg.deterministic_inference,
+        enable_return_indexer_topk=wants_indexer_picks(cfg),
         sampling_mask_max_tokens=sg.sampling_mask_max_tokens, random_seed=cfg.loop.seed,
         device=resolve_device(cfg.cluster.device, here=False).type, max_total_tokens=sg.max_total_tokens,
         extra_args=list(sg.extra_args), extra_env=dict(e.split("=", 1) for e in sg.extra_env),
