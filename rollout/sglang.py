@@ -275,12 +275,12 @@ class SGLangServer:
                     stderr=subprocess.DEVNULL, preexec_fn=_guard_before_exec)
                 self.pgid = self.guard.pid
                 self.proc = subprocess.Popen(
-                    argv, stdout=out, stderr=subprocess.STDOUT, env=self.cfg.env(),
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=self._env(),
                     process_group=self.pgid, preexec_fn=_die_with_parent)
             else:
                 self.proc = subprocess.Popen(
                     argv, stdout=out, stderr=subprocess.STDOUT,
-                    env=self.cfg.env(), start_new_session=True)
+                    env=self._env(), start_new_session=True)
                 self.pgid = self.proc.pid
             self.wait_healthy(timeout_s)
         except BaseException:
@@ -290,6 +290,10 @@ class SGLangServer:
             if out is not subprocess.DEVNULL:
                 out.close()
         return self
+
+    def _env(self) -> dict[str, str]:
+        """The server process's environment."""
+        return self.cfg.env()
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -178,5 +178,11 @@ class VLLMServer(SGLangServer):
     def start(self, timeout_s: float = 900.0) -> "VLLMServer":
         return self._spawn(self.cfg.command(), timeout_s)
 
+    def _env(self) -> dict[str, str]:
+        env = self.cfg.env()
+        if self.die_with_parent:  # the plugin ends each of its processes with its parent
+            env["LOCKSTEP_VLLM_EXIT_WITH_PARENT"] = "1"
+        return env
+
     def update_weights(self, *a, **k):  # noqa: D102 - SGLang's disk route does not exist here
         raise NotImplementedError("vLLM: push weights with VLLMBackend.update_weights")

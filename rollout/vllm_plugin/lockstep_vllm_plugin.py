@@ -2,7 +2,8 @@
 does) and vLLM loads it through the `vllm.general_plugins` entry point of the dist-info beside
 it. It imports nothing of lockstep (vLLM's venv does not have it): only torch and vLLM.
 
-It does two things in every vLLM process:
+It does two things in every vLLM process (three for the servers lockstep launches to die with
+their Ray actor: `EXIT_WITH_PARENT`):
 
 1. Registers the weight-transfer backend `lockstep_gloo` (`--weight-transfer-config
    '{"backend": "lockstep_gloo"}'`): vLLM's dense NCCL transport with gloo in its place, for
@@ -31,10 +32,37 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 BACKEND = "lockstep_gloo"
+EXIT_WITH_PARENT = "LOCKSTEP_VLLM_EXIT_WITH_PARENT"
+"""Set by lockstep for the servers it launches to die with their Ray actor: every process of
+the server (API server, EngineCore, workers) then ends when its parent does (`_exit_with_parent`).
+Without it, a killed API server leaves its EngineCore and workers running (and holding their
+memory) for good: vLLM 0.32's EngineCore does not notice its parent's death."""
+
+
+def _exit_with_parent() -> None:
+    """A daemon thread that kills this process once its parent has died (it is then the child of
+    another process: init, or a subreaper). Polled twice a second: no signal reaches a
+    grandchild, and the thread that spawned a process may not be the one that lives longest,
+    so the kernel's parent-death signal would not do."""
+    import signal
+    import threading
+    import time
+    if getattr(_exit_with_parent, "started", False):
+        return
+    _exit_with_parent.started = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="lockstep-exit-with-parent", daemon=True).start()
 
 
 def register() -> None:
     """vLLM calls this in each of its processes, possibly more than once."""
+    if os.environ.get(EXIT_WITH_PARENT) == "1":
+        _exit_with_parent()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.platforms import current_platform
     if current_platform.is_cpu() and os.environ.get("LOCKSTEP_VLLM_MOE_REPACK", "1") != "0":
