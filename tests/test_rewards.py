@@ -200,4 +200,6 @@ def test_hostile_functions_cost_one_call_each(tmp_path, capfd):
     assert not _alive(grandchild), "the function's grandchild outlived the pool"
     captured = capfd.readouterr()
     assert "printed" not in captured.out and "printed at import" in captured.err
-    assert "Traceback" not in captured.err
+    # no traceback of the workers (one would pass through the function's file); the suite's
+    # other threads may print their own to the same stderr
+    assert str(f) not in captured.err and "lockstep worker" not in captured.err, captured.err
