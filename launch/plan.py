@@ -248,22 +248,11 @@ class _Plan(Estimates, Placement):
         out["gpus_per_engine"] = g
         out["sglang"] = {"tp_size": sg.tp_size, "ep_size": sg.ep_size,
                          "moe_tp_size": sg.tp_size // sg.ep_size}
-        if m.num_attention_heads % g:
-            self.refuse(f"rollout.sglang.tp_size={g} does not divide the model's "
-                        f"num_attention_heads={m.num_attention_heads}")
-        kv = m.num_key_value_heads
-        if not m.is_mla and (kv % g if g <= kv else g % kv):
-            self.refuse(f"rollout.sglang.tp_size={g} and the model's num_key_value_heads={kv}: "
-                        "one must divide the other (SGLang splits or replicates KV heads)")
+        self._tp_checks("sglang", "SGLang", g)
         if m.num_experts % sg.ep_size:
             self.refuse(f"rollout.sglang.ep_size={sg.ep_size} does not divide the model's "
                         f"num_experts={m.num_experts}")
-        if self.gpu and g > c.gpus_per_node:
-            self.refuse(f"rollout.sglang.tp_size={g}: one SGLang server spans at most one node "
-                        f"here (cluster.gpus_per_node={c.gpus_per_node})")
-        if not m.path:
-            self.refuse("rollout.backend=sglang needs model.path: SGLang loads the policy "
-                        "from an HF folder")
+        self._server_checks("sglang", "SGLang", g)
         if ro.router_dtype not in (None, base_precision(ro.dtype)):
             self.notes.append(f"rollout.router_dtype={ro.router_dtype}: SGLang has no router "
                               "dtype option; its router runs in --dtype")
@@ -285,6 +274,27 @@ class _Plan(Estimates, Placement):
         out["memory_per_gpu"] = self._engine_memory(g)
         return out
 
+    def _tp_checks(self, name: str, label: str, g: int) -> None:
+        """What an engine's tensor parallelism of `g` needs of the model's attention heads."""
+        m = self.cfg.model
+        if m.num_attention_heads % g:
+            self.refuse(f"rollout.{name}.tp_size={g} does not divide the model's "
+                        f"num_attention_heads={m.num_attention_heads}")
+        kv = m.num_key_value_heads
+        if not m.is_mla and (kv % g if g <= kv else g % kv):
+            self.refuse(f"rollout.{name}.tp_size={g} and the model's num_key_value_heads={kv}: "
+                        f"one must divide the other ({label} splits or replicates KV heads)")
+
+    def _server_checks(self, name: str, label: str, g: int) -> None:
+        """A launched server of `g` GPUs fits on one node and has an HF folder to load."""
+        c = self.cfg.cluster
+        if self.gpu and g > c.gpus_per_node:
+            self.refuse(f"rollout.{name}.tp_size={g}: one {label} server spans at most one node "
+                        f"here (cluster.gpus_per_node={c.gpus_per_node})")
+        if not self.cfg.model.path:
+            self.refuse(f"rollout.backend={name} needs model.path: {label} loads the policy "
+                        f"from an HF folder")
+
     def _vllm_rollout(self, out: dict[str, Any]) -> dict[str, Any]:
         """rollout.backend=vllm: the servers' TP / expert-parallel sizes, what vLLM refuses,
         and the memory per GPU (the launch command of each engine: `_placement`)."""
@@ -294,22 +304,11 @@ class _Plan(Estimates, Placement):
         out["vllm"] = {"tp_size": g, "expert_parallel": vl.expert_parallel,
                        "experts": (f"sharded over the {g} GPUs (expert parallel)"
                                    if vl.expert_parallel else f"each TP-split {g} ways")}
-        if m.num_attention_heads % g:
-            self.refuse(f"rollout.vllm.tp_size={g} does not divide the model's "
-                        f"num_attention_heads={m.num_attention_heads}")
-        kv = m.num_key_value_heads
-        if not m.is_mla and (kv % g if g <= kv else g % kv):
-            self.refuse(f"rollout.vllm.tp_size={g} and the model's num_key_value_heads={kv}: "
-                        "one must divide the other (vLLM splits or replicates KV heads)")
+        self._tp_checks("vllm", "vLLM", g)
         if vl.expert_parallel and m.num_experts % g:
             self.refuse(f"rollout.vllm.expert_parallel with tp_size={g}: it does not divide "
                         f"the model's num_experts={m.num_experts}")
-        if self.gpu and g > c.gpus_per_node:
-            self.refuse(f"rollout.vllm.tp_size={g}: one vLLM server spans at most one node "
-                        f"here (cluster.gpus_per_node={c.gpus_per_node})")
-        if not m.path:
-            self.refuse("rollout.backend=vllm needs model.path: vLLM loads the policy from an "
-                        "HF folder")
+        self._server_checks("vllm", "vLLM", g)
         if ro.mask_replay:
             self.notes.append("sampling-mask replay: the servers run --return-sampling-mask, "
                               "so every request goes out with top_k > 0 and temperature > 0 "
