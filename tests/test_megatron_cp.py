@@ -102,7 +102,7 @@ def test_context_parallel_is_refused_on_cpu_with_the_reason():
     from lockstep.moe.checks import ConfigError
     from lockstep.trainer.actor.megatron.model import transformer_config
     from lockstep.trainer.config.load import load_config
-    from lockstep.trainer.loop import check_megatron_world
+    from lockstep.trainer.config.megatron import check_world
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -113,16 +113,16 @@ def test_context_parallel_is_refused_on_cpu_with_the_reason():
            r"parallelism only in Transformer Engine's attention .* local DotProductAttention, "
            r"the CPU path, supports context_parallel_size 1 only")
     with pytest.raises(ConfigError, match=why):
-        check_megatron_world(cfg)
+        check_world(cfg)
     with pytest.raises(ConfigError, match=why):
         transformer_config(cfg.model, cfg.actor.megatron)
     with pytest.raises(ConfigError, match=r"tensor_parallel=1 x actor\.megatron\."
                        r"context_parallel=2 x actor\.megatron\.pipeline_parallel=2 does not "
                        r"divide the 2 actor ranks"):
-        check_megatron_world(load_config(toy, ["actor.backend=megatron", "cluster.actor_ranks=2",
+        check_world(load_config(toy, ["actor.backend=megatron", "cluster.actor_ranks=2",
                                                "actor.megatron.context_parallel=2",
                                                "actor.megatron.pipeline_parallel=2"]))
     with pytest.raises(ValueError, match=r"actor\.megatron\.context_parallel=2: the RL loop "
                        r"runs megatron-core in a world of one process"):
-        check_megatron_world(load_config(toy, ["actor.backend=megatron",
+        check_world(load_config(toy, ["actor.backend=megatron",
                                                "actor.megatron.context_parallel=2"]))

@@ -109,16 +109,16 @@ def test_loop_refuses_a_multi_rank_layout(tmp_path, override):
 ])
 def test_group_layouts_megatron_cannot_run_are_refused_before_any_rank_starts(sets, msg):
     from lockstep.moe.checks import ConfigError
-    from lockstep.trainer.loop import check_megatron_world
+    from lockstep.trainer.config.megatron import check_world
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
                       ["actor.backend=megatron", *sets])
     with pytest.raises(ConfigError, match=msg):
-        check_megatron_world(cfg)
+        check_world(cfg)
     ok = load_config(Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml",
                      ["actor.backend=megatron", "cluster.actor_ranks=4",
                       "actor.megatron.tensor_parallel=2", "actor.megatron.expert_parallel=2",
                       "actor.megatron.expert_tensor_parallel=1"])
-    check_megatron_world(ok)  # the same layout with expert TP 1 is allowed (and tested)
+    check_world(ok)  # the same layout with expert TP 1 is allowed (and tested)
 
 
 @pytest.mark.parametrize("sets, msg", [
@@ -139,15 +139,15 @@ def test_bad_virtual_pipeline_is_refused_when_read(sets, msg):
 
 def test_virtual_pipeline_layers_must_split_over_every_chunk():
     from lockstep.moe.checks import ConfigError
-    from lockstep.trainer.loop import check_megatron_world
+    from lockstep.trainer.config.megatron import check_world
     toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
     sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
             "actor.megatron.pipeline_parallel=2", "actor.megatron.virtual_pipeline_parallel=2"]
     with pytest.raises(ConfigError, match=r"model\.num_hidden_layers=6 is not divisible by "
                        r"actor\.megatron\.pipeline_parallel=2 x actor\.megatron\."
                        r"virtual_pipeline_parallel=2 \(every model chunk"):
-        check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=6"]))
-    check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=4"]))  # runs
+        check_world(load_config(toy, [*sets, "model.num_hidden_layers=6"]))
+    check_world(load_config(toy, [*sets, "model.num_hidden_layers=4"]))  # runs
 
 
 def test_uneven_pipeline_stages_are_accepted_and_laid_out():
@@ -156,7 +156,7 @@ def test_uneven_pipeline_stages_are_accepted_and_laid_out():
     stay equal (pipeline_layers refused, naming both options)."""
     from lockstep.moe.checks import ConfigError
     from lockstep.trainer.config.megatron import chunk_layers, megatron_args
-    from lockstep.trainer.loop import check_megatron_world
+    from lockstep.trainer.config.megatron import check_world
     toy = Path(__file__).resolve().parent.parent / "configs" / "toy_r3.yaml"
     sets = ["actor.backend=megatron", "cluster.actor_ranks=2",
             "actor.megatron.pipeline_parallel=2"]
@@ -164,7 +164,7 @@ def test_uneven_pipeline_stages_are_accepted_and_laid_out():
                                   (["actor.megatron.pipeline_layers=[1,2]"], [[0], [1, 2]],
                                    "Et|ttL")):
         cfg = load_config(toy, [*sets, *extra])
-        check_megatron_world(cfg)
+        check_world(cfg)
         m = cfg.actor.megatron
         assert [chunk_layers(cfg.model, m, p) for p in range(2)] == [[s] for s in stages]
         args = megatron_args(cfg.model, m, use_te=False, on_gpu=False)
@@ -174,6 +174,6 @@ def test_uneven_pipeline_stages_are_accepted_and_laid_out():
                          on_gpu=False)["pipeline_model_parallel_layout"] is None
     with pytest.raises(ConfigError, match=r"pipeline_layers with actor\.megatron\."
                        r"virtual_pipeline_parallel=2 is not supported"):
-        check_megatron_world(load_config(toy, [*sets, "model.num_hidden_layers=4",
+        check_world(load_config(toy, [*sets, "model.num_hidden_layers=4",
                                                "actor.megatron.virtual_pipeline_parallel=2",
                                                "actor.megatron.pipeline_layers=[2,2]"]))

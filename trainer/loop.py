@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from lockstep.kernels.device import resolve_device
 from lockstep.moe.checkpoint import load_hf
 from lockstep.moe.model import MoEModel
 from lockstep.rollout.agent import ObservationCodec, TrajectoryRunner, Turns
@@ -36,6 +35,7 @@ from lockstep.trainer.actor.rank import OldLogprobs, shuffle_seed, UpdateInputs
 from lockstep.trainer.actor.versions import VersionSplit, stale_turn_mask
 from lockstep.trainer.config.experiment import ExperimentConfig
 from lockstep.trainer.config.load import save_config
+from lockstep.trainer.config.megatron import check_world
 from lockstep.trainer.driver.agent import env_problem, trajectory_rewards, turn_k3
 from lockstep.trainer.driver.data import (check_data_on_resume, DatasetSource,
                                          resolve_lengths, TaskSource)
@@ -71,37 +71,6 @@ def run_hash(cfg: ExperimentConfig, layout: bool = False) -> str:
         from lockstep.trainer.actor.checkpoint import without_layout
         parts.update(without_layout(cfg))
     return ExperimentConfig(**parts).hash()
-
-
-def check_megatron_world(cfg: ExperimentConfig) -> None:
-    """Refuse an `actor.megatron` layout the loop cannot run. The loop is one process (every
-    rank would run its own engine and write the same run directory), so the megatron actor
-    gets a world of one: tensor, expert and expert-tensor parallel sizes must all be 1."""
-    import torch.distributed as dist
-
-    if cfg.actor.backend != "megatron":
-        return
-    m = cfg.actor.megatron
-    if cfg.cluster.actor_ranks > 1:  # the Ray actor group hosts one megatron rank per member
-        from lockstep.trainer.config.megatron import check_layout
-        on_gpu = resolve_device(cfg.cluster.device, here=False).type == "cuda"
-        check_layout(m, cfg.cluster.actor_ranks, on_gpu=on_gpu, cfg=cfg.model)
-        return
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != 1:
-        raise ValueError(f"Trainer runs in one process, but torch.distributed has a world of "
-                         f"{world}: multi-rank megatron (torchrun) is not supported by the loop")
-    big = {k: v for k, v in (("tensor_parallel", m.tensor_parallel),
-                             ("expert_parallel", m.expert_parallel),
-                             ("expert_tensor_parallel", m.etp),
-                             ("pipeline_parallel", m.pipeline_parallel),
-                             ("context_parallel", m.context_parallel)) if v != 1}
-    if big:
-        raise ValueError(
-            f"{', '.join(f'actor.megatron.{k}={v}' for k, v in big.items())}: the RL loop runs "
-            "megatron-core in a world of one process, so every parallel size must be 1; "
-            "multi-rank launch (torchrun) is not supported yet: set cluster.actor_ranks "
-            "(docs/megatron.md)")
 
 
 def lean_startup(cfg: ExperimentConfig) -> bool:
@@ -165,7 +134,7 @@ class Trainer:
 
     def _build(self, cfg: ExperimentConfig, out_dir: str | Path, resume: bool,
                progress: bool, log: Callable[[str], None]) -> None:
-        check_megatron_world(cfg)
+        check_world(cfg)
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.task = Task(cfg.task)
         if cfg.data.enabled:  # a data set's reward workers

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lockstep.kernels.device import resolve_device
 from lockstep.kernels.dtypes import HF_PRECISIONS, hf_name, torch_dtype
 from lockstep.moe.checks import ConfigError, strict_kwargs
 from lockstep.moe.config import ModelConfig
@@ -398,6 +399,37 @@ def check_layout(opts: MegatronOptions, world: int | None, on_gpu: bool,
     problems = layout_problems(opts, cfg, world, on_gpu)
     if problems:
         raise ConfigError(problems[0])
+
+
+def check_world(cfg) -> None:
+    """Refuse an `actor.megatron` layout the loop cannot run (`cfg`: an ExperimentConfig).
+    The loop is one process (every rank would run its own engine and write the same run
+    directory), so the megatron actor gets a world of one: tensor, expert and expert-tensor
+    parallel sizes must all be 1."""
+    import torch.distributed as dist
+
+    if cfg.actor.backend != "megatron":
+        return
+    m = cfg.actor.megatron
+    if cfg.cluster.actor_ranks > 1:  # the Ray actor group hosts one megatron rank per member
+        on_gpu = resolve_device(cfg.cluster.device, here=False).type == "cuda"
+        check_layout(m, cfg.cluster.actor_ranks, on_gpu=on_gpu, cfg=cfg.model)
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != 1:
+        raise ValueError(f"Trainer runs in one process, but torch.distributed has a world of "
+                         f"{world}: multi-rank megatron (torchrun) is not supported by the loop")
+    big = {k: v for k, v in (("tensor_parallel", m.tensor_parallel),
+                             ("expert_parallel", m.expert_parallel),
+                             ("expert_tensor_parallel", m.etp),
+                             ("pipeline_parallel", m.pipeline_parallel),
+                             ("context_parallel", m.context_parallel)) if v != 1}
+    if big:
+        raise ValueError(
+            f"{', '.join(f'actor.megatron.{k}={v}' for k, v in big.items())}: the RL loop runs "
+            "megatron-core in a world of one process, so every parallel size must be 1; "
+            "multi-rank launch (torchrun) is not supported yet: set cluster.actor_ranks "
+            "(docs/megatron.md)")
 
 
 def precision_problems(cfg, on_gpu: bool) -> list[str]:
