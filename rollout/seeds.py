@@ -17,6 +17,9 @@ from __future__ import annotations
 
 MAX_LOOP_SEED = 2**31 - 1
 """The largest loop.seed (it also seeds numpy and Python's RNGs, which take 32-bit seeds)."""
+MAX_STEPS = 2**31 - 1
+"""The largest step count or step interval a config may give (loop.steps, checkpoint_every,
+...): every step number then keeps the sampling and shuffle seeds exact int64s."""
 SEED_MULTIPLIER = 1_000_003
 STREAM_BITS = 24
 """A step's seeds span 2^24 values: training's first half, validation's second."""

@@ -43,7 +43,13 @@ BAD = {
                                              r"options apply only to actor\.backend=megatron",
     ("actor.optimizer=sgd",): r"'actor\.optimizer': 'optimizer' is not a valid "
                                  r"key of actor; valid keys are \['backend'",
-    ("loop.checkpoint_every=-1",): r"loop\.checkpoint_every=-1 is outside \[0, inf\)",
+    ("loop.checkpoint_every=-1",): r"loop\.checkpoint_every=-1 is outside \[0, 2147483647\]",
+    # a bound given as lt= is described open, as enforced: (0, 1) for the trigger's factor
+    ("actor.lr_schedule=triggered", "actor.lr_trigger={k3_kl: 0.01, factor: 2}"):
+        r"actor\.lr_trigger\.factor=2\.0 is outside \(0\.0, 1\.0\)$",
+    # integers are bounded where they end up: a step count past int64 would overflow seeds
+    ("loop.steps=9223372036854775808",): r"loop\.steps=9223372036854775808 is outside "
+                                         r"\[1, 2147483647\]",
     ("loop.plots=maybe",): r"loop\.plots must be true or false, got 'maybe'",
     ("loop.seed=2147483648",): r"loop\.seed=2147483648 is outside \[0, 2147483647\]",
     ("cluster.device=tpu",): r"cluster\.device='tpu' is not one of \['auto', 'cpu', 'cuda'\]",

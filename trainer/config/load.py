@@ -135,8 +135,9 @@ def _walk(loc: tuple) -> tuple[str, Any, type[BaseModel] | None]:
 
 
 def _bounds(info: Any) -> str:
+    """The interval a field's bounds enforce, open or closed at each end as they are."""
     lo = hi = None
-    lo_open = False
+    lo_open = hi_open = False
     for m in getattr(info, "metadata", ()):
         if isinstance(m, annotated_types.Ge):
             lo = m.ge
@@ -144,8 +145,10 @@ def _bounds(info: Any) -> str:
             lo, lo_open = m.gt, True
         elif isinstance(m, annotated_types.Le):
             hi = m.le
+        elif isinstance(m, annotated_types.Lt):
+            hi, hi_open = m.lt, True
     lo_s = "(-inf, " if lo is None else f"{'(' if lo_open else '['}{lo}, "
-    return lo_s + ("inf)" if hi is None else f"{hi}]")
+    return lo_s + ("inf)" if hi is None else f"{hi}{')' if hi_open else ']'}")
 
 
 _MESSAGES = {

@@ -23,7 +23,7 @@ from lockstep.kernels.dtypes import ENGINE_PRECISIONS, PRECISIONS
 from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.env import EnvConfig
 from lockstep.rollout.mismatch import MismatchConfig
-from lockstep.rollout.seeds import MAX_LOOP_SEED
+from lockstep.rollout.seeds import MAX_LOOP_SEED, MAX_STEPS
 from lockstep.rollout.sglang_options import SGLangOptions
 from lockstep.rollout.vllm_options import VLLMOptions
 from lockstep.rollout.types import GREEDY_TEMPERATURE
@@ -188,7 +188,7 @@ class LRTriggerConfig(Section):
     flip_rate: Float | None = Field(None, gt=0.0, le=1.0)
     """Trigger when the step's routing flip rate (routing/flip_rate: rollout routes vs the
     trainer's natural top-k) passes this; None = off."""
-    cooldown: int = Field(10, ge=0)
+    cooldown: int = Field(10, ge=0, le=MAX_STEPS)
     """Steps after a trigger during which no other fires."""
     min_scale: Float = Field(0.0, ge=0.0, lt=1.0)
     """The LR multiplier never goes below this (0 = no floor)."""
@@ -238,20 +238,20 @@ class ActorConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear", "triggered"] = "constant"
     """LR after warm-up: constant, cosine or linear decay to min_lr_ratio * lr at loop.steps,
     or triggered: constant, cut by actor.lr_trigger when mismatch symptoms show."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     """Linear LR warm-up, in optimiser steps."""
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0)
     """Final LR as a fraction of lr for decaying schedules."""
     epochs: int = Field(1, ge=1, le=100)
     """Passes over each RL batch (PPO epochs)."""
-    mini_batch_size: int = Field(256, ge=1)
+    mini_batch_size: int = Field(256, ge=1, le=1 << 20)
     """Sequences per optimiser step; must divide the rollout batch."""
-    micro_batch_size: int = Field(64, ge=1)
+    micro_batch_size: int = Field(64, ge=1, le=1 << 20)
     """Sequences per forward/backward (gradient accumulation); must divide mini_batch_size."""
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=1 << 31)
     """Token budget per forward/backward (rows x their longest row): rows are packed by length
     into as few micro-batches as fit, replacing micro_batch_size; None = micro_batch_size rows."""
-    logprob_chunk: int = Field(4096, ge=1)
+    logprob_chunk: int = Field(4096, ge=1, le=1 << 31)
     """Vocabulary chunk of the log-prob kernel (the [tokens, V] log-softmax is never built)."""
     aux_loss_coef: Float = Field(0.0, ge=0.0)
     """Weight of the load-balancing loss (0 = off)."""
@@ -312,13 +312,13 @@ class WarmstartConfig(Section):
     """Stop once greedy exact-match accuracy on held-out prompts reaches this."""
     lr: Float = Field(5e-3, gt=0.0, le=1.0)
     """AdamW learning rate of the warm start."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, le=1 << 20)
     """Demonstrations per step."""
-    max_steps: int = Field(3000, ge=1)
+    max_steps: int = Field(3000, ge=1, le=MAX_STEPS)
     """Give up (keep the model) after this many steps."""
-    eval_every: int = Field(25, ge=1)
+    eval_every: int = Field(25, ge=1, le=MAX_STEPS)
     """Steps between greedy evaluations."""
-    eval_size: int = Field(256, ge=1)
+    eval_size: int = Field(256, ge=1, le=1 << 20)
     """Held-out prompts per evaluation."""
     cache_dir: str = "~/.cache/lockstep/warmstart"
     """Where warm-started checkpoints are cached (HF folders)."""
@@ -338,14 +338,14 @@ class WandbConfig(Section):
 class LoopConfig(Section):
     """The RL step loop: length, seeding, outputs."""
 
-    steps: int = Field(100, ge=1)
+    steps: int = Field(100, ge=1, le=MAX_STEPS)
     """RL steps to run."""
     seed: int = Field(0, ge=0, le=MAX_LOOP_SEED)
     """Seeds model init, problem stream, sampling and everything else, in [0, 2^31)
     (sampling seeds stay int64 for all of them: rollout/seeds.py)."""
-    checkpoint_every: int = Field(25, ge=0)
+    checkpoint_every: int = Field(25, ge=0, le=MAX_STEPS)
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
-    keep_checkpoints: int = Field(2, ge=0)
+    keep_checkpoints: int = Field(2, ge=0, le=MAX_STEPS)
     """Newest checkpoints kept on disk (0 = keep all)."""
     out_dir: str = "runs/default"
     """Run directory (metrics.jsonl, tensorboard/, checkpoints/, plots); --out overrides it."""
@@ -353,10 +353,10 @@ class LoopConfig(Section):
     """Also write TensorBoard event files under out_dir/tensorboard."""
     plots: bool = True
     """Write reward / flip-rate / k3_kl PNG plots into out_dir at the end."""
-    dump_every: int = Field(0, ge=0)
+    dump_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Write every N-th step's samples to out_dir/dumps/step_<n>.safetensors (0 = never);
     `lockstep diagnose --dump FILE` reads them (docs/diagnose.md)."""
-    val_every: int = Field(0, ge=0, le=2**31 - 1)
+    val_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Score data.val_files every N steps, logged as val/... (0 = never), in [0, 2^31)."""
     wandb: WandbConfig | None = Field(None, json_schema_extra=LATER)
     """Also log every metric row, the plots and the config to Weights & Biases, e.g.
