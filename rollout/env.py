@@ -142,6 +142,9 @@ def load_env(file: str) -> Callable[..., Any]:
     for name, fn in (("step", step), ("reset", reset), ("tool", tool)):
         if fn is not None and not callable(fn):
             raise RewardFunctionError(f"rollout.env.file={file!r}: {name} is not callable")
+    if step is not None and tool is not None:
+        raise RewardFunctionError(f"rollout.env.file={file!r}: defines both step(state, turn) and "
+                                  f"tool(call); step would run and tool never: keep one")
     if step is None and tool is None:
         raise RewardFunctionError(f"rollout.env.file={file!r}: defines neither step(state, turn) "
                                   f"nor tool(call)")

@@ -125,3 +125,21 @@ def test_settings_that_would_do_nothing_are_refused_naming_what_makes_them_act(t
         load_config(agent, ["rollout.env.mask_stale_turns=true", "loop.max_staleness=1"])
     assert load_config(agent, ["rollout.env.mask_stale_turns=true", "loop.max_staleness=1",
                                "rollout.env.turns_before_push=1"]).rollout.env.mask_stale_turns
+    # OPSM's log-prob source without OPSM, a rejection threshold without rejection sampling
+    with pytest.raises(ExperimentConfigError, match=r"loss.opsm_logprobs='old' has no effect "
+                                                    r"without loss.opsm_delta"):
+        load_config(CONFIGS / "toy_r3.yaml", ["loss.opsm_logprobs=old"])
+    assert load_config(CONFIGS / "toy_r3.yaml", ["loss.opsm_logprobs=old",
+                                                 "loss.opsm_delta=1e-4"]).loss.opsm_delta == 1e-4
+    with pytest.raises(ExperimentConfigError, match=r"rollout_rs_threshold=0.01 has no effect "
+                                                    r"without rollout_rs .* set rollout_rs"):
+        load_config(CONFIGS / "toy_r3.yaml", ["correction.rollout_rs_threshold=0.01"])
+    # an env file with both entry points: the tool would be ignored
+    from lockstep.rollout.env import load_env
+    from lockstep.rollout.rewards import RewardFunctionError
+    both = tmp_path / "both.py"
+    both.write_text("def step(state, turn):\n    return {'done': True}\n"
+                    "def tool(call):\n    return 'x'\n")
+    with pytest.raises(RewardFunctionError, match=r"defines both step\(state, turn\) and "
+                                                  r"tool\(call\); step would run and tool never"):
+        load_env(str(both))

@@ -83,6 +83,10 @@ class CorrectionConfig:
             parse_is_threshold(self.rollout_is_threshold)
         if self.rollout_rs is not None:
             parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        elif self.rollout_rs_threshold is not None:
+            raise ValueError(f"rollout_rs_threshold={self.rollout_rs_threshold!r} has no effect "
+                             "without rollout_rs (rejection sampling is off); set rollout_rs "
+                             "(token_k1, seq_mean_k3, ...) or drop it")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
         if self.prob_diff_eps is not None and not 0 < self.prob_diff_eps <= 1:

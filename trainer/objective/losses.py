@@ -74,6 +74,9 @@ class LossConfig:
         if self.loss_mode != "vanilla" and self.ratio_level != "token":
             raise ValueError(f"loss_mode={self.loss_mode} is a per-token loss; it needs ratio_level=token, "
                              f"got {self.ratio_level!r}")
+        if self.opsm_delta is None and self.opsm_logprobs != "rollout":
+            raise ValueError(f"loss.opsm_logprobs={self.opsm_logprobs!r} has no effect without "
+                             "loss.opsm_delta (OPSM is off); set loss.opsm_delta or drop it")
         if self.opsm_delta is not None and not self.opsm_delta >= 0:
             raise ValueError(f"opsm_delta must be >= 0 (None disables OPSM), got {self.opsm_delta}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
