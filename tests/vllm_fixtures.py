@@ -25,6 +25,8 @@ from lockstep.cluster.ports import free_port
 from lockstep.rollout.sglang import SGLangError
 from lockstep.rollout.vllm import VLLMConfig, VLLMServer
 
+from load_fixtures import scaled
+
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "vllm_cpu" / "shims"
 VENV = Path(os.environ.get("LOCKSTEP_VLLM_VENV",
@@ -41,10 +43,8 @@ def require_vllm() -> Path:
 
 
 def startup_deadline_s() -> float:
-    """STARTUP_S times the load per core (at least 1, at most 6): a loaded host is slow, not
-    broken."""
-    load = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return STARTUP_S * min(6.0, max(1.0, load))
+    """STARTUP_S scaled by the machine's load (tests/load_fixtures.py)."""
+    return scaled(STARTUP_S)
 
 
 def server_config(folder: Path, dtype: str, mask: bool = True, **kw) -> VLLMConfig:
