@@ -155,7 +155,8 @@ class HTTPBackend(RolloutBackend):
                  backoff_s: float = 0.5, compact_routes: bool = True,
                  weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096,
                  fan_out_samples: bool = False, weight_sync: str = "disk",
-                 bucket_bytes: int = 256 << 20, log=None, abort_retries: int = 3):
+                 bucket_bytes: int = 256 << 20, log=None, abort_retries: int = 3,
+                 push_marker: str | Path | None = None):
         if weight_sync not in self.WEIGHT_SYNC:
             raise ValueError(f"HTTPBackend: weight_sync={weight_sync!r}; valid: "
                              f"{list(self.WEIGHT_SYNC)}")
@@ -183,7 +184,8 @@ class HTTPBackend(RolloutBackend):
         # server and for fleets)
         self.pusher = WeightPush(model_cfg, weight_sync, self.SYNC_CLS,
                                  weights_dir=self.weights_dir, api_key=api_key,
-                                 timeout_s=timeout_s, bucket_bytes=bucket_bytes, log=self._log)
+                                 timeout_s=timeout_s, bucket_bytes=bucket_bytes, log=self._log,
+                                 marker=push_marker)
 
     # -- transport ----------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:

@@ -186,7 +186,8 @@ class HTTPCalls:
                  weight_sync: str = "distributed", weights_dir: str | Path | None = None,
                  max_concurrency: int = 64,
                  fan_out_samples: bool = False, sampling_mask_max_tokens: int = 4096,
-                 bucket_bytes: int = 64 << 20, client_cls: type[HTTPBackend] = HTTPBackend):
+                 bucket_bytes: int = 64 << 20, client_cls: type[HTTPBackend] = HTTPBackend,
+                 push_marker: str | Path | None = None):
         if weight_sync not in ("auto", "distributed", "disk"):
             raise ValueError(f"Fleet: weight_sync must be 'auto', 'distributed' or 'disk', got "
                              f"{weight_sync!r}")
@@ -200,7 +201,7 @@ class HTTPCalls:
         # the weight push, the same code as one HTTPBackend's (rollout/weight_push.py)
         self.pusher = WeightPush(model_cfg, weight_sync, client_cls.SYNC_CLS,
                                  weights_dir=weights_dir, api_key=api_key,
-                                 bucket_bytes=bucket_bytes, who="fleet: ")
+                                 bucket_bytes=bucket_bytes, who="fleet: ", marker=push_marker)
 
     @property
     def weight_sync(self) -> str:

@@ -10,6 +10,13 @@ and for a fleet (`HTTPCalls.push`, rollout/transports.py): `rollout.weight_sync`
 - `auto`: distributed, and disk for good (said once, this push included) when a server refuses
   to join or refuses a push before any weight changed (`PushRefused`).
 
+With a `marker` file (the trainer's: RUN/push_in_flight.json), a distributed or tensor push
+writes it (the URLs, the version, this process's id) before its sessions open and removes it
+when they close, failed pushes included: only a killed process leaves it. A WeightPush that
+finds one from a process that is gone (`--resume` of a killed run: the same run directory)
+closes the sessions that push left open on those URLs, and says so; elsewhere an open
+session is refused with the command that closes it (weight_sync.stale_session_help).
+
 Errors: `PushRefused` (nothing changed) only escapes in `distributed`; a server that did not
 answer is `EngineDown` (the fleet finds and relaunches it); anything else a `RolloutError`.
 """
@@ -17,6 +24,9 @@ answer is `EngineDown` (the fleet finds and relaunches it); anything else a `Rol
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import shutil
 import socket
 import time
@@ -29,6 +39,8 @@ from .types import EngineDown, PushRefused, RolloutError
 from .weight_sync import as_buckets, write_hf_buckets
 
 MODES = ("auto", "distributed", "tensor", "disk")
+MARKER = "push_in_flight.json"
+"""The marker's name in a run directory."""
 
 
 class WeightPush:
@@ -38,11 +50,13 @@ class WeightPush:
     def __init__(self, model_cfg: ModelConfig, mode: str, sync_cls: type, *,
                  weights_dir: str | Path | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0, bucket_bytes: int = 256 << 20,
-                 log: Callable[[str], None] | None = None, who: str = ""):
+                 log: Callable[[str], None] | None = None, who: str = "",
+                 marker: str | Path | None = None):
         if mode not in MODES:
             raise ValueError(f"weight_sync={mode!r}; valid: {list(MODES)}")
         self.cfg, self.mode, self.sync_cls = model_cfg, mode, sync_cls
         self.weights_dir = None if weights_dir is None else Path(weights_dir)
+        self.marker = None if marker is None else Path(marker)  # the push in flight's file
         self.api_key, self.timeout_s, self.bucket_bytes = api_key, timeout_s, bucket_bytes
         self._log, self._who = log or (lambda s: None), who
         self.sync = None  # the weight-update group, over `sync_urls`
@@ -50,6 +64,7 @@ class WeightPush:
         self.last_folder: Path | None = None  # the folder of the last disk push, and its version
         self.last_version: str | None = None
         self.last_push: dict = {}  # {"mode", "bytes", "seconds", "buckets"}
+        self.killed_push = self._killed_push()  # URLs a killed process left mid-push
 
     # -- one push ---------------------------------------------------------------------------
     def push(self, clients: list, source: Any, version: str,
@@ -63,13 +78,13 @@ class WeightPush:
         if isinstance(source, (str, Path)):
             self.load_folder(clients, Path(source), version)
             stats = {"mode": "disk", "bytes": 0, "buckets": 0}
-        elif self.mode in ("auto", "distributed"):
-            stats = self._distributed(clients, as_buckets(source, self.bucket_bytes), version)
-        elif self.mode == "tensor":
-            if len(clients) != 1:
+        elif self.mode in ("auto", "distributed", "tensor"):
+            if self.mode == "tensor" and len(clients) != 1:
                 raise ValueError("weight_sync=tensor pushes to one server only")
-            stats = asyncio.run(clients[0].apush_tensor(
-                as_buckets(source, self.bucket_bytes), version))
+            buckets = as_buckets(source, self.bucket_bytes)
+            with self._in_flight(clients, version):
+                stats = (self._distributed(clients, buckets, version) if self.mode != "tensor"
+                         else asyncio.run(clients[0].apush_tensor(buckets, version)))
         else:
             stats = self._disk(clients, as_buckets(source, self.bucket_bytes), version)
         self.last_push = {**stats, "seconds": time.perf_counter() - t0}
@@ -92,6 +107,7 @@ class WeightPush:
             self.sync.timeout_s, self.sync_urls = self.timeout_s, urls
             self._log(f"{self._who}rollout.weight_sync: joined {', '.join(urls)} in weight "
                       f"group {self.sync.group_name!r} (distributed)")
+        self.sync.own_stale = self.killed_push & set(urls)
         try:
             stats = self.sync.push(buckets, version)
         except PushRefused as e:  # refused before any weight changed
@@ -106,9 +122,38 @@ class WeightPush:
         except BaseException:
             self.close()
             raise
+        for url in self.sync.closed_stale:
+            self._log(f"{self._who}rollout.weight_sync: closed the weight-update session a "
+                      f"killed push of this run left open on {url}")
+        self.killed_push -= set(self.sync.closed_stale)
+        self.sync.closed_stale = []
         for c in clients:
             c.confirm_version(version, "the distributed push")
         return {"mode": "distributed", **{k: stats[k] for k in ("bytes", "buckets")}}
+
+    # -- the marker of a push in flight (module docstring) ----------------------------------
+    def _killed_push(self) -> set[str]:
+        try:
+            d = json.loads(self.marker.read_text())
+            pid, urls = int(d["pid"]), {str(u) for u in d["urls"]}
+        except (AttributeError, TypeError, OSError, ValueError, KeyError):  # none: none killed
+            return set()
+        return set() if pid == os.getpid() or _alive(pid) else urls
+
+    @contextlib.contextmanager
+    def _in_flight(self, clients: list, version: str):
+        file = self.marker
+        if file is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"urls": [c.url for c in clients],
+                                       "version": str(version), "pid": os.getpid()}))
+            os.replace(tmp, file)
+        try:
+            yield
+        finally:  # a failed push closed its sessions too; only a kill skips this
+            if file is not None:
+                file.unlink(missing_ok=True)
 
     def _fall_back(self, clients: list, why: str, buckets, version: str) -> dict:
         """auto: disk from now on (said once), this push included."""
@@ -163,6 +208,16 @@ class WeightPush:
             except Exception:  # noqa: BLE001 - a dead member: the group is gone either way
                 pass
             self.sync, self.sync_urls = None, []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def master_addr(urls: list[str]) -> str:

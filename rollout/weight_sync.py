@@ -22,6 +22,12 @@ only) to every engine concurrently with the broadcast of the bucket's bytes as o
 buffer (`moe/buckets.py`). Buckets are consumed once, one at a time (one bucket of look-ahead
 to know which is last): the whole model is never in one place.
 
+A session left open by a trainer killed between begin and end makes every later begin a
+refusal (SGLang: "a weight-update session is already open"). The sync closes it only on the
+URLs in `own_stale` (its own process's, as `WeightPush` knows from its push marker) and
+notes them in `closed_stale`; on any other URL the refusal says the exact command that
+closes it (`stale_session_help`), since another trainer may be mid-push there.
+
 Every wait is bounded by `timeout_s`: an engine that dies or hangs gives a `RolloutError`
 naming it, and the sync is then broken (`close` it and build a new one). A failed push may
 leave engines at different versions (a real SGLang server loads each bucket as it arrives;
@@ -145,6 +151,20 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+SESSION_OPEN = "weight-update session is already open"
+"""The words of SGLang's (and our server's) refusal of a second /begin_weight_update."""
+
+
+def stale_session_help(url: str, api_key: str | None) -> str:
+    """What a user runs to close the session a killed trainer left open on `url`."""
+    auth = ' -H "Authorization: Bearer $API_KEY"' if api_key else ""
+    return (f"{url} holds a weight-update session this run did not open (a trainer killed "
+            f"between /begin_weight_update and /end_weight_update leaves one open). If no "
+            f"other trainer is pushing to it, close it with `curl -X POST{auth} "
+            f"{url}/end_weight_update` and start again; `lockstep train --resume` of the "
+            f"killed run closes its own")
+
+
 class DistributedWeightSync:
     """Rank 0 of a weight-update group over `urls` (module docstring)."""
 
@@ -159,6 +179,8 @@ class DistributedWeightSync:
         self.api_key, self.timeout_s = api_key, timeout_s
         self.group: WeightGroup | None = None
         self.broken: str | None = None  # why the group can no longer be used
+        self.own_stale: set[str] = set()  # URLs where an open session is our killed push's
+        self.closed_stale: list[str] = []  # where such a session was closed
         self._idle = threading.Event()  # set while no collective of ours is running
         self._idle.set()
         self._pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="lockstep-wsync")
@@ -292,7 +314,18 @@ class DistributedWeightSync:
                     raise
 
     def _open_session(self, i: int) -> None:
-        self._post(i, "/begin_weight_update", {})
+        try:
+            self._post(i, "/begin_weight_update", {})
+        except PushRefused as e:
+            url = self.urls[i]
+            if SESSION_OPEN not in str(e):
+                raise
+            if url not in self.own_stale:
+                raise PushRefused(f"{e}; {stale_session_help(url, self.api_key)}") from None
+            self._close_session(i, self.timeout_s)  # the session our killed push left open
+            self.own_stale.discard(url)
+            self.closed_stale.append(url)
+            self._post(i, "/begin_weight_update", {})
 
     def _close_session(self, i: int, timeout_s: float) -> None:
         self._post(i, "/end_weight_update", {}, timeout_s)

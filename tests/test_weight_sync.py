@@ -381,3 +381,78 @@ def test_weight_sync_does_not_import_the_client():
     code = ("import sys, lockstep.rollout.weight_sync; "
             "assert 'lockstep.rollout.client' not in sys.modules, 'weight_sync imports client'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+_KILLED_PUSH = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from lockstep.moe.buckets import bucketize
+from lockstep.moe.checkpoint import hf_state_dict
+from lockstep.moe.model import MoEModel
+from lockstep.rollout.client import HTTPBackend
+from model_fixtures import tiny_config
+torch.manual_seed(4)
+model = MoEModel(tiny_config(max_position_embeddings=64, mlp_only_layers=[0]))
+def buckets():
+    for i, b in enumerate(bucketize(((k, v.detach()) for k, v in hf_state_dict(model).items()),
+                                    {bucket})):
+        if i == 2:  # bucket 0 sent inside the open session, bucket 1 in hand: killed here
+            print("in session", flush=True)
+            time.sleep(600)
+        yield b
+HTTPBackend({url!r}, model.cfg, weight_sync="distributed", bucket_bytes={bucket},
+            push_marker={marker!r}).update_weights(buckets(), "killed")
+"""
+
+
+def test_a_push_killed_inside_its_session_is_closed_by_its_own_run_only(served, tmp_path):
+    """Issue 28 item 8: a trainer killed (SIGKILL) between /begin_weight_update and
+    /end_weight_update leaves the server's session open, so every later begin is refused. A
+    new run is refused with the exact command that closes it; the killed run's own directory
+    (`--resume`: its push marker, left by the kill) closes it, says so, and pushes."""
+    from lockstep.rollout.types import PushRefused
+    from lockstep.rollout.weight_receiver import RECEIVER
+    from lockstep.rollout.weight_push import MARKER
+    _, _, srv = served
+    eng = srv.app[RECEIVER].engine
+    run = tmp_path / "run"
+    run.mkdir()
+    marker = run / MARKER
+    script = _KILLED_PUSH.format(tests=str(Path(__file__).parent), bucket=BUCKET, url=srv.url,
+                                 marker=str(marker))
+    victim = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert victim.stdout.readline().strip() == "in session", victim.communicate()
+    finally:
+        victim.kill()
+        victim.wait(30)
+    assert marker.exists()  # the kill left the marker: URLs, version, the dead process's id
+    status, r = call(srv.url, "/begin_weight_update", {})
+    assert status == 400 and "already open" in r["message"], r  # the stale session
+    # another run: refused, with what to run (weight_sync=distributed: no disk fallback)
+    other = HTTPBackend(srv.url, CFG, weight_sync="distributed", bucket_bytes=BUCKET,
+                        push_marker=tmp_path / "other" / MARKER)
+    with pytest.raises(PushRefused) as e:
+        other.update_weights(_buckets(_model(5)), "other")
+    assert f"close it with `curl -X POST {srv.url}/end_weight_update`" in str(e.value), e.value
+    assert "--resume" in str(e.value) and eng.weight_version != "other"
+    assert not (tmp_path / "other" / MARKER).exists()  # a failed push leaves no marker
+    other.close()
+    # the killed run's own directory: it closes its session and pushes
+    logs: list[str] = []
+    mine = HTTPBackend(srv.url, CFG, weight_sync="distributed", bucket_bytes=BUCKET,
+                       push_marker=marker, log=logs.append)
+    new = _model(6)
+    mine.update_weights(_buckets(new), "resumed")
+    assert eng.weight_version == "resumed" and all(torch.equal(a, b) for a, b in zip(
+        eng.model.state_dict().values(), new.state_dict().values()))
+    closed = [x for x in logs if "closed the weight-update session" in x]
+    assert len(closed) == 1 and srv.url in closed[0], logs
+    assert not marker.exists()  # the push ended: no marker
+    mine.update_weights(_buckets(_model(7)), "next")  # the next push opens its own session
+    assert eng.weight_version == "next" and len(
+        [x for x in logs if "closed the weight-update session" in x]) == 1
+    mine.close()
+    assert not srv.app[RECEIVER].session

@@ -19,6 +19,7 @@ from lockstep.rollout.backends import BACKENDS
 from lockstep.rollout.client import HTTPBackend, LocalBackend, RolloutBackend
 from lockstep.rollout.engine import Engine
 from lockstep.rollout.engine_config import EngineConfig
+from lockstep.rollout.weight_push import MARKER
 from lockstep.trainer.actor.build import (bundle_selectors, colocates_fleet,
                                           colocation_refusal)
 from lockstep.trainer.config.experiment import ExperimentConfig
@@ -63,7 +64,8 @@ def make_rollout(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: 
                               timeout_s=ro.request_timeout_s,
                               weights_dir=ro.weights_dir or run_dir / "weights",
                               weight_sync=ro.weight_sync, log=log,
-                              bucket_bytes=cfg.cluster.weight_bucket_bytes)
+                              bucket_bytes=cfg.cluster.weight_bucket_bytes,
+                              push_marker=run_dir / MARKER)
         if folder is None:
             try:  # the server's weights are unknown
                 backend.update_weights(model, weight_version)
@@ -144,6 +146,7 @@ def make_fleet(cfg: ExperimentConfig, model: MoEModel | Path, weight_version: st
         shared = (actor_pg, colocate.engine_bundles(cfg.cluster.actor_ranks, ro.num_engines))
     kw: dict[str, Any] = dict(
         weight_sync=weight_sync_mode(cfg), weights_dir=ro.weights_dir or Path(out_dir) / "weights",
+        push_marker=Path(out_dir) / MARKER,
         request_timeout_s=ro.request_timeout_s, max_engine_restarts=ro.max_engine_restarts,
         max_concurrency=max(ro.prompts_per_step, 1) * ro.samples_per_prompt,
         bucket_bytes=cfg.cluster.weight_bucket_bytes, log=log,
