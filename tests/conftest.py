@@ -10,7 +10,18 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+# The longest modules first (their wall time on a 2-core machine, CI's two pytest-xdist
+# workers, longest first): `--dist loadfile` hands out whole files in collection order, so a
+# long file collected last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_vllm_real.py", "test_multinode.py", "test_group.py",
+                 "test_megatron_group.py", "test_sglang_real.py", "test_vllm_fleet.py",
+                 "test_group_checkpoint.py", "test_sglang_fleet.py", "test_server_soak.py",
+                 "test_megatron_uneven.py", "test_megatron_group4.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

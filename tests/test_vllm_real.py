@@ -146,8 +146,8 @@ def test_route_agreement_vllm_engine_transformers_fp32(vllm, toy_folder):
 def test_route_agreement_bf16_disagreements_are_near_ties(toy_folder, tmp_path):
     """The same comparison in bf16 on a bf16 server of its own (vLLM bf16 vs our bf16 engine
     vs transformers bf16) over 10 prompts of 5 tokens: rows may differ only where the fp32
-    router's k-th and (k+1)-th logits are nearly tied (bf16 rounding picks either). The table
-    and the margins are in docs/rollout.md (vllm-route-bf16)."""
+    router's k-th and (k+1)-th logits are nearly tied (bf16 rounding picks either). Measured
+    tables are in docs/rollout.md."""
     from transformers import AutoModelForCausalLM
     model = load_hf(toy_folder)
     K = model.cfg.num_experts_per_tok
@@ -187,16 +187,8 @@ def test_route_agreement_bf16_disagreements_are_near_ties(toy_folder, tmp_path):
           f"rows {sorted(tie_margins)} (median margin {median:.3g}); log-prob gap {worst:.2e}")
     assert min(agree.values()) >= 0.9 * rows, agree
     assert all(m < 0.05 for m in tie_margins), tie_margins  # near-ties only
-    ties = (f"{len(tie_margins)} row(s) differ, each a near-tie: the fp32 router's k-th and "
-            f"(k+1)-th logits {max(tie_margins):.2g} or less apart"
-            if tie_margins else "no row differs")
-    _docs_block("vllm-route-bf16", "\n".join([
-        "| dtype | (token, layer) rows | vLLM = lockstep engine | vLLM = transformers top-k | "
-        "lockstep engine = transformers top-k | max \\|prompt log-prob vLLM - engine\\| |",
-        "|---|---|---|---|---|---|",
-        f"| bf16 | {rows} | {agree['vllm=engine']} | {agree['vllm=hf']} | {agree['engine=hf']} "
-        f"| {worst:.1e} |", "",
-        f"{ties} (the median gap over all rows is {median:.2g})."]))
+    # not compared with docs/rollout.md (as the fp32 table is): which near-ties bf16 tips
+    # depends on the CPU's bf16 kernels (150/150 on one AVX-512 machine, 149/150 on an AVX2 one)
 
 
 def test_multi_turn_stitched_routes_equal_one_prefill(vllm, toy_folder, tmp_path):
