@@ -188,7 +188,7 @@ def test_route_agreement_bf16_disagreements_are_near_ties(toy_folder, tmp_path):
     assert min(agree.values()) >= 0.9 * rows, agree
     assert all(m < 0.05 for m in tie_margins), tie_margins  # near-ties only
     # not compared with docs/rollout.md (as the fp32 table is): which near-ties bf16 tips
-    # depends on the CPU's bf16 kernels (150/150 on one AVX-512 machine, 149/150 on an AVX2 one)
+    # depends on the CPU's bf16 kernels (150/150 on an AVX2 host, 149/150 on an AVX-512 one)
 
 
 def test_multi_turn_stitched_routes_equal_one_prefill(vllm, toy_folder, tmp_path):
