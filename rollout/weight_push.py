@@ -10,8 +10,7 @@ and for a fleet (`HTTPCalls.push`, rollout/transports.py): `rollout.weight_sync`
 - `auto`: distributed, and disk for good (said once, this push included) when a server refuses
   to join or refuses a push before any weight changed (`PushRefused`).
 
-With a `marker` file (the trainer's: RUN/push_in_flight.json), a distributed or tensor push
-writes it (the URLs, the version, this process's id) before its sessions open and removes it
+With a `marker` file (the trainer's: RUN/push_in_flight.json), a distributed push writes it (the URLs, the version, this process's id) before its sessions open and removes it
 when they close, failed pushes included: only a killed process leaves it. A WeightPush that
 finds one from a process that is gone (`--resume` of a killed run: the same run directory)
 closes the sessions that push left open on those URLs, and says so; elsewhere an open
@@ -78,13 +77,15 @@ class WeightPush:
         if isinstance(source, (str, Path)):
             self.load_folder(clients, Path(source), version)
             stats = {"mode": "disk", "bytes": 0, "buckets": 0}
-        elif self.mode in ("auto", "distributed", "tensor"):
-            if self.mode == "tensor" and len(clients) != 1:
-                raise ValueError("weight_sync=tensor pushes to one server only")
-            buckets = as_buckets(source, self.bucket_bytes)
+        elif self.mode in ("auto", "distributed"):
             with self._in_flight(clients, version):
-                stats = (self._distributed(clients, buckets, version) if self.mode != "tensor"
-                         else asyncio.run(clients[0].apush_tensor(buckets, version)))
+                stats = self._distributed(clients, as_buckets(source, self.bucket_bytes),
+                                          version)
+        elif self.mode == "tensor":
+            if len(clients) != 1:
+                raise ValueError("weight_sync=tensor pushes to one server only")
+            stats = asyncio.run(clients[0].apush_tensor(
+                as_buckets(source, self.bucket_bytes), version))
         else:
             stats = self._disk(clients, as_buckets(source, self.bucket_bytes), version)
         self.last_push = {**stats, "seconds": time.perf_counter() - t0}

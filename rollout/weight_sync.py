@@ -323,7 +323,6 @@ class DistributedWeightSync:
             if url not in self.own_stale:
                 raise PushRefused(f"{e}; {stale_session_help(url, self.api_key)}") from None
             self._close_session(i, self.timeout_s)  # the session our killed push left open
-            self.own_stale.discard(url)
             self.closed_stale.append(url)
             self._post(i, "/begin_weight_update", {})
 
