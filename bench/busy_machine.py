@@ -1,20 +1,22 @@
 """Warm-start steps (and optionally the README main job) on a quiet and on a busy machine, with
-the OpenMP wait policy of lockstep before issue 22 (the runtime's default: waiting threads spin)
-and after it (`kernels/threads.py`: PASSIVE), in the same run.
+lockstep's OpenMP wait policy (`kernels/threads.py`: chosen from the run queue at start) against
+fixed policies, in the same run.
 
-    python bench/busy_machine.py                       # 100 warm-start steps, 4 cases
-    python bench/busy_machine.py --steps 30 --busy 2   # shorter
+    python bench/busy_machine.py                       # 100 warm-start steps, 5 runs a case
+    python bench/busy_machine.py --steps 30 --runs 3   # shorter
+    python bench/busy_machine.py --spin-busy           # also the runtime's default when busy (slow)
     python bench/busy_machine.py --main-job            # also `lockstep train configs/toy_r3.yaml`
 
-"Busy" = `--busy` processes running a Python busy loop for the whole case (other jobs on the
-box). Every case is a fresh process with torch's default thread count (OMP_NUM_THREADS
-removed from its environment, as a user's shell has it): `old` imports torch as lockstep did,
-`new` calls `set_wait_policy()` first, as `lockstep ...` does now; `new-1t` also runs one
-thread (as `--threads 1` / `OMP_NUM_THREADS=1` would; a different thread count gives other
-last bits, so lockstep does not choose it for you). Prints seconds per case and
-the ratios busy/quiet per policy and old/new when busy (target: new busy within 3x of quiet).
-The main job runs with an empty warm-start cache of its own (`warmstart.cache_dir` in a temp
-folder) and compares summary.json of old and new (every key but time/*).
+Policies: `lockstep` calls `set_wait_policy()` in the child before torch loads, as every
+`lockstep ...` process does (quiet: GOMP_SPINCOUNT=10000, busy: PASSIVE); `active` and `passive`
+set OMP_WAIT_POLICY (passive was lockstep's fixed default before); `spin` leaves the runtime's
+default (~300k spins; lockstep before issue 22). "Busy" = `--busy` processes running a Python
+busy loop for the whole case. Every case is a fresh process with torch's default thread count
+(OMP_NUM_THREADS removed from its environment, as a user's shell has it). Prints the median
+seconds per case and the targets: quiet lockstep/active <= 1.1x, busy/quiet (lockstep) <= 2x.
+With `--busy 2` on a 2-core box, the two loops hold half the CPU, so ~2x is the fair share.
+The main job runs with an empty warm-start cache of its own and compares summary.json across
+policies (every key but time/*: the wait policy changes no number).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WARM = """
 import sys, time
-if sys.argv[1].startswith("new"):
+if sys.argv[1] == "lockstep":
     from lockstep.kernels.threads import set_wait_policy
     set_wait_policy()
 import torch
@@ -49,20 +52,21 @@ warm_start(model, Task(cfg.task), cfg.warmstart, cfg.loop.seed, f"bench-{time.ti
            log=lambda m: None)
 print(time.perf_counter() - t0)
 """
+FIXED = {"active": {"OMP_WAIT_POLICY": "ACTIVE"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+         # the CLI chooses when neither is set; a set-but-empty variable is the runtime's default
+         "spin": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""}, "lockstep": {}}
 
 
-def child_env(policy: str, cli: bool = False) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    if policy == "old" and cli:  # the CLI sets PASSIVE when unset; "" is the runtime's default
-        env["OMP_WAIT_POLICY"] = ""
-    if policy == "new-1t":  # and one thread (--threads 1): other numbers than the default count
-        env["OMP_NUM_THREADS"] = "1"
-    return env
+def child_env(policy: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    return {**env, **FIXED[policy]}
 
 
 def with_busy(n: int, fn):
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
+        time.sleep(0.3)  # spinning before the case starts (and samples the run queue)
         return fn()
     finally:
         for p in loops:
@@ -83,8 +87,7 @@ def main_job(policy: str, tmp: Path) -> tuple[float, dict]:
     subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "train",
                     str(ROOT / "configs" / "toy_r3.yaml"), "--out", str(out), "--no-progress",
                     "--set", f"warmstart.cache_dir={tmp / ('cache_' + out.name)}"],
-                   env=child_env(policy, cli=True), capture_output=True, text=True, check=True,
-                   cwd=tmp)
+                   env=child_env(policy), capture_output=True, text=True, check=True, cwd=tmp)
     summary = json.loads((out / "summary.json").read_text())
     return time.perf_counter() - t0, {k: v for k, v in summary.items() if not k.startswith("time/")}
 
@@ -92,32 +95,41 @@ def main_job(policy: str, tmp: Path) -> tuple[float, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100, help="warm-start steps per case")
+    ap.add_argument("--runs", type=int, default=5, help="runs per case (the median is printed)")
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes when busy")
+    ap.add_argument("--spin-busy", action="store_true",
+                    help="also the runtime's default policy when busy (~40x slower)")
     ap.add_argument("--main-job", action="store_true", help="also the README main job")
-    ap.add_argument("--main-policies", default="old,new",
-                    help="with --main-job: the policies to run it with (the old one busy takes "
-                         "~15 min on 2 cores)")
+    ap.add_argument("--main-policies", default="lockstep,active",
+                    help="with --main-job: the policies to run it with, quiet and busy")
     ap.add_argument("--baseline", metavar="SUMMARY_JSON",
                     help="with --main-job: also compare each summary.json with this one")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-start cases")
     args = ap.parse_args()
+    cases = [("quiet", p) for p in ("active", "lockstep", "passive", "spin")]
+    cases += [("busy", p) for p in ("lockstep", "passive") + (("spin",) if args.spin_busy else ())]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        t = {}
-        for load in () if args.no_warm else ("quiet", "busy"):
-            for policy in ("old", "new", "new-1t"):
+        runs: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
+        for i in range(0 if args.no_warm else args.runs):  # interleaved: drift hits every case
+            for load, policy in cases:
                 run = lambda: warm_case(policy, args.steps, str(tmp / "cache"))  # noqa: E731
-                t[load, policy] = run() if load == "quiet" else with_busy(args.busy, run)
-                loops = args.busy if load == "busy" else 0
-                print(f"warm start {args.steps} steps, {load:5} ({loops} busy loops), "
-                      f"{policy:6} policy: {t[load, policy]:7.1f} s", flush=True)
-        if t:
-            print(f"busy/quiet: old {t['busy', 'old'] / t['quiet', 'old']:.1f}x, new "
-                  f"{t['busy', 'new'] / t['quiet', 'new']:.1f}x (target <= 3x); busy old/new "
-                  f"{t['busy', 'old'] / t['busy', 'new']:.1f}x; quiet old/new "
-                  f"{t['quiet', 'old'] / t['quiet', 'new']:.2f}x; new-1t (PASSIVE, 1 thread) "
-                  f"busy/quiet {t['busy', 'new-1t'] / t['quiet', 'new-1t']:.1f}x, busy "
-                  f"{t['busy', 'new-1t']:.1f} s")
+                runs[load, policy].append(run() if load == "quiet" else with_busy(args.busy, run))
+            print(f"run {i + 1}/{args.runs}: " + ", ".join(
+                f"{load} {p} {runs[load, p][-1]:.1f} s" for load, p in cases), flush=True)
+        if not args.no_warm:
+            t = {c: statistics.median(v) for c, v in runs.items()}
+            for (load, policy), s in t.items():
+                print(f"warm start {args.steps} steps, {load:5} ({args.busy if load == 'busy' else 0}"
+                      f" busy loops), {policy:8} policy: median {s:6.2f} s of {args.runs}")
+            print(f"quiet lockstep/active {t['quiet', 'lockstep'] / t['quiet', 'active']:.2f}x "
+                  f"(target <= 1.1x); busy/quiet lockstep "
+                  f"{t['busy', 'lockstep'] / t['quiet', 'lockstep']:.2f}x (target <= 2x); quiet "
+                  f"passive/active {t['quiet', 'passive'] / t['quiet', 'active']:.2f}x (the fixed "
+                  f"PASSIVE default's cost); busy passive/lockstep "
+                  f"{t['busy', 'passive'] / t['busy', 'lockstep']:.2f}x"
+                  + (f"; busy spin/lockstep {t['busy', 'spin'] / t['busy', 'lockstep']:.1f}x"
+                     if args.spin_busy else ""))
         if not args.main_job:
             return
         m, s = {}, {}
@@ -128,11 +140,9 @@ def main() -> None:
             m[load, policy], s[load, policy] = got
             print(f"main job, {load:5}, {policy} policy: {m[load, policy]:7.1f} s", flush=True)
         for p in policies:
-            print(f"main job busy/quiet, {p} policy: {m['busy', p] / m['quiet', p]:.1f}x")
-        if len(policies) == 2:
-            same = s["quiet", "old"] == s["quiet", "new"] == s["busy", "old"] == s["busy", "new"]
-            print(f"main job busy old/new: {m['busy', 'old'] / m['busy', 'new']:.1f}x; "
-                  f"summary.json old == new (all but time/*): {same}")
+            print(f"main job busy/quiet, {p} policy: {m['busy', p] / m['quiet', p]:.2f}x")
+        same = all(v == next(iter(s.values())) for v in s.values())
+        print(f"summary.json equal across policies and loads (all but time/*): {same}")
         if args.baseline:
             want = {k: v for k, v in json.loads(Path(args.baseline).read_text()).items()
                     if not k.startswith("time/")}

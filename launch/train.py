@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "progress line every N steps (0 = never; default 10)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: keep torch's; OMP_NUM_THREADS applies); "
-                        "the OpenMP wait policy is PASSIVE unless OMP_WAIT_POLICY is set")
+                        "the OpenMP wait policy follows the load at start unless "
+                        "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set")
     p.set_defaults(run=run)
     return p
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lockstep.kernels.threads import policy_text
 from lockstep.moe.buckets import Bucket
 from lockstep.moe.checkpoint import hf_state_dict
 from lockstep.moe.config import ModelConfig
@@ -60,7 +61,7 @@ class EngineActor:
         model = self.engine.model
         named = {**model.state_dict(), **hf_state_dict(model)}
         return {"pid": os.getpid(), "node": node_id(), "threads": torch.get_num_threads(),
-                "wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "wait_policy": policy_text(),
                 "weight_version": self.engine.weight_version, "model_cfg": model.cfg,
                 "dtypes": {k: v.dtype for k, v in named.items()}}
 
@@ -123,7 +124,7 @@ class ServerActor:
     def info(self) -> dict[str, Any]:
         return {"url": self.server.url, "pid": os.getpid(), "node": self.node,
                 "threads": torch.get_num_threads(),
-                "wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+                "wait_policy": policy_text()}
 
     def stop(self) -> None:
         self.server.stop()

@@ -38,7 +38,7 @@ class EngineSlot:
     node: str = "?"
     last_node: str = "?"  # the node of its last incarnation that came up (kept while it restarts)
     threads: int = 0
-    wait_policy: str | None = None  # its OMP_WAIT_POLICY (kernels/threads.py)
+    wait_policy: str | None = None  # its OpenMP wait variables (kernels/threads.policy_text)
     actor: Any = None
     client: HTTPBackend | None = None
     state: str = "starting"  # live | joining (up, without the current weights) | dead
