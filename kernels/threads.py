@@ -80,10 +80,11 @@ def set_wait_policy(others: float | None | str = "sample") -> None:
         return
     if others == "sample":
         others = other_runnable()
-    os.environ.update(choose(others))
+    chosen = choose(others)
+    os.environ.update(chosen)
     _chosen = ("run queue unknown" if others is None else
                f"{others:.1f} other runnable tasks on {os.cpu_count()} CPUs: "
-               + ("quiet" if others < OTHERS_BUSY else "busy"))
+               + ("quiet" if chosen == QUIET else "busy"))
 
 
 def policy_env() -> dict[str, str]:

@@ -10,8 +10,9 @@ and for a fleet (`HTTPCalls.push`, rollout/transports.py): `rollout.weight_sync`
 - `auto`: distributed, and disk for good (said once, this push included) when a server refuses
   to join or refuses a push before any weight changed (`PushRefused`).
 
-With a `marker` file (the trainer's: RUN/push_in_flight.json), a distributed push writes it (the URLs, the version, this process's id) before its sessions open and removes it
-when they close, failed pushes included: only a killed process leaves it. A WeightPush that
+With a `marker` file (the trainer's: RUN/push_in_flight.json), a distributed push writes it
+(the URLs, the version, this process's id) before its sessions open and removes it when they
+close, failed pushes included: only a killed process leaves it. A WeightPush that
 finds one from a process that is gone (`--resume` of a killed run: the same run directory)
 closes the sessions that push left open on those URLs, and says so; elsewhere an open
 session is refused with the command that closes it (weight_sync.stale_session_help).
