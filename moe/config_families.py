@@ -88,7 +88,14 @@ def _read_gpt_oss(d: dict[str, Any]) -> None:
                             for i in range(d["num_hidden_layers"])]
 
 
+def _explicit_layer_types(cfg: "ModelConfig", d: dict[str, Any]) -> None:
+    """Our None means every layer full attention; in a config.json it means the family's
+    default pattern (transformers' and the readers above), so the list is always written."""
+    d["layer_types"] = [cfg.layer_type(i) for i in range(cfg.num_hidden_layers)]
+
+
 def _write_gpt_oss(cfg: "ModelConfig", d: dict[str, Any]) -> None:
+    _explicit_layer_types(cfg, d)
     d.pop("num_experts")
     d.pop("moe_intermediate_size")
     d.pop("attention_out_bias")
@@ -108,6 +115,7 @@ def _read_qwen_hybrid(d: dict[str, Any]) -> None:
 
 
 def _write_qwen_hybrid(cfg: "ModelConfig", d: dict[str, Any]) -> None:
+    _explicit_layer_types(cfg, d)
     d.pop("attention_out_bias")
     d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     if cfg.model_type == "qwen3_next":

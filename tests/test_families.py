@@ -48,6 +48,28 @@ def test_our_folder_loads_back_in_transformers(family, tmp_path):
         assert torch.equal(v, hf_state_dict(reloaded)[k]), k
 
 
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "qwen3_5_moe_text"])
+def test_all_full_attention_is_written_as_such(family, tmp_path):
+    """layer_types None (every layer full attention, ours) must not reach config.json as
+    null: transformers and our reader would take the family's default pattern (sliding or
+    linear layers) instead."""
+    import dataclasses
+
+    from lockstep.moe.model import MoEModel
+    ref = load_hf(write_hf_folder(family, tmp_path / "ref")).cfg
+    torch.manual_seed(0)
+    ours = MoEModel(dataclasses.replace(ref, layer_types=None)).eval()
+    save_hf(ours, tmp_path / "ours")
+    back = ModelConfig.from_json(tmp_path / "ours")
+    L = back.num_hidden_layers
+    assert [back.layer_type(i) for i in range(L)] == ["full_attention"] * L
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours",
+                                                           dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(4))
+    r = parity(ours, hf, ids)
+    assert r["logit_diff"] <= 1e-5 and all(a == 1.0 for a in r["topk_agree"])
+
 def _gpt_oss_ablations(model):
     """Each gpt-oss feature switched off in a copy: what the parity test would catch."""
     def sinks(m):
