@@ -48,7 +48,6 @@ def test_our_folder_loads_back_in_transformers(family, tmp_path):
         assert torch.equal(v, hf_state_dict(reloaded)[k]), k
 
 
-
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "qwen3_5_moe_text"])
 def test_all_full_attention_is_written_as_such(family, tmp_path):
     """layer_types None (every layer full attention, ours) must not reach config.json as
@@ -69,6 +68,7 @@ def test_all_full_attention_is_written_as_such(family, tmp_path):
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(4))
     r = parity(ours, hf, ids)
     assert r["logit_diff"] <= 1e-5 and all(a == 1.0 for a in r["topk_agree"])
+
 
 def _gpt_oss_ablations(model):
     """Each gpt-oss feature switched off in a copy: what the parity test would catch."""
