@@ -228,28 +228,26 @@ class MoEModel(nn.Module):
                              f"{self.cfg.model_type!r} (docs/precision.md)")
         quantised = [m for m in self.modules()
                      if isinstance(m, (Attention, MLAttention, DenseMLP, Experts))]
+        # each tensor is cast once from the values it holds: a tensor kept wider than `dtype`
+        # is not rounded to `dtype` on the way (an fp32 router of fp32 weights is those weights)
+        wide: dict[int, torch.dtype] = {}
         if fp8:
-            keep = {id(p) for m in quantised for p in m.parameters() if p.dim() >= 2}
-            for p in self.parameters():
-                p.data = p.data.float() if id(p) in keep else p.data.to(dtype)
-            for b in self.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(dtype)
-        else:
-            self.to(dtype)
+            wide |= {id(p): torch.float32 for m in quantised for p in m.parameters() if p.dim() >= 2}
+        moe = [layer.mlp for layer in self.layers if layer.is_moe]
+        if router_dtype is not None:
+            wide |= {id(p): router_dtype for mlp in moe for p in mlp.gate.parameters()}
+        if lm_head_dtype is not None:
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            wide |= {id(p): lm_head_dtype for p in head.parameters()}
+        # the selection bias stays fp32 (as HF keeps it)
+        wide |= {id(mlp.e_score_correction_bias): torch.float32 for mlp in moe
+                 if mlp.e_score_correction_bias is not None}
+        for t in [*self.parameters(), *self.buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.to(wide.get(id(t), dtype))
         for m in quantised:
             m.fp8 = fp8
         self.fp8 = fp8
-        for layer in self.layers:  # the selection bias stays fp32 (as HF keeps it)
-            if layer.is_moe and layer.mlp.e_score_correction_bias is not None:
-                layer.mlp.e_score_correction_bias.data = \
-                    layer.mlp.e_score_correction_bias.data.float()
-        if router_dtype is not None:
-            for layer in self.layers:
-                if layer.is_moe:
-                    layer.mlp.gate.to(router_dtype)
-        if lm_head_dtype is not None:
-            (self.embed_tokens if self.lm_head is None else self.lm_head).to(lm_head_dtype)
         self.compute_dtype = dtype
         self.lm_head_dtype = lm_head_dtype or dtype
         return self

@@ -129,6 +129,33 @@ def test_router_dtype_keeps_router_in_fp32():
     assert out.router_logits_LNE[0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_wide_tensors_keep_their_fp32_values(fp8):
+    """A router, LM head or selection bias kept wider than the compute dtype is cast from its
+    own values, not rounded to bf16 on the way (it was: the actor's fp32 router of step 1 and
+    the selection bias always held bf16 values)."""
+    torch.manual_seed(5)
+    cfg = tiny_config(model_type="deepseek_v3", num_key_value_heads=4, num_experts=8, n_group=4,
+                      topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12)
+    assert cfg.expert_bias
+    model = MoEModel(cfg)
+    with torch.no_grad():
+        for layer in model.layers[1:]:
+            layer.mlp.e_score_correction_bias.normal_()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.set_precision(torch.bfloat16, router_dtype=torch.float32,
+                        lm_head_dtype=torch.float32, fp8=fp8)
+    after = model.state_dict()
+    wide = [k for k in after if ".mlp.gate." in k or k.startswith("lm_head")
+            or k.endswith("e_score_correction_bias")]
+    assert len(wide) == 1 + 2 * (cfg.num_hidden_layers - 1)
+    for k in wide:
+        assert after[k].dtype == torch.float32 and torch.equal(after[k], before[k]), k
+    assert after["layers.1.self_attn.o_proj.weight"].dtype == (torch.float32 if fp8 else torch.bfloat16)
+    assert after["layers.1.input_layernorm.weight"].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_kv_cache_matches_full_forward(tied):
     torch.manual_seed(4)
