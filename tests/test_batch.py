@@ -76,6 +76,8 @@ def test_plan_shards_refuses_bad_input():
         plan_shards(torch.tensor([3, 4]), 4, minibatch_schedule(2, 2, 1, None))
     with pytest.raises(ValueError, match="first epoch"):
         plan_shards(torch.tensor([3, 4, 5, 6]), 2, [torch.tensor([0, 1]), torch.tensor([1, 2])])
+    with pytest.raises(ValueError, match="leave DP rank 1 of 2 no row: actor.mini_batch_size"):
+        plan_shards(torch.tensor([3, 4, 5, 6]), 2, minibatch_schedule(4, 1, 1, None))
 
 
 def test_shards_are_trimmed_rows_with_compact_routes_aligned_to_tokens():

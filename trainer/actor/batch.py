@@ -412,5 +412,10 @@ def plan_shards(seq_lens_B: torch.Tensor, dp_size: int,
     local_B = torch.empty(B, dtype=torch.long)  # position of each row within its rank's rows
     for r_rows in rows:
         local_B[r_rows] = torch.arange(len(r_rows))
+    empty = [r for r in range(dp_size) if not len(rows[r])]
+    if empty:  # mini-batches smaller than the group put every row on the first ranks
+        raise ValueError(f"mini-batches of {len(first[0])} rows leave DP rank {empty[0]} of "
+                         f"{dp_size} no row: actor.mini_batch_size must be at least the "
+                         f"{dp_size} DP ranks")
     steps = [[local_B[m[owner_B[m] == r]] for m in schedule] for r in range(dp_size)]
     return ShardPlan(rows, steps)
