@@ -30,7 +30,7 @@ only its rows' weight-version names: pi_gen comes from the rank's own kept shard
 versions (`trainer/actor/versions.py`), never from weights on the driver.
 
 Torch backend: data parallel over the whole world (every rank holds the model and the
-optimiser; gradients are summed in one flat all-reduce per optimiser step), so rank 0 alone
+optimiser; gradients are summed by torch DDP in each optimiser step), so rank 0 alone
 exports the weights and every rank keeps its own optimiser state in the checkpoint.
 
 Failures: a rank that dies (or raises) stops the run: the group kills every rank, removes the

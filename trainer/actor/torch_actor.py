@@ -7,6 +7,14 @@ master's after every micro-batch (so they accumulate in fp32), and which is refr
 master after each optimiser step. `ActorConfig.fp8`: the forward's matmuls run in block FP8
 (moe/layers.py fp8_linear) and their gradients pass straight through the quantisers.
 
+Data parallelism (`dp_group`, the Ray group's ranks) is torch's DistributedDataParallel over
+the master weights: every micro-batch but a step's last runs under `no_sync`, the last one's
+backward all-reduces the accumulated gradients in DDP's buckets, summed (`_sum_hook`: each rank's
+loss is already its share of the global mini-batch mean). With a low-precision compute copy the
+DDP forward runs the copy's module with casts of the master's parameters
+(`torch.func.functional_call`), so gradients land on the fp32 master directly; in one process
+the copy keeps its own parameters and `_accumulate_fp32` moves their gradients.
+
 Log-probs are of the token at each position given the tokens before it, under
 softmax(logits / temperature) over the whole vocabulary (the distribution the rollout engine
 samples from; `GenerationResult.output_logprobs`), computed with the chunked kernel from the
@@ -26,6 +34,7 @@ S most kept candidates of any token in the batch, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lockstep.kernels import exact as exact_kernels
 from lockstep.kernels.dtypes import torch_dtype
@@ -106,6 +116,49 @@ def lr_lambda(cfg: ActorConfig, total_updates: int) -> Callable[[int], float]:
     return f
 
 
+def _sum_hook(group, bucket):
+    """DDP communication hook: sum a gradient bucket over `group` (DDP's own hook averages)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class _ComputeForward(torch.nn.Module):
+    """The actor's forward with the compute copy as its module `model`, for `functional_call`
+    to run on casts of the master's parameters."""
+
+    def __init__(self, actor: "TorchActor"):
+        super().__init__()
+        self.model = actor.compute
+        self.run = actor._forward
+
+    def forward(self, *args):
+        return self.run(*args)
+
+
+class _UpdateForward(torch.nn.Module):
+    """What DDP wraps: the master model's parameters, and the actor's update forward
+    (log-probs, entropy, model output of one micro-batch). `forward(None, ...)` is a zero loss
+    over one parameter, for a rank with no rows in a step to join its gradient all-reduce."""
+
+    def __init__(self, actor: "TorchActor"):
+        super().__init__()
+        self.master = actor.master
+        self.actor = actor
+        # not a submodule: the compute copy's own parameters stay out of DDP's
+        object.__setattr__(self, "compute",
+                           None if actor.compute is actor.master else _ComputeForward(actor))
+        self.casts = [(f"model.{n}", c.dtype) for n, c in actor.compute.named_parameters()]
+
+    def forward(self, mb: Batch | None, routes, mask, gates, rows):
+        if mb is None:
+            return (self.master.embed_tokens.weight * 0).sum()
+        if self.compute is None:
+            return self.actor._forward(mb, routes, mask, gates, rows, UPDATE_FORWARD)
+        cast = {n: p.to(d) for (n, d), p in zip(self.casts, self.master.parameters())}
+        return torch.func.functional_call(self.compute, cast,
+                                          (mb, routes, mask, gates, rows, UPDATE_FORWARD))
+
+
 def _hf_views(model, per_param: Mapping[torch.nn.Parameter, torch.Tensor]) -> dict[str, torch.Tensor]:
     """For every HF name whose parameter has a tensor in `per_param` (same shape and strides
     as the parameter), the same view of that tensor as `hf_state_dict(model)` takes of the
@@ -131,8 +184,8 @@ class TorchActor(RankActor):
 
     With `dp_group` (a torch.distributed group of several ranks, the Ray actor group's world)
     it is one data-parallel rank: every rank holds the whole model and optimiser; gradients
-    are summed over the group before each optimiser step (one flat all-reduce), so the ranks
-    stay equal. The rank-side interface is `lockstep.trainer.actor.rank`."""
+    are summed over the group before each optimiser step (torch DDP, module docstring), so the
+    ranks stay equal. The rank-side interface is `lockstep.trainer.actor.rank`."""
 
     def __init__(self, model: MoEModel, cfg: ActorConfig, total_updates: int,
                  temperature: float = 1.0, dp_group=None, device: str | torch.device = "cpu",
@@ -169,9 +222,8 @@ class TorchActor(RankActor):
         # uint16 has no index_put on CPU: route buffers hold int16 bits (ids < 65536 round-trip
         # exactly), viewed as uint16 when returned.
         self._route_store = torch.int16 if self.route_dtype == torch.uint16 else self.route_dtype
-        self.dp_group = dp_group
+        self.dp_group, self._ddp = dp_group, None
         if dp_group is not None:
-            import torch.distributed as dist
             self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
 
     # -- forward -------------------------------------------------------------------------
@@ -371,18 +423,25 @@ class TorchActor(RankActor):
         load_LE = torch.zeros(mcfg.num_moe_layers, mcfg.num_experts, device=self.device) \
             if cfg.expert_bias_update_rate > 0 else None  # on device: NCCL all-reduces it
         T = batch.input_ids_BT.shape[1]
-        for idx in (micro_batches(mini, batch.seq_lens_B, cfg) if len(mini) else []):
+        ddp = self._data_parallel()
+        idxs = list(micro_batches(mini, batch.seq_lens_B, cfg)) if len(mini) else []
+        if ddp is not None and not idxs:  # no rows here this step: join the all-reduce
+            ddp(None, None, None, None, None).backward()
+        for i, idx in enumerate(idxs):
             mb = trim_batch(batch, idx)  # cut to its own longest row: padding is not compute
             t = mb.input_ids_BT.shape[1]
             r, m, g = self._replay_args(routes_BTLK, replay_mask_BT, idx, t, gates_BTLK)
-            lp, ent, out = self._forward(mb, r, m, g, idx, UPDATE_FORWARD)
-            lp, ent = (torch.nn.functional.pad(x, (0, T - t)) for x in (lp, ent))  # LossFn: [b, T]
-            loss, metrics = loss_fn(lp, ent, idx, mini)
-            if cfg.aux_loss_coef > 0:
-                aux = self.compute.load_balancing_loss(out, mb.token_mask_BT.to(self.device))
-                loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
-                metrics["actor/aux_loss"] = float(aux.detach()) * (len(idx) / mini_size if weighted else 1)
-            loss.backward()
+            # DDP all-reduces in the backward of a step's last micro-batch only
+            with ddp.no_sync() if ddp is not None and i < len(idxs) - 1 else contextlib.nullcontext():
+                lp, ent, out = (self._forward(mb, r, m, g, idx, UPDATE_FORWARD) if ddp is None
+                                else ddp(mb, r, m, g, idx))
+                lp, ent = (torch.nn.functional.pad(x, (0, T - t)) for x in (lp, ent))  # [b, T]
+                loss, metrics = loss_fn(lp, ent, idx, mini)
+                if cfg.aux_loss_coef > 0:
+                    aux = self.compute.load_balancing_loss(out, mb.token_mask_BT.to(self.device))
+                    loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
+                    metrics["actor/aux_loss"] = float(aux.detach()) * (len(idx) / mini_size if weighted else 1)
+                loss.backward()
             self._accumulate_fp32()
             used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store).cpu()
             nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store).cpu()
@@ -404,6 +463,21 @@ class TorchActor(RankActor):
                 (load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1e-9)).mean())
         return step_metrics
 
+    def _data_parallel(self) -> torch.nn.parallel.DistributedDataParallel | None:
+        """The DDP module of a data-parallel rank (built at its first update; None in one
+        process). MoE experts a rank's tokens did not reach get no gradient there:
+        `find_unused_parameters`. A parameter no rank touched keeps grad None (AdamW skips it,
+        as in one process). The expert bias buffer is equal on every rank by construction."""
+        if self.dp_size == 1:
+            return None
+        if self._ddp is None:
+            self._ddp = torch.nn.parallel.DistributedDataParallel(
+                _UpdateForward(self), process_group=self.dp_group,
+                device_ids=[self.device] if self.device.type == "cuda" else None,
+                find_unused_parameters=True, broadcast_buffers=False)
+            self._ddp.register_comm_hook(self.dp_group, _sum_hook)
+        return self._ddp
+
     @torch.no_grad()
     def _accumulate_fp32(self) -> None:
         """Move a low-precision compute copy's gradients into the fp32 master's after every
@@ -419,8 +493,6 @@ class TorchActor(RankActor):
 
     def _optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
         """Clip, step at the schedule's LR x `lr_scale`, advance the schedule."""
-        if self.dp_size > 1:
-            self._sum_gradients()
         params = [p for p in self.master.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -435,23 +507,6 @@ class TorchActor(RankActor):
         self.sync_compute()
         return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
                 "actor/skipped_step": float(not torch.isfinite(grad_norm))}
-
-    @torch.no_grad()
-    def _sum_gradients(self) -> None:
-        """Sum the master gradients over the DP group in one flat all-reduce. A parameter no
-        rank touched keeps grad None (AdamW skips it, as in one process); one touched
-        elsewhere only gets zeros here before the sum."""
-        params = list(self.master.parameters())
-        has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
-        flat = torch.cat([has] + [(p.grad if p.grad is not None else torch.zeros_like(p))
-                                  .reshape(-1) for p in params])
-        self._all_reduce(flat)  # on the actor's device: NCCL on GPU
-        touched = flat[:len(params)].tolist()
-        offset = len(params)
-        for p, t in zip(params, touched):
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone() if t > 0 else None
-            offset += n
 
     @torch.no_grad()
     def sync_compute(self) -> None:
