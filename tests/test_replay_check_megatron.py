@@ -94,3 +94,13 @@ def test_a_replay_buffer_registered_for_two_layers_stops_the_pass(setup, monkeyp
     assert str(e.value) == (
         "step 3 (pi_old): replay check (log-prob forward): MoE layer 1 (decoder layer 2) "
         "received no replayed ids (its replay buffer was left unconsumed)")
+
+
+def test_a_router_in_a_dense_layer_is_named():
+    """megatron-core's routers map to the config's MoE layers; one in a layer the config calls
+    dense (an orphaned router) is refused by name, not with a bare KeyError."""
+    from lockstep.trainer.actor.megatron.replay import moe_indices
+    assert moe_indices([1, 3], [1, 2, 3], "model chunk 0 of pipeline stage 0") == [0, 2]
+    with pytest.raises(ReplayCheckError, match=r"router in decoder layer 0 \(model chunk 1 of "
+                                               r"pipeline stage 1\).*MoE layers are \[1, 2, 3\]"):
+        moe_indices([0, 1], [1, 2, 3], "model chunk 1 of pipeline stage 1")

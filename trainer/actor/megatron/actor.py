@@ -44,7 +44,7 @@ from lockstep.trainer.actor.megatron import convert
 from lockstep.trainer.actor.megatron.model import (build_model_chunks, initialize_parallel,
                                                    is_last_stage, transformer_config)
 from lockstep.trainer.actor.megatron.reference import ShardReference
-from lockstep.trainer.actor.megatron.replay import RouteReplay
+from lockstep.trainer.actor.megatron.replay import RouteReplay, moe_indices
 from lockstep.trainer.actor.megatron.schedule import Schedule, moe_slice
 from lockstep.trainer.actor.rank import RankActor
 from lockstep.trainer.actor.torch_actor import LogprobResult, LossFn, lr_lambda, run_minibatches
@@ -152,12 +152,12 @@ class MegatronActor(Schedule, RankActor):
         self.moe_slices = [moe_slice(mcfg, convert.stage_layers(m)) for m in self.chunks]
         # where each chunk's routes run / natural top-k go back: the L index of each router's
         # own decoder layer (its megatron-core layer_number), independent of the slice above
-        moe_index = {i: j for j, i in enumerate(mcfg.moe_layer_ids)}
-        self.moe_written = [torch.tensor([moe_index[i] for i in r.decoder_layers],
-                                         dtype=torch.long, device=self.device)
+        stage = ps.get_pipeline_model_parallel_rank()
+        for c, r in enumerate(self.replays):  # the validator names the model's MoE layers
+            r.moe_ids = moe_indices(r.decoder_layers, mcfg.moe_layer_ids,
+                                    f"model chunk {c} of pipeline stage {stage}")
+        self.moe_written = [torch.tensor(r.moe_ids, dtype=torch.long, device=self.device)
                             for r in self.replays]
-        for r in self.replays:  # the validator names the model's MoE layers
-            r.moe_ids = [moe_index[i] for i in r.decoder_layers]
         self.last_chunk = self.chunks[-1]  # holds the LM head on the last stage
         self._update_lp = torch.zeros(0, device=self.device)
         # MoE layers exchange tokens over EP x ETP ranks; more than TP of them = other DP ranks

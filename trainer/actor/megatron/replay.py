@@ -75,6 +75,20 @@ def _router_modules(model) -> list:
     return found
 
 
+def moe_indices(decoder_layers: list[int], moe_layer_ids: list[int], where: str) -> list[int]:
+    """The MoE-layer index (L) of each router's decoder layer. A router in a layer the model
+    config calls dense is one the replay plan does not know: `ReplayCheckError` naming it
+    (`where`: the chunk or stage it is in) instead of routing on its own."""
+    index = {i: j for j, i in enumerate(moe_layer_ids)}
+    for i in decoder_layers:
+        if i not in index:
+            raise ReplayCheckError(
+                f"megatron-core built a router in decoder layer {i} ({where}), but the model "
+                f"config's MoE layers are {list(moe_layer_ids)}: a router the replay plan does "
+                f"not know (it would route on its own)")
+    return [index[i] for i in decoder_layers]
+
+
 def build_replay_ids(ids_BTLK: Tensor, valid_BT: Tensor, *, num_experts: int) -> Tensor:
     """Int64 routes [B, T, L, K]: the given ids where valid, a placeholder elsewhere (expert
     ids (t*K + k) % E; the forward replaces them with the router's natural choice). Shapes are
