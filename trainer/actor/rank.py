@@ -463,5 +463,7 @@ class Objective:
             rollout_logprobs=self.rollout_logprobs_BT[rows],
             ref_logprobs=None if x.ref_logprobs_BT is None else x.ref_logprobs_BT[rows],
             num_tokens=norms[0], num_seqs=norms[1])
-        w = float(x.loss_mask_BT[rows].sum().cpu() / norms[0])
-        return out.loss, {k: v if k in SHARE_METRICS else v * w for k, v in out.metrics.items()}
+        # float64, the products and sums a Python float would make
+        w = (x.loss_mask_BT[rows].sum() / norms[0]).double()
+        m = {k: v.double() if torch.is_tensor(v) else v for k, v in out.metrics.items()}
+        return out.loss, {k: v if k in SHARE_METRICS else v * w for k, v in m.items()}

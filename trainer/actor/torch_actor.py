@@ -58,7 +58,7 @@ from lockstep.trainer.actor.checkpoint import (check_adam, common_step, MOMENTS,
                                                part_of, read_moments)
 from lockstep.trainer.actor.rank import RankActor
 from lockstep.trainer.config.sections import ActorConfig
-from lockstep.trainer.objective.stats import Stats
+from lockstep.trainer.objective.stats import Stats, to_floats
 
 
 @dataclass
@@ -74,12 +74,14 @@ class LogprobResult:
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                  tuple[torch.Tensor, dict[str, float]]]
+                  tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 """loss_fn(logprobs_bT, entropy_bT, rows_b, minibatch_rows) -> (loss, metrics).
 
 `rows_b` are the batch rows of this micro-batch, `minibatch_rows` those of its mini-batch. The
 loss must be this micro-batch's share of the mini-batch loss (the shares are summed into one
-gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens."""
+gradient), e.g. its token-mean scaled by its share of the mini-batch's tokens. Metrics are
+0-dim tensors (or floats): the actor adds them on the device, in float64, and reads them once
+per optimiser step."""
 
 
 OPTIMIZER_METRICS = ("actor/grad_norm", "actor/lr", "actor/skipped_step")
@@ -366,29 +368,32 @@ class TorchActor(RankActor):
         multiplies the schedule's LR of these steps (the triggered decay)."""
         B, T = batch.input_ids_BT.shape
         L, K = self.master.cfg.num_moe_layers, self.master.cfg.num_experts_per_tok
-        # routes run and natural top-k: host results (R2's replay plan is made on the host)
-        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device="cpu")
-        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device="cpu")
+        # routes run and natural top-k: filled on the device, host results once per update
+        # (R2's replay plan is made on the host)
+        used_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device=self.device)
+        nat_BTLK = torch.zeros(B, T, L, K, dtype=self._route_store, device=self.device)
         # where each layer ran the given ids in the last pass (partial replay's stats)
-        self.last_replayed_BTL = None if routes_BTLK is None else \
-            torch.zeros(B, T, L, dtype=torch.bool, device="cpu")
+        replayed_BTL = None if routes_BTLK is None else \
+            torch.zeros(B, T, L, dtype=torch.bool, device=self.device)
         self.compute.train()
         if steps is None:
             metrics = run_minibatches(
                 B, self.cfg, shuffle_seed,
                 lambda mini: self._train_step(batch, loss_fn, mini, routes_BTLK, replay_mask_BT,
-                                              used_BTLK, nat_BTLK, lr_scale=lr_scale,
-                                              gates_BTLK=gates_BTLK))
+                                              used_BTLK, nat_BTLK, replayed_BTL,
+                                              lr_scale=lr_scale, gates_BTLK=gates_BTLK))
         else:
             sums: dict[str, float] = {}
             for local in steps:
                 for k, v in self._train_step(batch, loss_fn, local, routes_BTLK, replay_mask_BT,
-                                             used_BTLK, nat_BTLK, mini_size=mini_size,
-                                             weighted=True, lr_scale=lr_scale,
-                                             gates_BTLK=gates_BTLK).items():
+                                             used_BTLK, nat_BTLK, replayed_BTL,
+                                             mini_size=mini_size, weighted=True,
+                                             lr_scale=lr_scale, gates_BTLK=gates_BTLK).items():
                     sums[k] = sums.get(k, 0.0) + v
             metrics = {k: v / len(steps) for k, v in sums.items()}
-        return metrics, used_BTLK.view(self.route_dtype), nat_BTLK.view(self.route_dtype)
+        self.last_replayed_BTL = None if replayed_BTL is None else replayed_BTL.cpu()
+        return (metrics, used_BTLK.cpu().view(self.route_dtype),
+                nat_BTLK.cpu().view(self.route_dtype))
 
     def _train_steps(self, batch: Batch, objective, steps: list[torch.Tensor], routes_BTLK,
                      replay_mask_BT, gates_BTLK=None) -> tuple[Stats, torch.Tensor, torch.Tensor]:
@@ -408,17 +413,19 @@ class TorchActor(RankActor):
                 used_BTLK, nat_BTLK)
 
     def _train_step(self, batch: Batch, loss_fn: LossFn, mini: torch.Tensor, routes_BTLK,
-                    replay_mask_BT, used_BTLK, nat_BTLK, mini_size: int | None = None,
-                    weighted: bool = False, lr_scale: float = 1.0,
+                    replay_mask_BT, used_BTLK, nat_BTLK, replayed_BTL,
+                    mini_size: int | None = None, weighted: bool = False, lr_scale: float = 1.0,
                     gates_BTLK=None) -> dict[str, float]:
         """One optimiser step on rows `mini`, gradients accumulated over micro-batches; writes
-        the routes run and the natural top-k of those rows into `used_BTLK` / `nat_BTLK`.
+        the routes run, the natural top-k and where the given ids ran (partial replay) of those
+        rows into `used_BTLK` / `nat_BTLK` / `replayed_BTL` (on the device). Metrics are added
+        on the device in float64 (the sums a Python float would make) and read once.
         `mini_size`: rows of the whole mini-batch when `mini` is one DP rank's part of it.
         `weighted`: loss_fn's metrics are already weighted to add up (`rank.Objective`);
         otherwise each micro-batch's metrics are weighted by its share of the rows."""
         cfg = self.cfg
         mini_size = len(mini) if mini_size is None else mini_size
-        step_metrics: dict[str, float] = {}
+        step_metrics: dict[str, torch.Tensor | float] = {}
         mcfg = self.master.cfg
         load_LE = torch.zeros(mcfg.num_moe_layers, mcfg.num_experts, device=self.device) \
             if cfg.expert_bias_update_rate > 0 else None  # on device: NCCL all-reduces it
@@ -440,17 +447,18 @@ class TorchActor(RankActor):
                 if cfg.aux_loss_coef > 0:
                     aux = self.compute.load_balancing_loss(out, mb.token_mask_BT.to(self.device))
                     loss = loss + cfg.aux_loss_coef * aux * (len(idx) / mini_size)
-                    metrics["actor/aux_loss"] = float(aux.detach()) * (len(idx) / mini_size if weighted else 1)
+                    metrics["actor/aux_loss"] = aux.detach().double() * (len(idx) / mini_size if weighted else 1)
                 loss.backward()
             self._accumulate_fp32()
-            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store).cpu()
-            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store).cpu()
+            used_BTLK[idx, :t] = out.routes_BTLK.detach().to(self._route_store)
+            nat_BTLK[idx, :t] = out.natural_BTLK.detach().to(self._route_store)
             if out.replayed_BTL is not None:
-                self.last_replayed_BTL[idx, :t] = out.replayed_BTL.cpu()
+                replayed_BTL[idx, :t] = out.replayed_BTL
             if cfg.expert_bias_update_rate > 0:  # the load of the routes that ran
                 load_LE += self.compute.expert_loads(out.routes_BTLK,
                                                      mb.token_mask_BT.to(self.device))
             for k, v in metrics.items():  # metrics are micro-batch means: weight them
+                v = v.detach().double() if torch.is_tensor(v) else v
                 step_metrics[k] = step_metrics.get(k, 0.0) + (
                     v if weighted else v * len(idx) / mini_size)
         step_metrics.update(self._optimizer_step(lr_scale))
@@ -459,9 +467,9 @@ class TorchActor(RankActor):
                 self._all_reduce(load_LE)
             for model in {id(self.master): self.master, id(self.compute): self.compute}.values():
                 model.apply_expert_bias_update(load_LE, cfg.expert_bias_update_rate)
-            step_metrics["actor/expert_load_max_over_mean"] = float(
-                (load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1e-9)).mean())
-        return step_metrics
+            step_metrics["actor/expert_load_max_over_mean"] = (
+                load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1e-9)).mean()
+        return to_floats(step_metrics)  # the step's one read of its metrics
 
     def _data_parallel(self) -> torch.nn.parallel.DistributedDataParallel | None:
         """The DDP module of a data-parallel rank (built at its first update; None in one
@@ -500,13 +508,14 @@ class TorchActor(RankActor):
             for g in self.optimizer.param_groups:
                 g["lr"] *= lr_scale
         lr = self.optimizer.param_groups[0]["lr"]
-        if torch.isfinite(grad_norm):
+        norm = float(grad_norm)  # the step's one wait for the device before stepping
+        if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.sync_compute()
-        return {"actor/grad_norm": float(grad_norm), "actor/lr": lr,
-                "actor/skipped_step": float(not torch.isfinite(grad_norm))}
+        return {"actor/grad_norm": norm, "actor/lr": lr,
+                "actor/skipped_step": float(not math.isfinite(norm))}
 
     @torch.no_grad()
     def sync_compute(self) -> None:

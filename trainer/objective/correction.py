@@ -37,11 +37,12 @@ import torch
 
 from lockstep.moe.checks import strict_kwargs
 from lockstep.trainer.objective.presets import PRESETS, VERL_FIELDS, expand_preset
-from lockstep.trainer.objective.rollout_corr import (_checked_zero_pad, _Mask, _prefixed,
+from lockstep.trainer.objective.rollout_corr import (_checked_zero_pad, _correction, _Mask,
+                                                     _prefixed,
                                                      compute_rollout_correction_and_rejection_mask,
                                                      IS_LEVELS, LOSS_TYPES, parse_is_threshold,
                                                      parse_rs_options, parse_rs_thresholds)
-from lockstep.trainer.objective.stats import clamp_log_ratio, k3, masked_mean
+from lockstep.trainer.objective.stats import clamp_log_ratio, k3, masked_mean, to_floats
 
 
 # ---------------------------------------------------------------- typed API
@@ -110,18 +111,19 @@ class CorrectionConfig:
 class CorrectionResult:
     weights: torch.Tensor | None  # [B, T] detached IS weights, 0 on padding; None when IS is off
     response_mask: torch.Tensor  # [B, T] after rejection sampling and the prob-diff mask
-    metrics: dict[str, float]  # "rollout_corr/<name>" -> value
+    metrics: dict[str, torch.Tensor | float]  # "rollout_corr/<name>" -> value (see `correct`)
 
 
 def prob_diff_mask(old_logprobs, rollout_logprobs, response_mask, eps: float):
-    """IPO/DPPO trust mask: zero tokens with |exp(old) - exp(rollout)| > eps. Returns (mask, metrics)."""
+    """IPO/DPPO trust mask: zero tokens with |exp(old) - exp(rollout)| > eps. Returns (mask,
+    metrics as 0-dim tensors)."""
     diff = (old_logprobs.exp() - rollout_logprobs.exp()).abs()
     keep = diff <= eps
     mask_b = response_mask.bool()
-    m = {"prob_diff_mean": masked_mean(diff, response_mask).item(),
-         "prob_diff_max": diff.masked_fill(~mask_b, 0.0).max().item(),
-         "prob_diff_masked_fraction": masked_mean((~keep).float(), response_mask).item(),
-         "prob_diff_seq_masked_fraction": ((~keep) & mask_b).any(-1).float().mean().item()}
+    m = {"prob_diff_mean": masked_mean(diff, response_mask),
+         "prob_diff_max": diff.masked_fill(~mask_b, 0.0).max(),
+         "prob_diff_masked_fraction": masked_mean((~keep).float(), response_mask),
+         "prob_diff_seq_masked_fraction": ((~keep) & mask_b).any(-1).float().mean()}
     return (response_mask * keep).to(response_mask.dtype), m
 
 
@@ -145,8 +147,8 @@ def m2po_mask(old_logprobs, rollout_logprobs, response_mask, threshold: float):
         keep_sel[top.indices[:k]] = False
     keep = torch.zeros_like(valid)
     keep[valid] = keep_sel
-    m = {"m2po_m2_mean": sel.mean().item() if n else 0.0,
-         "m2po_m2_mean_kept": sel[keep_sel].mean().item() if n else 0.0,
+    m = {"m2po_m2_mean": sel.mean() if n else 0.0,
+         "m2po_m2_mean_kept": sel[keep_sel].mean() if n else 0.0,
          "m2po_masked_fraction": k / n if n else 0.0}
     return (response_mask * keep).to(response_mask.dtype), m
 
@@ -177,10 +179,10 @@ def kpop_mask(old_logprobs, rollout_logprobs, response_mask, phi: float):
     keep = d <= phi
     valid = response_mask.bool()
     drop = ~keep & valid
-    m = {"binary_kl_mean": masked_mean(d, response_mask).item(),
-         "binary_kl_max": d.masked_fill(~valid, 0.0).max().item(),
-         "kpop_masked_fraction": masked_mean(drop.float(), response_mask).item(),
-         "kpop_seq_masked_fraction": drop.any(-1).float().mean().item()}
+    m = {"binary_kl_mean": masked_mean(d, response_mask),
+         "binary_kl_max": d.masked_fill(~valid, 0.0).max(),
+         "kpop_masked_fraction": masked_mean(drop.float(), response_mask),
+         "kpop_seq_masked_fraction": drop.any(-1).float().mean()}
     return (response_mask * keep).to(response_mask.dtype), m
 
 
@@ -209,24 +211,27 @@ def trm_mask(old_logprobs, rollout_logprobs, response_mask, delta: float | None,
     if k3_mean is not None:
         keep_B &= k3_B <= k3_mean
     drop_B = ~keep_B & rows
-    nonempty = int(rows.sum())
-    m = {"trm_max_abs_log_ratio": (max_B[rows].mean().item() if nonempty else 0.0),
-         "trm_max_abs_log_ratio_max": (max_B[rows].max().item() if nonempty else 0.0),
-         "trm_k3_seq_mean": (k3_B[rows].mean().item() if nonempty else 0.0),
+    nonempty = rows.any()
+    # an empty row's max is 0, so the max over all rows is the non-empty rows' (or 0)
+    m = {"trm_max_abs_log_ratio": torch.where(nonempty, max_B[rows].mean(), 0.0),
+         "trm_max_abs_log_ratio_max": max_B.amax() if len(max_B) else 0.0,
+         "trm_k3_seq_mean": torch.where(nonempty, k3_B[rows].mean(), 0.0),
          "trm_masked_fraction": masked_mean(drop_B[:, None].expand_as(valid).float(),
-                                             response_mask).item(),
-         "trm_seq_masked_fraction": drop_B.float().mean().item()}
+                                             response_mask),
+         "trm_seq_masked_fraction": drop_B.float().mean()}
     return (response_mask * keep_B[:, None]).to(response_mask.dtype), m
 
 
-def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask) -> CorrectionResult:
+def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask, *,
+            floats: bool = True) -> CorrectionResult:
     """Weights, mask and `rollout_corr/*` metrics of `old_logprobs` (pi_old) vs `rollout_logprobs` (mu_old).
 
     In bypass mode call it inside the loss, under no_grad, with the current policy's log-probs in
-    place of `old_logprobs` (verl's `compute_policy_loss_bypass_mode` does the same).
+    place of `old_logprobs` (verl's `compute_policy_loss_bypass_mode` does the same), and
+    `floats=False`: the metrics stay 0-dim tensors, read with the optimiser step's others.
     """
     with torch.no_grad():
-        w, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        w, mask, metrics = _correction(
             old_logprobs.detach(), rollout_logprobs.detach(), response_mask, cfg.rollout_is,
             cfg.rollout_is_threshold, cfg.rollout_is_batch_normalize, cfg.rollout_rs, cfg.rollout_rs_threshold)
         if cfg.prob_diff_eps is not None:
@@ -244,7 +249,7 @@ def correct(cfg: CorrectionConfig, old_logprobs, rollout_logprobs, response_mask
         if cfg.m2po_threshold is not None:
             mask, mm = m2po_mask(old_logprobs.detach(), rollout_logprobs.detach(), mask, cfg.m2po_threshold)
             metrics.update(_prefixed(mm))
-    return CorrectionResult(weights=w, response_mask=mask, metrics=metrics)
+    return CorrectionResult(weights=w, response_mask=mask, metrics=to_floats(metrics) if floats else metrics)
 
 
 def is_split_metrics(logprobs, old_logprobs, rollout_logprobs, response_mask) -> dict[str, float]:
@@ -256,23 +261,24 @@ def is_split_metrics(logprobs, old_logprobs, rollout_logprobs, response_mask) ->
     says which part dominates the spread; `log_corr` is their correlation over valid tokens.
     """
     mk = _Mask(response_mask)
+    mk.check(need_token=False)
     lp_z, old_z, roll_z = (_checked_zero_pad(mk, name, t.detach().float(), response_mask) for name, t in
                            (("logprobs", logprobs), ("old_logprobs", old_logprobs),
                             ("rollout_logprobs", rollout_logprobs)))
     parts = {"mismatch": old_z - roll_z, "staleness": lp_z - old_z, "total": lp_z - roll_z}
-    m: dict[str, float] = {}
+    m: dict[str, torch.Tensor] = {}
     var, dev = {}, {}
     for part, lr in parts.items():  # zero-padded, so masked means are sums (`_Mask`)
         dev[part], var[part] = _ratio_part(mk, part, lr, m)
     denom = var["mismatch"] + var["staleness"]
-    m["is_split/mismatch_log_var_share"] = (var["mismatch"] / denom).item() if denom > 0 else 0.0
+    m["is_split/mismatch_log_var_share"] = torch.where(denom > 0, var["mismatch"] / denom, 0.0)
     cov = mk.mean(dev["mismatch"] * dev["staleness"])
     sd = (var["mismatch"] * var["staleness"]).sqrt()
-    m["is_split/log_corr"] = (cov / sd).item() if sd > 0 else 0.0
-    return m
+    m["is_split/log_corr"] = torch.where(sd > 0, cov / sd, 0.0)
+    return to_floats(m)
 
 
-def _ratio_part(mk: _Mask, part: str, lr, m: dict[str, float]):
+def _ratio_part(mk: _Mask, part: str, lr, m: dict[str, torch.Tensor]):
     """`is_split/<part>_*` of the zero-padded log ratio `lr` into `m`; returns its masked
     deviation from the mean and its variance."""
     lr_c = clamp_log_ratio(lr)
@@ -281,12 +287,12 @@ def _ratio_part(mk: _Mask, part: str, lr, m: dict[str, float]):
     mu = mk.mean(lr)
     dev = (lr - mu).mul_(mk.f)
     var = mk.mean_sq(dev)
-    m[f"is_split/{part}_mean"] = mk.mean(r_z).item()
-    m[f"is_split/{part}_max"] = mk.max(r_z, nonneg=True).item()
-    m[f"is_split/{part}_min"] = mk.min(r_z).item()
-    m[f"is_split/{part}_log_mean"] = mu.item()
-    m[f"is_split/{part}_log_std"] = var.sqrt().item()
-    m[f"is_split/{part}_k3"] = mk.mean(k3(lr_c, e)).item()
+    m[f"is_split/{part}_mean"] = mk.mean(r_z)
+    m[f"is_split/{part}_max"] = mk.max(r_z, nonneg=True)
+    m[f"is_split/{part}_min"] = mk.min(r_z)
+    m[f"is_split/{part}_log_mean"] = mu
+    m[f"is_split/{part}_log_std"] = var.sqrt()
+    m[f"is_split/{part}_k3"] = mk.mean(k3(lr_c, e))
     return dev, var
 
 
@@ -306,16 +312,17 @@ def version_split_metrics(old_logprobs, gen_logprobs, rollout_logprobs, response
     var(log version) / (var(log version) + var(log engine)). Rollout correction (TIS, IcePop,
     RS) still applies to the full pi_old/mu_old, as verl's async mode does."""
     mk = _Mask(response_mask)
+    mk.check(need_token=False)
     old_z, gen_z, roll_z = (_checked_zero_pad(mk, name, t.detach().float(), response_mask)
                             for name, t in (("old_logprobs", old_logprobs),
                                             ("gen_logprobs", gen_logprobs),
                                             ("rollout_logprobs", rollout_logprobs)))
-    m: dict[str, float] = {}
+    m: dict[str, torch.Tensor] = {}
     _, v_var = _ratio_part(mk, "version", old_z - gen_z, m)
     _, e_var = _ratio_part(mk, "engine", gen_z - roll_z, m)
     denom = v_var + e_var
-    m["is_split/version_log_var_share"] = (v_var / denom).item() if denom > 0 else 0.0
-    return m
+    m["is_split/version_log_var_share"] = torch.where(denom > 0, v_var / denom, 0.0)
+    return to_floats(m)
 
 
 # ---------------------------------------------------------------- verl's batch entries

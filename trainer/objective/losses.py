@@ -8,6 +8,10 @@ valid tokens). Log-probs are named by origin: `logprobs` (pi_theta, with grad), 
 `compute_grpo_outcome_advantage`, `compute_policy_loss_dppo_tv` / `_dppo_kl`) so numbers and
 dashboards carry over; DeepSeek-V3.2's off-policy sequence masking and unbiased KL follow slime
 (`compute_opsm_mask`, `compute_approx_kl` with `--use-unbiased-kl`).
+
+Metrics are detached 0-dim tensors on the inputs' device (a setting, e.g. `actor/kl_coef`, is a
+Python float): the actor adds them over micro-batches and reads them once per optimiser step
+(`stats.to_floats`), so a loss never waits for the device.
 """
 
 from __future__ import annotations
@@ -172,12 +176,12 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_rat
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped = torch.maximum(loss1, loss2)
-    metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
-               "actor/ppo_kl": masked_mean(-neg_kl, response_mask).item()}
+    metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask),
+               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask)}
     if clip_ratio_c is not None:
         loss3 = -advantages * clip_ratio_c
         lower_hit = (clipped > loss3) & (advantages < 0)
-        metrics["actor/pg_clipfrac_lower"] = masked_mean(lower_hit.float(), response_mask).item()
+        metrics["actor/pg_clipfrac_lower"] = masked_mean(lower_hit.float(), response_mask)
         clipped = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
     else:
         metrics["actor/pg_clipfrac_lower"] = 0.0
@@ -202,8 +206,8 @@ def gspo_loss(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_l
     if is_weights is not None:
         per_tok = per_tok * is_weights.detach()
     loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
-               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask).item(),
+    metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), response_mask),
+               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask),
                "actor/pg_clipfrac_lower": 0.0}
     return loss, metrics
 
@@ -240,9 +244,9 @@ def dppo_loss(logprobs, old_logprobs, advantages, response_mask, *, divergence="
         per_tok = per_tok * is_weights.detach()
     loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     over_c = torch.zeros_like(keep) if clip_ratio_c is None else (ratio.detach() > clip_ratio_c).float()
-    metrics = {"actor/pg_clipfrac": masked_mean(1.0 - keep, response_mask).item(),
-               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask).item(),
-               "actor/pg_clipfrac_lower": masked_mean(over_c * keep, response_mask).item()}
+    metrics = {"actor/pg_clipfrac": masked_mean(1.0 - keep, response_mask),
+               "actor/ppo_kl": masked_mean(-neg_kl.detach(), response_mask),
+               "actor/pg_clipfrac_lower": masked_mean(over_c * keep, response_mask)}
     return loss, metrics
 
 
@@ -253,7 +257,7 @@ def reinforce_loss(logprobs, rollout_logprobs, advantages, response_mask, *, los
     if is_weights is not None:
         per_tok = per_tok * is_weights.detach()
     loss = agg_loss(per_tok, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    return loss, {"actor/ppo_kl": masked_mean(rollout_logprobs - logprobs.detach(), response_mask).item()}
+    return loss, {"actor/ppo_kl": masked_mean(rollout_logprobs - logprobs.detach(), response_mask)}
 
 
 def opsm_mask(logprobs, behaviour_logprobs, advantages, response_mask, delta: float):
@@ -267,8 +271,8 @@ def opsm_mask(logprobs, behaviour_logprobs, advantages, response_mask, delta: fl
         seq_kl = (lr * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
         drop = (advantages < 0) & (seq_kl > delta)[:, None]
         keep = (~drop).to(logprobs.dtype)
-    metrics = {"actor/opsm_masked_fraction": masked_mean(drop.float(), response_mask).item(),
-               "actor/opsm_kl": masked_mean(lr, response_mask).item()}
+    metrics = {"actor/opsm_masked_fraction": masked_mean(drop.float(), response_mask),
+               "actor/opsm_kl": masked_mean(lr, response_mask)}
     return keep, metrics
 
 
@@ -284,7 +288,7 @@ def unbiased_kl_penalty(logprobs, old_logprobs, ref_logprobs, estimator: str) ->
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar to backward
-    metrics: dict[str, float]
+    metrics: dict[str, torch.Tensor | float]  # detached 0-dim tensors (settings: floats)
 
 
 def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_mask, *, is_weights=None,
@@ -298,11 +302,11 @@ def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_ma
     current policy. With loss_type ppo_clip the PPO ratio pi/mu already is the IS ratio, so weights
     are only logged; with reinforce they multiply -A log pi.
     """
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor | float] = {}
     if correction is not None and correction.bypass_mode:
         if rollout_logprobs is None:
             raise ValueError("bypass mode needs rollout_logprobs")
-        res = correct(correction, logprobs.detach(), rollout_logprobs, response_mask)
+        res = correct(correction, logprobs.detach(), rollout_logprobs, response_mask, floats=False)
         metrics.update(res.metrics)
         old_logprobs, response_mask = rollout_logprobs, res.response_mask
         is_weights = res.weights if correction.loss_type == "reinforce" else None
@@ -336,7 +340,7 @@ def policy_loss(cfg: LossConfig, logprobs, old_logprobs, advantages, response_ma
 def _finish(cfg, pg_loss, metrics, logprobs, old_logprobs, ref_logprobs, entropy, mask, num_tokens, num_seqs
             ) -> LossOutput:
     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs)
-    metrics["actor/pg_loss"] = pg_loss.item()
+    metrics["actor/pg_loss"] = pg_loss.detach()
     loss = pg_loss
     if cfg.kl_coef > 0:
         if ref_logprobs is None:
@@ -344,11 +348,11 @@ def _finish(cfg, pg_loss, metrics, logprobs, old_logprobs, ref_logprobs, entropy
         kl_BT = (unbiased_kl_penalty(logprobs, old_logprobs, ref_logprobs, cfg.kl_loss_type) if cfg.unbiased_kl
                  else kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type))
         kl = agg_loss(kl_BT, mask, cfg.loss_agg_mode, **agg)
-        metrics["actor/kl_loss"], metrics["actor/kl_coef"] = kl.item(), cfg.kl_coef
+        metrics["actor/kl_loss"], metrics["actor/kl_coef"] = kl.detach(), cfg.kl_coef
         loss = loss + cfg.kl_coef * kl
     if entropy is not None:
         ent = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
-        metrics["actor/entropy"] = ent.item()
+        metrics["actor/entropy"] = ent.detach()
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * ent
     elif cfg.entropy_coef > 0:

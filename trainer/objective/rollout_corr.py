@@ -3,6 +3,12 @@ option names and threshold strings, the zero-padded mask (`_Mask`), importance w
 rejection masks, off-policy metrics and verl's entry points, under verl's names and argument
 order. `trainer/objective/correction.py` is the face: it re-exports these and adds the typed API.
 
+Metrics: the internal functions (`_is_weights`, `_rejection`, `_offpolicy`, ...) return 0-dim
+device tensors, so a caller inside the update (bypass mode) reads them with the step's other
+metrics; the public functions under verl's names return Python floats (`to_floats`, one read).
+The checks of a call (a 0/1 mask, a valid token, no NaN / +inf log-prob) are one host read
+(`_Mask.check`).
+
 Shapes: B sequences, T response positions; every tensor is `[B, T]`; `response_mask` is 1 on
 valid tokens.
 """
@@ -13,7 +19,7 @@ import math
 
 import torch
 
-from lockstep.trainer.objective.stats import SAFETY_BOUND, k3
+from lockstep.trainer.objective.stats import SAFETY_BOUND, k3, to_floats
 
 IS_LEVELS = ("token", "sequence", "geometric")
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -25,19 +31,30 @@ class _Mask:
     """A 0/1 response mask prepared once per call, and masked reductions over tensors that are
     already 0 on padding ("zero-padded": built from `zero_pad`-ed inputs, which is verl's
     where() guard applied once). Such sums need no mask multiply and no [B, T] temporary: the
-    speed of the whole module rests on this (most metrics are one reduction pass)."""
+    speed of the whole module rests on this (most metrics are one reduction pass).
+    `check` validates it (and whatever else the caller reads with it) before use."""
 
     def __init__(self, mask: torch.Tensor, dtype: torch.dtype = torch.float32):
         self.b = mask if mask.dtype == torch.bool else mask.bool()
         self.f = mask if mask.dtype == dtype else mask.to(dtype)
         self.n = self.f.sum()                    # verl's mask.sum() (float)
-        self.count = int(torch.count_nonzero(self.b))
-        if float(self.n) != self.count:
-            raise ValueError("response_mask must hold only 0 and 1")
-        self.n_pad = mask.numel() - self.count
         self.n_row = self.f.sum(-1)              # [B]
         # fill values as 0-d tensors: torch.where with a Python scalar is ~10x slower
         self.zero, self.inf = (torch.tensor(x, dtype=self.f.dtype) for x in (0.0, math.inf))
+
+    def check(self, *extra: torch.Tensor, need_token: bool = True) -> list[float]:
+        """Raise unless the mask is 0/1 (and, `need_token`, has a valid token); sets `count`
+        and `n_pad`. One host read for it and the 0-dim tensors `extra`, returned as floats."""
+        read = torch.stack([t.detach().reshape(()).double() for t in
+                            (self.n, torch.count_nonzero(self.b), *extra)]).tolist()
+        n, count, *values = read
+        self.count = int(count)
+        if n != self.count:
+            raise ValueError("response_mask must hold only 0 and 1")
+        if need_token and self.count == 0:
+            raise ValueError("response_mask has no valid token")
+        self.n_pad = self.b.numel() - self.count
+        return values
 
     def zero_pad(self, v: torch.Tensor) -> torch.Tensor:
         return torch.where(self.b, v, self.zero)
@@ -163,14 +180,16 @@ def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="tok
         raise ValueError(f"unknown rollout_is level {rollout_is!r}; valid: {', '.join(IS_LEVELS)}")
     upper, lower = parse_is_threshold(rollout_is_threshold)
     mk = _Mask(response_mask, log_ratio.dtype)
-    return _is_weights(mk, mk.zero_pad(log_ratio), rollout_is, upper, lower, rollout_is_batch_normalize)
+    mk.check()
+    weights, metrics = _is_weights(mk, mk.zero_pad(log_ratio), rollout_is, upper, lower,
+                                   rollout_is_batch_normalize)
+    return weights, to_floats(metrics)
 
 
 def _is_weights(mk: _Mask, lr_z, level, upper, lower, normalize, rho_z=None):
-    """`compute_rollout_correction_weights` on the zero-padded log ratio `lr_z`; `rho_z` is
-    exp(clamped lr_z) on valid tokens and 0 on padding, when the caller has it already."""
-    if mk.count == 0:
-        raise ValueError("response_mask has no valid token")
+    """`compute_rollout_correction_weights` on the zero-padded log ratio `lr_z` (`mk` checked
+    to have a valid token); `rho_z` is exp(clamped lr_z) on valid tokens and 0 on padding,
+    when the caller has it already."""
     if level == "token":
         lr_m = lr_z
         raw = rho_z if rho_z is not None else lr_z.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp_().mul_(mk.f)
@@ -184,18 +203,16 @@ def _is_weights(mk: _Mask, lr_z, level, upper, lower, normalize, rho_z=None):
         weights = torch.where((raw >= lower) & (raw <= upper), raw, mk.zero)
     metrics, mean_w, seq_w = _is_metrics(mk, weights, weights, raw, lr_m, level, upper, lower, nonneg=True)
     if lower is not None:
-        metrics["rollout_is_oob_ratio"] = mk.fraction((raw < lower) | (raw > upper), at_padding=True).item()
+        metrics["rollout_is_oob_ratio"] = mk.fraction((raw < lower) | (raw > upper), at_padding=True)
     if normalize:
         if level == "token":
             mean = mean_w
         else:  # one weight per non-empty sequence
             seq_valid = (mk.n_row > 0).to(weights.dtype)
             mean = (seq_w * seq_valid).sum() / seq_valid.sum().clamp_min(1e-8)
-        if mean > 1e-8:
-            weights = weights / mean
-            metrics["rollout_is_batch_norm_factor"] = mean.item()
-        else:
-            metrics["rollout_is_batch_norm_factor"] = 1.0
+        big = mean > 1e-8  # else the weights stay as they are
+        weights = torch.where(big, weights / mean, weights)
+        metrics["rollout_is_batch_norm_factor"] = torch.where(big, mean, 1.0)
     return weights, metrics
 
 
@@ -203,12 +220,11 @@ def compute_is_metrics(rollout_is_weights, raw_rollout_is_weights, log_ratio_for
                        rollout_is_threshold, rollout_is_threshold_lower=None):
     """IS weight statistics under verl's names (no prefix). Lower threshold defaults to 1/upper."""
     mk = _Mask(response_mask, rollout_is_weights.dtype)
-    if mk.count == 0:
-        raise ValueError("response_mask has no valid token")
+    mk.check()
     w_z = mk.zero_pad(rollout_is_weights)
-    return _is_metrics(mk, w_z, w_z.clamp(min=0.0, max=rollout_is_threshold),
-                       mk.zero_pad(raw_rollout_is_weights), log_ratio_for_metrics, rollout_is,
-                       rollout_is_threshold, rollout_is_threshold_lower)[0]
+    return to_floats(_is_metrics(mk, w_z, w_z.clamp(min=0.0, max=rollout_is_threshold),
+                                 mk.zero_pad(raw_rollout_is_weights), log_ratio_for_metrics,
+                                 rollout_is, rollout_is_threshold, rollout_is_threshold_lower)[0])
 
 
 def _is_metrics(mk: _Mask, w_z, w_c, raw_z, lr_m, rollout_is, upper, lower=None, nonneg=False):
@@ -217,32 +233,33 @@ def _is_metrics(mk: _Mask, w_z, w_c, raw_z, lr_m, rollout_is, upper, lower=None,
     masked mean weight and the per-sequence mean weights (batch normalisation reuses them)."""
     lower = 1.0 / upper if lower is None else lower
     mean_w = mk.mean(w_z)
-    m: dict[str, float] = {"rollout_is_mean": mean_w.item()}
+    m: dict[str, torch.Tensor] = {"rollout_is_mean": mean_w}
     if rollout_is == "token":  # padding: raw 0, which is below `lower` and not above `upper`
-        m["rollout_is_ratio_fraction_high"] = mk.fraction(raw_z > upper, at_padding=False).item()
-        m["rollout_is_ratio_fraction_low"] = mk.fraction(raw_z < lower, at_padding=True).item()
-        m["rollout_is_max"] = mk.max(w_z, nonneg).item()
-        m["rollout_is_min"] = mk.min(w_z).item()
+        m["rollout_is_ratio_fraction_high"] = mk.fraction(raw_z > upper, at_padding=False)
+        m["rollout_is_ratio_fraction_low"] = mk.fraction(raw_z < lower, at_padding=True)
+        m["rollout_is_max"] = mk.max(w_z, nonneg)
+        m["rollout_is_min"] = mk.min(w_z)
     else:  # per-sequence log ratio [B, 1]; empty rows count (log ratio 0), as in verl
         lr = lr_m
-        m["rollout_is_max"] = torch.exp(lr.max().clamp(max=SAFETY_BOUND)).item()
-        m["rollout_is_min"] = torch.exp(lr.min()).item()
-        m["rollout_is_ratio_fraction_high"] = (lr > math.log(upper)).float().mean().item()
-        m["rollout_is_ratio_fraction_low"] = (lr < math.log(lower)).float().mean().item()
+        m["rollout_is_max"] = torch.exp(lr.max().clamp(max=SAFETY_BOUND))
+        m["rollout_is_min"] = torch.exp(lr.min())
+        m["rollout_is_ratio_fraction_high"] = (lr > math.log(upper)).float().mean()
+        m["rollout_is_ratio_fraction_low"] = (lr < math.log(lower)).float().mean()
     mean_c = mean_w if w_c is w_z else mk.mean(w_c)
     sq_c = mk.mean_sq(w_c)
-    m["rollout_is_std"] = (sq_c - mean_c.square()).clamp(min=0.0).sqrt().item() if mk.n > 1 else 0.0
-    # verl: 1 / masked_mean((w_c / (mean_c + 1e-8))^2), with the scale taken out of the sum
-    m["rollout_is_eff_sample_size"] = 1.0 / (sq_c / (mean_c + 1e-8).square()).item()
+    m["rollout_is_std"] = torch.where(mk.n > 1, (sq_c - mean_c.square()).clamp(min=0.0).sqrt(), 0.0)
+    # verl: 1 / masked_mean((w_c / (mean_c + 1e-8))^2), with the scale taken out of the sum;
+    # the reciprocal in float64, as verl's Python float division of the read value
+    m["rollout_is_eff_sample_size"] = 1.0 / (sq_c / (mean_c + 1e-8).square()).double()
     seq_w = mk.row_mean(w_z)
-    m["rollout_is_seq_mean"] = seq_w.mean().item()
-    m["rollout_is_seq_std"] = seq_w.std().item() if seq_w.numel() > 1 else 0.0
-    m["rollout_is_seq_max"] = seq_w.max().item()
-    m["rollout_is_seq_min"] = seq_w.min().item()
-    m["rollout_is_seq_max_deviation"] = (seq_w - 1.0).abs().max().item()
+    m["rollout_is_seq_mean"] = seq_w.mean()
+    m["rollout_is_seq_std"] = seq_w.std() if seq_w.numel() > 1 else 0.0
+    m["rollout_is_seq_max"] = seq_w.max()
+    m["rollout_is_seq_min"] = seq_w.min()
+    m["rollout_is_seq_max_deviation"] = (seq_w - 1.0).abs().max()
     raw_seq = mk.row_mean(raw_z)  # pre-truncation, else "high" could never fire under TIS
-    m["rollout_is_seq_fraction_high"] = (raw_seq > upper).float().mean().item()
-    m["rollout_is_seq_fraction_low"] = (raw_seq < lower).float().mean().item()
+    m["rollout_is_seq_fraction_high"] = (raw_seq > upper).float().mean()
+    m["rollout_is_seq_fraction_low"] = (raw_seq < lower).float().mean()
     return m, mean_w, seq_w
 
 
@@ -259,7 +276,9 @@ def compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs="token_k
     if log_ratio.shape[0] == 0:
         return response_mask, {}
     mk = _Mask(response_mask, log_ratio.dtype)
-    return _rejection(mk, response_mask, mk.zero_pad(log_ratio), options, thresholds)
+    mk.check(need_token=False)
+    mask, metrics = _rejection(mk, response_mask, mk.zero_pad(log_ratio), options, thresholds)
+    return mask, to_floats(metrics)
 
 
 def _rejection(mk: _Mask, response_mask, lr_z, options, thresholds, exp_lr_z=None):
@@ -278,7 +297,7 @@ def _rejection(mk: _Mask, response_mask, lr_z, options, thresholds, exp_lr_z=Non
     n_valid = seq_valid.float().sum()
     tok_keep = seq_keep = None  # bool [B, T] / [B]: every token / sequence option passed
     rejected_any = torch.zeros_like(seq_valid)  # rows with a valid token some option rejects
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     for opt in options:
         lower, upper = thresholds[opt]
         k = k_of(opt[-2:])
@@ -304,17 +323,17 @@ def _rejection(mk: _Mask, response_mask, lr_z, options, thresholds, exp_lr_z=Non
             stat_z = seq_stat[:, None] * mk.f  # the row value on each valid token, as verl's
             metrics.update(_rs_metrics(mk, opt, stat_z, seq_stat, seq_valid, "sequence", up_t, lo_t))
             seq_keep = keep if seq_keep is None else seq_keep & keep
-        metrics[f"rollout_rs_{opt}_masked_fraction"] = masked.item()
-        metrics[f"rollout_rs_{opt}_seq_masked_fraction"] = (
-            (rejected_row & seq_valid).float().sum() / n_valid).item() if n_valid > 0 else 0.0
+        metrics[f"rollout_rs_{opt}_masked_fraction"] = masked
+        metrics[f"rollout_rs_{opt}_seq_masked_fraction"] = torch.where(
+            n_valid > 0, (rejected_row & seq_valid).float().sum() / n_valid, 0.0)
         rejected_any |= rejected_row
     keep_all = tok_keep if seq_keep is None else seq_keep[:, None] if tok_keep is None else \
         tok_keep.logical_and_(seq_keep[:, None])
     new_mask = (response_mask * keep_all).to(response_mask.dtype)
     kept = new_mask.sum(dtype=mk.n.dtype) if new_mask.dtype != torch.bool else \
         torch.count_nonzero(new_mask).to(mk.n.dtype)
-    metrics["rollout_rs_masked_fraction"] = ((mk.n - kept) / (mk.n + 1e-8)).item()
-    metrics["rollout_rs_seq_masked_fraction"] = rejected_any.float().mean().item()  # over all rows, as verl
+    metrics["rollout_rs_masked_fraction"] = (mk.n - kept) / (mk.n + 1e-8)
+    metrics["rollout_rs_seq_masked_fraction"] = rejected_any.float().mean()  # over all rows, as verl
     return new_mask, metrics
 
 
@@ -322,11 +341,11 @@ def compute_rs_metrics(option_name, rs_statistic, response_mask, seq_valid_mask,
                        rollout_rs_threshold, rollout_rs_threshold_lower, apply_lower_threshold):
     """Per-option RS statistics `rollout_rs_<option>_*` (thresholds in statistic space)."""
     mk = _Mask(response_mask, rs_statistic.dtype)
-    if mk.count == 0:
-        raise ValueError("response_mask has no valid token")
+    mk.check()
     opt = option_name
-    return _rs_metrics(mk, opt, mk.zero_pad(rs_statistic), per_sequence_values, seq_valid_mask, level,
-                       rollout_rs_threshold, rollout_rs_threshold_lower if apply_lower_threshold else None)
+    return to_floats(_rs_metrics(mk, opt, mk.zero_pad(rs_statistic), per_sequence_values, seq_valid_mask,
+                                 level, rollout_rs_threshold,
+                                 rollout_rs_threshold_lower if apply_lower_threshold else None))
 
 
 def _rs_metrics(mk: _Mask, opt, stat_z, seq_stat, seq_valid, level, up, lo):
@@ -335,35 +354,32 @@ def _rs_metrics(mk: _Mask, opt, stat_z, seq_stat, seq_valid, level, up, lo):
     means of `stat_z`). `lo` None: no lower bound."""
     p = f"rollout_rs_{opt}"
     seq = seq_stat if seq_stat is not None else mk.row_mean(stat_z)
-    seq = seq[seq_valid]
-    m = {f"{p}_mean": mk.mean(stat_z).item()}
+    seq = seq[seq_valid]  # NOTE: a boolean index waits for the device (its size)
+    m = {f"{p}_mean": mk.mean(stat_z)}
     if level == "sequence" and seq.numel() > 0:
-        m[f"{p}_max"], m[f"{p}_min"] = seq.max().item(), seq.min().item()
-        m[f"{p}_fraction_high"] = (seq > up).float().mean().item()
-        m[f"{p}_fraction_low"] = (seq < lo).float().mean().item() if lo is not None else 0.0
+        m[f"{p}_max"], m[f"{p}_min"] = seq.max(), seq.min()
+        m[f"{p}_fraction_high"] = (seq > up).float().mean()
+        m[f"{p}_fraction_low"] = (seq < lo).float().mean() if lo is not None else 0.0
     else:
-        m[f"{p}_max"] = mk.max(stat_z).item()
-        m[f"{p}_min"] = mk.min(stat_z).item()
-        m[f"{p}_fraction_high"] = mk.fraction(stat_z > up, at_padding=0.0 > up).item()
-        m[f"{p}_fraction_low"] = mk.fraction(stat_z < lo, at_padding=0.0 < lo).item() \
+        m[f"{p}_max"] = mk.max(stat_z)
+        m[f"{p}_min"] = mk.min(stat_z)
+        m[f"{p}_fraction_high"] = mk.fraction(stat_z > up, at_padding=0.0 > up)
+        m[f"{p}_fraction_low"] = mk.fraction(stat_z < lo, at_padding=0.0 < lo) \
             if lo is not None else 0.0
-    if mk.n > 1:
-        c_lo = lo if lo is not None else 0.0
-        s_c = stat_z.clamp(min=c_lo, max=up)
-        if min(max(0.0, c_lo), up) != 0.0:  # the clamp moved the padding off 0
-            s_c.mul_(mk.f)
-        var = mk.mean_sq(s_c) - mk.mean(s_c).square()
-        m[f"{p}_std"] = var.clamp(min=0.0).sqrt().item()
-    else:
-        m[f"{p}_std"] = 0.0
+    c_lo = lo if lo is not None else 0.0
+    s_c = stat_z.clamp(min=c_lo, max=up)
+    if min(max(0.0, c_lo), up) != 0.0:  # the clamp moved the padding off 0
+        s_c.mul_(mk.f)
+    var = mk.mean_sq(s_c) - mk.mean(s_c).square()
+    m[f"{p}_std"] = torch.where(mk.n > 1, var.clamp(min=0.0).sqrt(), 0.0)
     if seq.numel() > 0:
-        m[f"{p}_seq_mean"] = seq.mean().item()
-        m[f"{p}_seq_std"] = seq.std().item() if seq.numel() > 1 else 0.0
-        m[f"{p}_seq_max"], m[f"{p}_seq_min"] = seq.max().item(), seq.min().item()
-        m[f"{p}_seq_max_deviation"] = seq.abs().max().item()
-        m[f"{p}_seq_fraction_high"] = (seq > up).float().mean().item()
+        m[f"{p}_seq_mean"] = seq.mean()
+        m[f"{p}_seq_std"] = seq.std() if seq.numel() > 1 else 0.0
+        m[f"{p}_seq_max"], m[f"{p}_seq_min"] = seq.max(), seq.min()
+        m[f"{p}_seq_max_deviation"] = seq.abs().max()
+        m[f"{p}_seq_fraction_high"] = (seq > up).float().mean()
         if lo is not None:
-            m[f"{p}_seq_fraction_low"] = (seq < lo).float().mean().item()
+            m[f"{p}_seq_fraction_low"] = (seq < lo).float().mean()
     else:
         for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
                   "seq_fraction_low"):
@@ -378,41 +394,40 @@ def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask):
     Per-sequence quantities average over all rows, empty rows included (verl's definition).
     """
     mk = _Mask(response_mask, old_log_prob.dtype)
-    if mk.count == 0:
-        raise ValueError("response_mask has no valid token")
-    return _offpolicy(mk, mk.zero_pad(old_log_prob),
-                      None if rollout_log_prob is None else mk.zero_pad(rollout_log_prob))
+    mk.check()
+    return to_floats(_offpolicy(mk, mk.zero_pad(old_log_prob),
+                                None if rollout_log_prob is None else mk.zero_pad(rollout_log_prob)))
 
 
 def _offpolicy(mk: _Mask, old_z, roll_z, lr_z=None, exp_lr_z=None, rho_z=None):
     """`compute_offpolicy_metrics` on zero-padded log-probs; the caller may pass the log ratio,
     its unclamped exp and rho_z = exp(clamped log ratio) x mask when it has them."""
     mean_old = mk.row_mean(old_z)  # [B]
-    m = {"training_ppl": torch.exp(-mean_old).mean().item(), "training_log_ppl": (-mean_old).mean().item()}
+    m = {"training_ppl": torch.exp(-mean_old).mean(), "training_log_ppl": (-mean_old).mean()}
     if roll_z is None:
         return m
     lr_z = old_z - roll_z if lr_z is None else lr_z
-    m["kl"] = (-mk.mean(lr_z)).item()
+    m["kl"] = (-mk.mean(lr_z))
     # verl's k3_kl takes the unclamped log ratio; 0 on padding (exp(0) - 0 - 1)
-    m["k3_kl"] = mk.mean(k3(lr_z, exp_lr_z)).item()
+    m["k3_kl"] = mk.mean(k3(lr_z, exp_lr_z))
     mean_roll = mk.row_mean(roll_z)
-    m["rollout_ppl"] = torch.exp(-mean_roll).mean().item()
-    m["rollout_log_ppl"] = (-mean_roll).mean().item()
+    m["rollout_ppl"] = torch.exp(-mean_roll).mean()
+    m["rollout_log_ppl"] = (-mean_roll).mean()
     diff = mean_roll - mean_old
-    m["log_ppl_diff"] = diff.mean().item()
-    m["log_ppl_abs_diff"] = diff.abs().mean().item()
-    m["log_ppl_diff_max"], m["log_ppl_diff_min"] = diff.max().item(), diff.min().item()
-    m["ppl_ratio"] = torch.exp(diff).mean().item()
+    m["log_ppl_diff"] = diff.mean()
+    m["log_ppl_abs_diff"] = diff.abs().mean()
+    m["log_ppl_diff_max"], m["log_ppl_diff_min"] = diff.max(), diff.min()
+    m["ppl_ratio"] = torch.exp(diff).mean()
     if rho_z is None:
         rho_z = lr_z.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp_().mul_(mk.f)
-    m["chi2_token"] = (mk.mean_sq(rho_z) - 1.0).item()
+    m["chi2_token"] = (mk.mean_sq(rho_z) - 1.0)
     seq_lr = lr_z.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    m["chi2_seq"] = (torch.exp(2.0 * seq_lr).mean() - 1.0).item()
+    m["chi2_seq"] = (torch.exp(2.0 * seq_lr).mean() - 1.0)
     return m
 
 
-def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
-    return {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
+def _prefixed(metrics: dict) -> dict:
+    return {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
 def check_logprobs(name: str, logprobs: torch.Tensor, response_mask: torch.Tensor) -> None:
@@ -445,17 +460,34 @@ def compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob
     Same values as verl's, computed in far fewer passes: log-probs are zero-padded once, the
     log ratio and its exp are shared by the weights, the RS statistics and the off-policy
     metrics, and masked means are plain sums (`_Mask`)."""
+    weights, mask, metrics = _correction(old_log_prob, rollout_log_prob, response_mask, rollout_is,
+                                         rollout_is_threshold, rollout_is_batch_normalize,
+                                         rollout_rs, rollout_rs_threshold)
+    return weights, mask, to_floats(metrics)
+
+
+def _correction(old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold,
+                rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold):
+    """`compute_rollout_correction_and_rejection_mask` with its metrics as 0-dim tensors; the
+    checks of its inputs and the choice of the unclamped fast path are one host read."""
     mk = _Mask(response_mask, old_log_prob.dtype)
-    if mk.count == 0:
+    inputs = (("old_log_prob", old_log_prob), ("rollout_log_prob", rollout_log_prob))
+    for name, x in inputs:
+        if x.shape != response_mask.shape:
+            check_logprobs(name, x, response_mask)
+    if response_mask.numel() == 0:
         raise ValueError("response_mask has no valid token")
-    old_z = _checked_zero_pad(mk, "old_log_prob", old_log_prob, response_mask)
-    roll_z = _checked_zero_pad(mk, "rollout_log_prob", rollout_log_prob, response_mask)
+    old_z, roll_z = mk.zero_pad(old_log_prob), mk.zero_pad(rollout_log_prob)
     lr_z = old_z - roll_z
     lo, hi = torch.aminmax(lr_z)
-    in_bounds = bool(lo >= -SAFETY_BOUND) and bool(hi <= SAFETY_BOUND)  # False on NaN too
+    s_old, s_roll, lo, hi = mk.check(old_z.sum(), roll_z.sum(), lo, hi)
+    for (name, x), s in zip(inputs, (s_old, s_roll)):
+        if math.isnan(s) or s == math.inf:  # so is a valid entry: name its position
+            check_logprobs(name, x, response_mask)
+    in_bounds = lo >= -SAFETY_BOUND and hi <= SAFETY_BOUND  # False on NaN too
     exp_lr_z = torch.exp(lr_z)  # 1 on padding
     rho_z = exp_lr_z * mk.f if in_bounds else lr_z.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp_().mul_(mk.f)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     weights = None
     if rollout_is is not None and rollout_is_threshold is not None:
         if rollout_is not in IS_LEVELS:

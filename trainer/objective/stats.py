@@ -8,6 +8,8 @@ add up.
   log r = a - b), on a clamped log ratio. `k3` takes exp(log r) when the caller has it.
 - `masked_sum` / `masked_mean`: `where` first, so NaN/inf outside a 0/1 mask cannot leak in;
   the mean divides by (count + 1e-8) as verl does (0 on an empty mask).
+- `to_floats`: a dict of 0-dim device tensors (metrics kept on the device through an optimiser
+  step) read to Python floats in one host sync.
 - `Stats`: metric -> (sum, count) of one rank, added over ranks (`add_stats`) and divided once
   (`stats_values`); `route_stats` puts `compare_routes`' flip metrics in that form,
   `indexer_stats` the lightning indexer's (`indexer_flip_rate`).
@@ -58,6 +60,18 @@ def masked_sum(v: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def masked_mean(v: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     n = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(v, mask, dim) / (n + 1e-8)
+
+
+def to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Metrics as Python floats, every tensor value read in one host sync: they are stacked
+    as float64 (exact for fp32/bf16/fp64 values, so each float equals its `.item()`) and read
+    with a single `.tolist()`. Python numbers pass through."""
+    keys = [k for k, v in metrics.items() if torch.is_tensor(v)]
+    out = {k: v for k, v in metrics.items() if not torch.is_tensor(v)}
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys])
+        out.update(zip(keys, values.tolist()))
+    return {k: out[k] for k in metrics}
 
 
 # -- (sum, count) statistics that data-parallel ranks add ---------------------------------------

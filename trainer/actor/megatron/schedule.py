@@ -26,6 +26,7 @@ from lockstep.trainer.actor.megatron.model import (forward_logits, is_last_stage
                                                    token_logprobs_entropy)
 from lockstep.trainer.actor.megatron.replay import Mode
 from lockstep.trainer.actor.torch_actor import LossFn
+from lockstep.trainer.objective.stats import to_floats
 
 
 def _keep_candidates(logits_BTV: torch.Tensor, cand_BTS: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,7 @@ class Schedule:
             mini_size = len(mini)
         T = batch.input_ids_BT.shape[1]
         last = is_last_stage(self.last_chunk)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor | float] = {}  # on the device until the schedule ends
         aux_sum = torch.zeros((), device=self.device)  # read once, after the schedule
 
         def forward_step(data_iterator, model):
@@ -185,6 +186,7 @@ class Schedule:
                 loss, m = loss_fn(lp, ent, idx, mini)
                 self._update_lp[idx] = lp.detach()
                 for k, v in m.items():  # micro-batch means (unless weighted): weight by rows
+                    v = v.detach().double() if torch.is_tensor(v) else v  # on the device, fp64
                     metrics[k] = metrics.get(k, 0.0) + (v if weighted else v * b / mini_size)
                 # megatron-core divides by the micro-batch count and DDP averages over DP
                 # ranks; our loss already is this micro-batch's share of the mini-batch loss
@@ -210,8 +212,8 @@ class Schedule:
                 seq_length=padded_length(int(batch.seq_lens_B[torch.cat(micro)].max()), self.tp),
                 micro_batch_size=max(len(m) for m in micro), forward_only=not train)
         if train and self.aux_coef > 0:
-            metrics["actor/aux_loss"] = float(aux_sum)
-        return metrics
+            metrics["actor/aux_loss"] = aux_sum
+        return to_floats(metrics)  # the step's one read of its metrics
 
     def _chunked_logprobs(self, hidden_BTD, targets_BT, cand_BTS):
         """(log-probs, entropies) [b, t] from the final hidden states without [tokens, V]
