@@ -155,14 +155,22 @@ SESSION_OPEN = "weight-update session is already open"
 """The words of SGLang's (and our server's) refusal of a second /begin_weight_update."""
 
 
-def stale_session_help(url: str, api_key: str | None) -> str:
-    """What a user runs to close the session a killed trainer left open on `url`."""
+def curl_post(url: str, path: str, api_key: str | None) -> str:
+    """The command line that POSTs to `url + path` (with the API key header when one is set)."""
     auth = ' -H "Authorization: Bearer $API_KEY"' if api_key else ""
+    return f"curl -X POST{auth} {url}{path}"
+
+
+def stale_session_help(url: str, api_key: str | None,
+                       session: tuple[str, str] = ("/begin_weight_update", "/end_weight_update"),
+                       then: tuple[str, ...] = ()) -> str:
+    """What a user runs to close the session a killed trainer left open on `url`: `session`'s
+    closing route, then `then` (vLLM: /resume, since the killed push had paused the server)."""
+    cmd = " && ".join(curl_post(url, p, api_key) for p in (session[1], *then))
     return (f"{url} holds a weight-update session this run did not open (a trainer killed "
-            f"between /begin_weight_update and /end_weight_update leaves one open). If no "
-            f"other trainer is pushing to it, close it with `curl -X POST{auth} "
-            f"{url}/end_weight_update` and start again; `lockstep train --resume` of the "
-            f"killed run closes its own")
+            f"between {session[0]} and {session[1]} leaves one open). If no other trainer is "
+            f"pushing to it, close it with `{cmd}` and start again; `lockstep train --resume` "
+            f"of the killed run closes its own")
 
 
 class DistributedWeightSync:
@@ -208,6 +216,11 @@ class DistributedWeightSync:
         return f"engine {i} ({self.urls[i]})"
 
     # -- the wire (SGLang's; VLLMWeightSync overrides these) ---------------------------------
+    SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
+    """The routes that open and close a weight-update session."""
+    STALE_THEN: tuple[str, ...] = ()
+    """What a user runs after closing a killed push's session (stale_session_help)."""
+
     def _join_request(self, i: int, master_addr: str, port: int) -> tuple[str, dict]:
         return "/init_weights_update_group", {
             "master_address": master_addr, "master_port": port,
@@ -317,14 +330,22 @@ class DistributedWeightSync:
         try:
             self._post(i, "/begin_weight_update", {})
         except PushRefused as e:
-            url = self.urls[i]
             if SESSION_OPEN not in str(e):
                 raise
-            if url not in self.own_stale:
-                raise PushRefused(f"{e}; {stale_session_help(url, self.api_key)}") from None
-            self._close_session(i, self.timeout_s)  # the session our killed push left open
-            self.closed_stale.append(url)
+            self._close_stale(i, e)
             self._post(i, "/begin_weight_update", {})
+
+    def _close_stale(self, i: int, refusal: Exception) -> None:
+        """A session a killed push left open refused ours: close it when that push was this
+        run's (`own_stale`; noted in `closed_stale`), else raise PushRefused with the commands
+        that close it (another trainer may be mid-push there)."""
+        url = self.urls[i]
+        if url not in self.own_stale:
+            raise PushRefused(f"{refusal}; " + stale_session_help(
+                url, self.api_key, self.SESSION_ROUTES, self.STALE_THEN)) from None
+        # vLLM: only the finish; the server stays paused for the push that follows
+        self._post(i, self.SESSION_ROUTES[1], {}, self.timeout_s)
+        self.closed_stale.append(url)
 
     def _close_session(self, i: int, timeout_s: float) -> None:
         self._post(i, "/end_weight_update", {}, timeout_s)
