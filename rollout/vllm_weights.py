@@ -15,6 +15,14 @@ true}}` answered while the trainer broadcasts the bucket as one uint8 buffer, th
 `--weight-transfer-config` backend: vLLM's `nccl` on GPUs (the same fields), lockstep's
 `lockstep_gloo` (rollout/vllm_plugin) on CPUs. A pause, start or join that a server refuses
 raises `PushRefused` (nothing changed; `auto` then goes to disk).
+
+A trainer killed between `/start_weight_update` and `/finish_weight_update` leaves the
+server paused with its update active: every later start is refused (`UPDATE_ACTIVE`, HTTP 500)
+and `/shutdown_weight_transfer_engine` too. As for SGLang's open session
+(`DistributedWeightSync._close_stale`): where the killed push was this run's (`own_stale`, from
+its push marker) the sync finishes that update (committing what it loaded, which the full
+push then overwrites) and starts its own; elsewhere it refuses with the commands that end it
+(`/finish_weight_update`, then `/resume`) and leaves the server paused as it found it.
 """
 
 from __future__ import annotations
@@ -23,6 +31,10 @@ from typing import Any
 
 from .types import PushRefused, RolloutError
 from .weight_sync import DistributedWeightSync, dtype_name
+
+UPDATE_ACTIVE = "while a weight update is already active"
+"""The words of vLLM 0.32's refusal of a second /start_weight_update (a worker's RuntimeError,
+answered HTTP 500 by /collective_rpc's wrapper)."""
 
 
 def server_config(info: Any) -> dict:
@@ -44,6 +56,9 @@ def server_config(info: Any) -> dict:
 
 class VLLMWeightSync(DistributedWeightSync):
     """Rank 0 of a weight-transfer group over vLLM servers (module docstring)."""
+
+    SESSION_ROUTES = ("/start_weight_update", "/finish_weight_update")
+    STALE_THEN = ("/resume",)  # the killed push had paused the server
 
     def _server_info(self, i: int) -> Any:
         info = server_config(self._request(i, "GET", "/server_info?config_format=json", None,
@@ -96,10 +111,20 @@ class VLLMWeightSync(DistributedWeightSync):
     def _open_session(self, i: int) -> None:
         try:
             self._post(i, "/pause?mode=wait", {})
-            self._post(i, "/start_weight_update", {})
+            try:
+                self._post(i, "/start_weight_update", {})
+                return
+            except RolloutError as e:
+                if UPDATE_ACTIVE not in str(e):
+                    raise
+                stale = e
         except RolloutError as e:  # before any tensor was sent: nothing changed
             self._quiet_post(i, "/resume")
             raise PushRefused(str(e)) from None
+        # a killed push's update, paused by it: not resumed here (ours: our push follows;
+        # another's: left as found)
+        self._close_stale(i, stale)
+        self._post(i, "/start_weight_update", {})
 
     def _close_session(self, i: int, timeout_s: float) -> None:
         try:

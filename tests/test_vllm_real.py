@@ -321,6 +321,141 @@ def test_agent_toy_three_steps_with_stitched_routes(vllm, tmp_path):
     assert len(m) == 3 and m[-1]["replay/mode"] == "R3"
 
 
+_KILLED_PUSH = """
+import sys, time
+import torch
+from lockstep.moe.buckets import bucketize
+from lockstep.moe.checkpoint import hf_state_dict, load_hf
+from lockstep.rollout.vllm_client import VLLMBackend
+model = load_hf({folder!r})
+with torch.no_grad():
+    for p in model.parameters():
+        p.mul_(-1.0)  # weights far from any a later push sends
+def buckets():
+    for i, b in enumerate(bucketize(((k, v.detach()) for k, v in hf_state_dict(model).items()),
+                                    {bucket})):
+        if i == 2:  # bucket 0 sent inside the open update, bucket 1 in hand: killed here
+            print("in session", flush=True)
+            time.sleep(600)
+        yield b
+VLLMBackend({url!r}, model.cfg, weight_sync="distributed", bucket_bytes={bucket},
+            push_marker={marker!r}).update_weights(buckets(), "killed")
+"""
+STALE_BUCKET = 1 << 18  # the toy's 1.8 MB in 7 buckets
+
+
+def _post(url: str, path: str) -> dict:
+    import urllib.request
+    req = urllib.request.Request(url + path, data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _is_paused(url: str) -> bool:
+    import urllib.request
+    with urllib.request.urlopen(url + "/is_paused", timeout=60) as r:
+        return json.loads(r.read())["is_paused"]
+
+
+def _kill_inside_an_update(url: str, folder: Path, marker: Path) -> None:
+    """A real trainer process pushing to `url` with `marker` as its push marker, SIGKILLed
+    after /pause, /start_weight_update and one bucket: the server stays paused with its
+    update active and the marker names the dead process."""
+    import subprocess
+    import sys
+    script = _KILLED_PUSH.format(folder=str(folder), url=url, bucket=STALE_BUCKET,
+                                 marker=str(marker))
+    victim = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert victim.stdout.readline().strip() == "in session", victim.communicate()
+    finally:
+        victim.kill()
+        victim.wait(30)
+    assert marker.exists() and _is_paused(url)
+
+
+@pytest.fixture
+def settled(vllm, toy_folder):
+    """The module's server, left with no weight update open, not paused and serving the
+    folder's weights whatever a test did (finishing a killed push's update commits garbage
+    for the layers it half loaded; the later tests generate)."""
+    yield vllm
+    for path in ("/finish_weight_update", "/resume"):
+        try:
+            _post(vllm, path)
+        except OSError:  # no update open: HTTP 500, as expected
+            pass
+    model = load_hf(toy_folder)
+    back = VLLMBackend(vllm, model.cfg, weight_sync="distributed")
+    back.update_weights(model, "settled")
+    back.close()
+
+
+def _moved(folder: Path, seed: int) -> MoEModel:
+    model = load_hf(folder)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_stale_update_of_our_killed_push_is_finished_then_pushed(settled, toy_folder,
+                                                                  tmp_path):
+    """A trainer killed between /start_weight_update and /finish_weight_update leaves vLLM
+    paused with its update active (every later start: HTTP 500 "already active"). The killed
+    run's own marker (`--resume`): the new push finishes that update, pushes in full (what the
+    dead push loaded is overwritten), says so once and resumes the server."""
+    vllm = settled
+    from lockstep.rollout.weight_push import MARKER
+    marker = tmp_path / "run" / MARKER
+    marker.parent.mkdir()
+    _kill_inside_an_update(vllm, toy_folder, marker)
+    logs: list[str] = []
+    new = _moved(toy_folder, 11)
+    mine = VLLMBackend(vllm, new.cfg, weight_sync="distributed", bucket_bytes=STALE_BUCKET,
+                       push_marker=marker, log=logs.append)
+    assert mine.update_weights(new, "resumed") == "resumed"
+    closed = [x for x in logs if "closed the weight-update session" in x]
+    assert len(closed) == 1 and vllm in closed[0], logs
+    assert not marker.exists() and not _is_paused(vllm)
+    assert _served_equals(vllm, new, "resumed") < 1e-5
+    mine.update_weights(new, "resumed2")  # the next push opens its own update
+    assert len([x for x in logs if "closed the weight-update session" in x]) == 1
+    mine.close()
+
+
+def test_stale_update_of_another_run_is_refused_with_the_commands(settled, toy_folder,
+                                                                  tmp_path):
+    """The same stale update met by another run (its own marker, not the killed one's):
+    refused, nothing changed, with the two commands that end it, which then work."""
+    vllm = settled
+    from lockstep.rollout.types import PushRefused
+    from lockstep.rollout.weight_push import MARKER
+    (tmp_path / "run").mkdir()
+    _kill_inside_an_update(vllm, toy_folder, tmp_path / "run" / MARKER)
+    other = VLLMBackend(vllm, load_hf(toy_folder).cfg, weight_sync="distributed",
+                        bucket_bytes=STALE_BUCKET, push_marker=tmp_path / "other" / MARKER)
+    new = _moved(toy_folder, 12)
+    with pytest.raises(PushRefused) as e:
+        other.update_weights(new, "other")
+    msg = str(e.value)
+    assert (f"`curl -X POST {vllm}/finish_weight_update && curl -X POST {vllm}/resume`"
+            in msg), msg
+    assert "--resume" in msg and not (tmp_path / "other" / MARKER).exists()
+    assert _is_paused(vllm)  # left as found: the update's owner paused it
+    other.close()
+    _post(vllm, "/finish_weight_update")  # the commands the message names
+    _post(vllm, "/resume")
+    assert not _is_paused(vllm)
+    fresh = VLLMBackend(vllm, new.cfg, weight_sync="distributed", bucket_bytes=STALE_BUCKET)
+    fresh.update_weights(new, "after")
+    assert _served_equals(vllm, new, "after") < 1e-5
+    fresh.close()
+
+
 def test_wire_suite_answers_as_the_docs_table_says(vllm):
     """Last (its weight-route steps change the served version): the differential wire suite
     (tests/vllm_wire.py), which generates the table in docs/rollout.md."""
