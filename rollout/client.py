@@ -156,12 +156,14 @@ class HTTPBackend(RolloutBackend):
                  weights_dir: str | Path | None = None, sampling_mask_max_tokens: int = 4096,
                  fan_out_samples: bool = False, weight_sync: str = "disk",
                  bucket_bytes: int = 256 << 20, log=None, abort_retries: int = 3,
-                 push_marker: str | Path | None = None):
+                 push_marker: str | Path | None = None, launched: bool = False):
         if weight_sync not in self.WEIGHT_SYNC:
             raise ValueError(f"HTTPBackend: weight_sync={weight_sync!r}; valid: "
                              f"{list(self.WEIGHT_SYNC)}")
         self.bucket_bytes = bucket_bytes
         self.abort_retries = abort_retries
+        # a server this process launched (a fleet's engine): only our own pushes pause it
+        self.launched = launched
         self.aborted_resent = 0  # requests sent again because a sample came back aborted
         self._log = log or (lambda s: None)
         self.url = url.rstrip("/")

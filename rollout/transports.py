@@ -213,13 +213,14 @@ class HTTPCalls:
         return self.pusher.last_push
 
     def attach(self, fleet: Any, slot: EngineSlot, info: dict | None = None) -> None:
-        """A client for the slot's server (a new one after a relaunch: a new URL)."""
+        """A client for the slot's server (a new one after a relaunch: a new URL). `info`
+        comes with a server the fleet launched (at the start or as a relaunch)."""
         if slot.url:
             slot.client = self.client_cls(
                 slot.url, self.cfg, api_key=self.api_key, max_concurrency=self.max_concurrency,
                 timeout_s=fleet.request_timeout_s, retries=1, backoff_s=0.2,
                 sampling_mask_max_tokens=self.sampling_mask_max_tokens,
-                fan_out_samples=self.fan_out_samples)
+                fan_out_samples=self.fan_out_samples, launched=info is not None)
             if slot.version is not None and slot.version != UNKNOWN:
                 slot.client.expect_version(slot.version)  # it started with these weights
 

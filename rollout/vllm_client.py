@@ -40,6 +40,7 @@ from ..replay.trace import RouteError
 from .client import HTTPBackend
 from .types import GenerateRequest, GenerationResult, RolloutError
 from .vllm_weights import VLLMWeightSync, server_config
+from .weight_sync import curl_post
 
 REQUEST_PREFIX = "generate-tokens-"
 """vLLM's name for request `rid` on /inference/v1/generate (what abort needs)."""
@@ -63,6 +64,15 @@ def detect_engine(url: str, api_key: str | None = None, timeout_s: float = 60.0)
     return "vllm" if isinstance(info, dict) and "vllm_config" in info else "sglang"
 
 
+def paused_help(url: str, api_key: str | None) -> str:
+    """Why a paused server is refused, and what a user runs."""
+    return (f"{url} is paused (GET /is_paused), so it would hold every generate request: a "
+            f"trainer killed between /pause and /resume leaves it so. If no other trainer is "
+            f"pushing to it, resume it with `{curl_post(url, '/resume', api_key)}` (a weight "
+            f"update the killed trainer left open is ended first: "
+            f"`{curl_post(url, '/finish_weight_update', api_key)}`)")
+
+
 class VLLMBackend(HTTPBackend):
     """`HTTPBackend` over vLLM's wire (module docstring). `weight_sync`: `auto` (default in the
     loop) and `distributed` push through vLLM's native weight transfer (/pause?mode=wait,
@@ -70,7 +80,9 @@ class VLLMBackend(HTTPBackend):
     /update_weights per bucket concurrent with its broadcast, /finish_weight_update with the
     version, /resume); `disk` writes an HF folder and reloads it (`reload_weights` over
     /collective_rpc, then /update_weight_version); `auto` falls back to disk for good when the
-    server refuses to join or to start an update (nothing changed)."""
+    server refuses to join or to start an update (nothing changed). A server found paused at
+    first contact (a trainer killed between /pause and /resume) is refused, naming /resume,
+    unless it is `launched` (a fleet's own engine)."""
 
     WEIGHT_SYNC = ("auto", "distributed", "disk")
     GENERATE_PATH = "/inference/v1/generate"
@@ -84,13 +96,18 @@ class VLLMBackend(HTTPBackend):
 
     # -- server ---------------------------------------------------------------------------------
     async def _server(self) -> dict:
+        """The server's config, read (and checked) at first contact."""
         if self.server is None:
-            self.server = server_config(await self.get("/server_info?config_format=json"))
-            mode = self.server["logprobs_mode"]
+            server = server_config(await self.get("/server_info?config_format=json"))
+            mode = server["logprobs_mode"]
             if mode != "processed_logprobs":
                 raise RolloutError(
                     f"{self.url}: vLLM runs --logprobs-mode {mode}; lockstep needs "
                     f"processed_logprobs (the log-probs of the distribution sampled from)")
+            # a server we launched is paused by our own pushes only (a fleet's, mid-run)
+            if not self.launched and (await self.get("/is_paused") or {}).get("is_paused"):
+                raise RolloutError(paused_help(self.url, self.api_key))
+            self.server = server
         return self.server
 
     async def prepare(self) -> None:

@@ -129,6 +129,19 @@ def test_config_fleet_backends():
     assert load_config(None, ["rollout.max_engine_restarts=3"]).hash() == load_config().hash()
 
 
+def test_fleet_clients_know_the_servers_it_launched():
+    """A server given by URL may be paused by someone else (VLLMBackend refuses it at first
+    contact); one the fleet launched, at the start or as a relaunch (`attach` with its
+    info), is paused only by the fleet's own pushes: its client is `launched`."""
+    from lockstep.rollout.vllm_client import VLLMBackend
+    fleet = Fleet.http(["http://127.0.0.1:9"], tiny_config(), client_cls=VLLMBackend)
+    slot = fleet.slots[0]
+    assert isinstance(slot.client, VLLMBackend) and not slot.client.launched
+    fleet.transport.attach(fleet, slot, {"url": slot.url, "pid": 1, "node": "n"})
+    assert slot.client.launched
+    fleet.close()
+
+
 def test_sglang_fleet_arguments():
     from lockstep.trainer.driver.sglang_servers import sglang_options_dict
     cfg = load_config(None, ["rollout.backend=sglang", "cluster.device=cuda",

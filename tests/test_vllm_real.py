@@ -456,6 +456,29 @@ def test_stale_update_of_another_run_is_refused_with_the_commands(settled, toy_f
     fresh.close()
 
 
+def test_paused_server_is_refused_at_first_contact(settled, toy_folder):
+    """A trainer killed between /pause and /resume leaves vLLM paused: generate requests
+    would wait for good. The client refuses at first contact, naming the server and the
+    /resume command; a fleet's own engine (`launched`, only our pushes pause it) is not
+    refused; after /resume the same client generates."""
+    vllm = settled
+    import asyncio
+    from lockstep.rollout.types import RolloutError
+    cfg = load_hf(toy_folder).cfg
+    req = [GenerateRequest([1, 5, 7], SamplingParams(max_new_tokens=2, seed=1))]
+    _post(vllm, "/pause?mode=wait")
+    try:
+        client = VLLMBackend(vllm, cfg, timeout_s=30)
+        with pytest.raises(RolloutError) as e:
+            client.generate(req)
+        assert f"{vllm} is paused" in str(e.value), e.value
+        assert f"`curl -X POST {vllm}/resume`" in str(e.value), e.value
+        asyncio.run(VLLMBackend(vllm, cfg, timeout_s=30, launched=True).prepare())
+    finally:
+        _post(vllm, "/resume")
+    assert len(client.generate(req)[0].output_ids) == 2
+
+
 def test_wire_suite_answers_as_the_docs_table_says(vllm):
     """Last (its weight-route steps change the served version): the differential wire suite
     (tests/vllm_wire.py), which generates the table in docs/rollout.md."""
