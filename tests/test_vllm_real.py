@@ -22,6 +22,9 @@ on it) serves the whole module; the tests run in file order (the later ones push
 - The disk fallback path (reload_weights) serves the pushed weights too.
 - top_p 0.9 with sampling-mask replay and 4 samples per prompt in one request.
 - 3 steps of the agent toy (toy_agent_r3.yaml) over vLLM with stitched routes.
+- A trainer SIGKILLed inside its weight update (paused, update active): its own run's marker
+  finishes the update and pushes; another run is refused with the commands that end it. A
+  server left paused is refused at a client's first contact.
 """
 
 import copy
