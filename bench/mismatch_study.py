@@ -5,6 +5,8 @@ train/infer mismatch levels, against an exact (zero-mismatch) control.
     python bench/mismatch_study.py --out runs/study4 --report-only               # tables, plots
     OMP_NUM_THREADS=1 python bench/mismatch_study.py --out runs/study4 \\
         --cells off@0.1@s0 R3@0.1@s0                                            # given cells
+    OMP_NUM_THREADS=1 python bench/mismatch_study.py --out runs/study4_lp1 --logprob-noise 1.0 \\
+        --cells exact@0@s0 off@0@s0 TIS@0@s0                                    # noisy sampling
 
 A cell is `ARM@LEVEL@sSEED`, one `lockstep train configs/study_mismatch.yaml` run:
 - `exact`: rollout.exact (engine and actor bitwise equal), no injection (level 0 only);
@@ -13,6 +15,9 @@ A cell is `ARM@LEVEL@sSEED`, one `lockstep train configs/study_mismatch.yaml` ru
   routing flip rate the engine's router noise is calibrated to (`rollout.mismatch`), on the
   default kernels (bf16 on both sides: their own mismatch is the `bf16` row's, far below the
   levels). TIS / IcePop / KPop / TRM run with replay off.
+`--logprob-noise S` adds `rollout.mismatch.logprob_noise: S` to every injected arm (the engine
+samples from, and reports, logits plus N(0, S^2)); injected arms may then run at level 0 (no
+router noise): a mismatch of the sampling distribution alone. Use its own --out.
 
 Cells run one after another (one thread, a shared box); a cell with a summary.json is done, one
 killed mid-way resumes from its last checkpoint (every 50 steps), so the driver can be killed
@@ -65,6 +70,7 @@ def _plan() -> list[str]:
 
 
 PLAN = _plan()
+LOGPROB_NOISE = 0.0  # --logprob-noise: sampling-logit noise of every injected arm
 CHECKPOINT_EVERY = 50
 LAST = 50          # steps of the final reward window
 LAG = 0.05         # degraded: final reward this far below the exact arm of the same seed
@@ -79,7 +85,7 @@ def parse(cell: str) -> tuple[str, float, int]:
         raise SystemExit(f"cell {cell!r}: expected ARM@LEVEL@sSEED, e.g. off@0.1@s0") from None
     if arm not in ARMS:
         raise SystemExit(f"cell {cell!r}: unknown arm {arm!r}; valid: {list(ARMS)}")
-    if (arm in INJECTED) != (out[1] > 0):
+    if (arm in INJECTED) != (out[1] > 0) and not (arm in INJECTED and LOGPROB_NOISE):
         raise SystemExit(f"cell {cell!r}: {arm} runs at level "
                          f"{'> 0' if arm in INJECTED else '0'}")
     return out
@@ -89,8 +95,11 @@ def command(cell: str, out: Path, steps: int, extra: list[str], resume: bool) ->
     arm, level, seed = parse(cell)
     sets = [*ARMS[arm], f"loop.seed={seed}", f"loop.steps={steps}",
             f"loop.checkpoint_every={CHECKPOINT_EVERY}", "loop.keep_checkpoints=1", *extra]
-    if level > 0:
-        sets.append(f"rollout.mismatch={{router_flip_rate: {level}}}")
+    mismatch = {"router_flip_rate": level} if level > 0 else {}
+    if arm in INJECTED and LOGPROB_NOISE:
+        mismatch["logprob_noise"] = LOGPROB_NOISE
+    if mismatch:
+        sets.append("rollout.mismatch={" + ", ".join(f"{k}: {v}" for k, v in mismatch.items()) + "}")
     cmd = [sys.executable, "-m", "lockstep.launch.cli", "train", str(CONFIG), "--out",
            str(out / cell), "--no-progress"] + [a for s in sets for a in ("--set", s)]
     return cmd + (["--resume"] if resume else [])
@@ -181,7 +190,7 @@ def plots(out: Path, res: list[dict]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    levels = sorted({s["level"] for s in res if s["level"] > 0})
+    levels = sorted({s["level"] for s in res if s["arm"] in INJECTED})
     if not levels:
         return
     for key, name, ylabel in (("reward/mean", "reward", "reward (10-step mean)"),
@@ -199,7 +208,8 @@ def plots(out: Path, res: list[dict]) -> None:
                 sm = [_mean(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
                 style = "k-" if s["arm"] == "exact" else ("k:" if s["arm"] == "bf16" else "-")
                 ax.plot(range(1, len(sm) + 1), sm, style, label=s["arm"], lw=1.2)
-            ax.set_title(f"injected flip rate {level} (seed 0)")
+            noise = f", logprob noise {LOGPROB_NOISE}" if LOGPROB_NOISE else ""
+            ax.set_title(f"injected flip rate {level}{noise} (seed 0)")
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
             if key == "rollout_corr/k3_kl":
@@ -217,8 +227,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--set", dest="extra", action="append", default=[],
                     help="an override for every cell, e.g. actor.lr=1e-3")
+    ap.add_argument("--logprob-noise", type=float, default=0.0,
+                    help="rollout.mismatch.logprob_noise of every injected arm")
     ap.add_argument("--report-only", action="store_true")
     a = ap.parse_args()
+    global LOGPROB_NOISE
+    LOGPROB_NOISE = a.logprob_noise
     cells = a.cells or PLAN
     for c in cells:
         parse(c)
