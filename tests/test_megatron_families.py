@@ -138,6 +138,147 @@ def test_megatron_matches_torch_model_natural_and_replayed(world1, family):
     assert not torch.equal(natural2.sort(-1).values, rec.sort(-1).values)
 
 
+def gpt_oss_cfg(**kw) -> ModelConfig:
+    """Tiny gpt-oss: sinks, a 3-key sliding window on layers 0 and 2 (full attention on 1), a
+    biased router with softmax over the chosen top-2, experts with biases and the SwiGLU
+    clamped at 7, biases on q/k/v/o; 9-token rows, so the window cuts."""
+    base = dict(model_type="gpt_oss", vocab_size=40, hidden_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, sliding_window=3,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_theta=500.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def clamping_gpt_oss(cfg: ModelConfig, seed: int) -> MoEModel:
+    """`random_torch_model` with the experts' gate/up weights x40, so the SwiGLU clamp (7)
+    cuts a good share of the activations (checked in the test)."""
+    model = random_torch_model(cfg, seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(40)
+    return model
+
+
+def test_megatron_builds_gpt_oss_exactly(world1):
+    """gpt-oss through megatron-core's switches (learnable softmax offset = sinks, window_size
+    per layer, quick_gelu with glu_linear_offset=1 and the clamp, add_bias_linear): the
+    conversion is exact both ways; natural and R3 log-probs, routes and every gradient equal
+    the torch model's; and dropping any one of the switches moves the log-probs by far more
+    than the tolerance (each is exercised)."""
+    import dataclasses
+
+    from lockstep.trainer.actor.megatron.model import transformer_config
+
+    cfg = gpt_oss_cfg()
+    check_supported(cfg)
+    torch_model = clamping_gpt_oss(cfg, seed=11)
+    sd = hf_state_dict(torch_model)
+    opts = MegatronOptions()
+    model = build_gpt_model(cfg, opts).eval()
+    convert.load_hf_into_megatron(model, sd, cfg)
+    back = convert.megatron_to_hf_state_dict(model, cfg)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+    B, T, L, K, E = 3, 9, cfg.num_moe_layers, cfg.num_experts_per_tok, cfg.num_experts
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    replay = RouteReplay(model, E)
+    assert replay.num_layers == L == 3
+    pre_act = []  # every expert's gate/up pre-activations on each layer's real inputs
+
+    def keep(m, args, out):
+        pre_act.append(torch.einsum("nd,edo->neo", args[0], m.gate_up_proj) + m.gate_up_proj_bias)
+    hooks = [layer.mlp.experts.register_forward_hook(keep) for layer in torch_model.layers]
+    with torch.no_grad():
+        ref = torch_model(ids)
+        with replay.session(Mode.RECORD):
+            lp_nat = mg_logprobs(model, ids)
+            rec = replay.recorded(B, T)
+    for h in hooks:
+        h.remove()
+    want_nat = shifted_logprobs(ref.logits_BTV, ids)
+    err_nat = (lp_nat - want_nat).abs().max().item()
+    assert err_nat <= TOL, err_nat
+    assert torch.equal(rec.sort(-1).values, ref.natural_BTLK.sort(-1).values)
+
+    # R3, with gradients: megatron's (converted to HF names) against the torch model's
+    routes = torch.rand(B, T, L, E, generator=g).argsort(-1)[..., :K]
+    ref_rep = torch_model(ids, routed_experts_BTLK=routes)
+    want = shifted_logprobs(ref_rep.logits_BTV, ids)
+    assert (want - want_nat).abs().max() > 10 * TOL
+    want.sum().backward()
+    with replay.session(Mode.REPLAY):
+        replay.set_routes(routes)
+        lp_rep = mg_logprobs(model, ids)
+        used = replay.used(B, T)
+        lp_rep.sum().backward()
+    err_rep = (lp_rep.detach() - want.detach()).abs().max().item()
+    assert err_rep <= TOL, err_rep
+    assert torch.equal(used, routes)
+    grads = convert.megatron_to_hf_state_dict(
+        model, cfg, {k: p.grad for k, p in model.named_parameters()})
+    ref_grads = {k: t.grad for k, t in hf_state_dict(torch_model).items()}
+    for k, gk in ref_grads.items():
+        scale = gk.abs().max().item()
+        assert scale > 0, k  # every tensor, sinks and biases included, gets a gradient
+        assert (grads[k] - gk).abs().max().item() <= 1e-5 * scale + 1e-7, k
+
+    # each switch matters: without it megatron's natural log-probs leave the torch model's
+    tc = transformer_config(cfg, opts)
+    clipped = torch.cat([a.flatten() for a in pre_act]).abs() > cfg.swiglu_limit
+    assert 0.1 < clipped.float().mean() < 0.9  # the clamp cuts, and not everything
+    variants = {"window": dict(window_size=None, window_attn_skip_freq=None),
+                "clamp": dict(activation_func_clamp_value=None),
+                "glu offset": dict(glu_linear_offset=0.0)}
+    for name, change in variants.items():
+        other = build_gpt_model(cfg, opts, tc=dataclasses.replace(tc, **change)).eval()
+        convert.load_hf_into_megatron(other, sd, cfg)
+        with torch.no_grad():
+            gap = (mg_logprobs(other, ids) - want_nat).abs().max().item()
+        assert gap > 100 * TOL, (name, gap)
+    with torch.no_grad():
+        for layer in model.decoder.layers:  # no sink: an offset no score reaches
+            layer.self_attention.core_attention.softmax_offset.fill_(-1e4)
+        gap = (mg_logprobs(model, ids) - want_nat).abs().max().item()
+    assert gap > 100 * TOL, ("sinks", gap)
+
+
+def test_megatron_gpt_oss_yarn_as_released(world1):
+    """gpt-oss's own RoPE (YaRN factor 32 over 4096 positions, theta 150000, head_dim 64,
+    `truncate: false`) through megatron-core's yarn embedding: the torch model's log-probs;
+    rounding the correction range (truncate true) or dropping the attention factor moves
+    them (the first by ~1e-3 on 40 positions, the second by ~1.7)."""
+    from lockstep.trainer.actor.megatron.model import transformer_config
+
+    rs = dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+              beta_fast=32.0, beta_slow=1.0, truncate=False)
+    cfg = gpt_oss_cfg(rope_scaling=rs, max_position_embeddings=131072, head_dim=64,
+                      rope_theta=150000.0)
+    check_supported(cfg)
+    torch_model = clamping_gpt_oss(cfg, seed=11)
+    sd = hf_state_dict(torch_model)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = shifted_logprobs(torch_model(ids).logits_BTV, ids)
+
+    def gap(**change) -> float:
+        tc = transformer_config(cfg, MegatronOptions())
+        for k, v in change.items():
+            setattr(tc, k, v)
+        model = build_gpt_model(cfg, MegatronOptions(), tc=tc).eval()
+        convert.load_hf_into_megatron(model, sd, cfg)
+        with torch.no_grad():
+            return (mg_logprobs(model, ids) - want).abs().max().item()
+    err = gap()
+    assert err <= TOL, err
+    assert gap(yarn_correction_range_round_to_int=True) > 5 * TOL
+    assert gap(yarn_mscale=0.0, yarn_mscale_all_dim=0.0) > 100 * TOL  # attention factor 1
+    with pytest.raises(ConfigError, match="attention_factor"):
+        check_supported(gpt_oss_cfg(rope_scaling={**rs, "attention_factor": 1.2}))
+
+
 def test_megatron_refuses_what_it_does_not_map_naming_the_field():
     with pytest.raises(ConfigError, match="rope_interleave=False"):
         check_supported(deepseek_cfg(rope_interleave=False))

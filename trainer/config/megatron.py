@@ -156,17 +156,15 @@ _UNMAPPED = dict(shared_expert_intermediate_size=0, rope_scaling=None)
 
 # families whose megatron log-probs and routes were compared with the torch model
 # (tests/test_megatron_parity.py, tests/test_megatron_families.py)
-_CHECKED_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+_CHECKED_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+
+# megatron-core's quick_gelu is x * sigmoid(1.702 x): gpt-oss's SwiGLU alpha, fixed
+_QUICK_GELU_ALPHA = 1.702
 
 
 # What megatron-core 0.16.1 offers for the families added since, and why they are not mapped
 # (docs/megatron.md "Families"): refused naming the family.
 _NOT_BUILT = {
-    "gpt_oss": "megatron-core 0.16.1 has the parts (softmax_type='learnable' sinks, window_size "
-               "with window_attn_skip_freq, quick_gelu with glu_linear_offset=1 and "
-               "activation_func_clamp_value, add_bias_linear) but our bridge maps neither its "
-               "biased router nor its interleaved gate_up experts, and YaRN (truncate false) "
-               "is unchecked",
     "qwen3_next": "megatron-core 0.16.1's gated_delta_net spec needs flash-linear-attention "
                   "(a Triton GPU library) and does not build on CPU; gated attention and the "
                   "zero-centred norms are not mapped",
@@ -180,14 +178,56 @@ _NOT_BUILT = {
 }
 
 
+def _gpt_oss_problems(cfg: ModelConfig) -> list[str]:
+    """What of a gpt-oss config megatron-core 0.16.1 cannot express: it has sinks
+    (softmax_type='learnable'), sliding windows per layer (window_size, window_attn_skip_freq),
+    the clamped SwiGLU (quick_gelu, glu_linear_offset=1, activation_func_clamp_value) and
+    biases on every linear (add_bias_linear), all in one switch each."""
+    why = []
+    if cfg.swiglu_limit is None or cfg.swiglu_alpha != _QUICK_GELU_ALPHA:
+        why.append(f"swiglu_limit={cfg.swiglu_limit}, swiglu_alpha={cfg.swiglu_alpha} "
+                   f"(megatron-core's quick_gelu has alpha {_QUICK_GELU_ALPHA}, and the clamp "
+                   "needs a limit)")
+    if not (cfg.attention_bias and cfg.attention_out_bias and cfg.router_bias):
+        why.append(f"attention_bias={cfg.attention_bias}, attention_out_bias="
+                   f"{cfg.attention_out_bias}, router_bias={cfg.router_bias} (megatron-core's "
+                   "add_bias_linear puts a bias on q/k/v, the output, the router and the "
+                   "experts at once)")
+    if cfg.qk_norm:
+        why.append("qk_norm=True (gpt-oss has none; unchecked)")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.get("attention_factor") is not None:
+        why.append("rope_scaling.attention_factor (megatron-core derives the YaRN attention "
+                   "factor from factor / mscale / mscale_all_dim only)")
+    return why
+
+
+def _yarn_args(rs: dict[str, Any], max_position: int) -> dict[str, Any]:
+    """megatron-core's YaRN settings for a YaRN `rope_scaling` (gpt-oss). They are not
+    TransformerConfig fields: GPTModel and the attention read them from the config object
+    (getattr), so `transformer_config` sets them on it. The attention factor: both
+    mscale and mscale_all_dim given -> their ratio, else 0.1 ln(factor) + 1, as ours."""
+    both = bool(rs.get("mscale")) and bool(rs.get("mscale_all_dim"))
+    return dict(yarn_rotary_scaling_factor=float(rs["factor"]),
+                yarn_original_max_position_embeddings=int(
+                    rs.get("original_max_position_embeddings") or max_position),
+                yarn_beta_fast=float(rs.get("beta_fast") or 32),
+                yarn_beta_slow=float(rs.get("beta_slow") or 1),
+                yarn_mscale=float(rs["mscale"]) if both else None,
+                yarn_mscale_all_dim=float(rs["mscale_all_dim"]) if both else None,
+                yarn_correction_range_round_to_int=bool(rs.get("truncate", True)))
+
+
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse model features the megatron mapping does not build (it would otherwise build a
     different model and fail or, worse, differ from the torch model silently). Mapped: the
     softmax routers (Qwen3-MoE, Mixtral-style top-k softmax) and the sigmoid router with
     expert bias, group-limited top-k and scaling factor (GLM-4.5), shared experts, dense first
     layers, q/k/v biases, q/k norm or none, partial RoPE."""
-    bad = {k: getattr(cfg, k) for k, v in _UNMAPPED.items() if getattr(cfg, k) != v}
-    why = []
+    unmapped = dict(_UNMAPPED)
+    if cfg.model_type == "gpt_oss":  # YaRN through megatron-core's yarn embedding
+        del unmapped["rope_scaling"]
+    bad = {k: getattr(cfg, k) for k, v in unmapped.items() if getattr(cfg, k) != v}
+    why = _gpt_oss_problems(cfg) if cfg.model_type == "gpt_oss" else []
     if cfg.model_type in _NOT_BUILT:
         why.append(f"{cfg.model_type} is not mapped: {_NOT_BUILT[cfg.model_type]}")
     elif cfg.model_type not in _CHECKED_FAMILIES:
@@ -477,6 +517,18 @@ def megatron_args(cfg: ModelConfig, opts: MegatronOptions, *, use_te: bool | str
                    qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
                    rope_type="rope", rotary_base=cfg.rope_theta, rotary_scaling_factor=1.0,
                    mscale=1.0, mscale_all_dim=0.0)
+    oss = {}
+    if cfg.model_type == "gpt_oss":  # check_supported: every linear has a bias, alpha 1.702
+        layers = range(cfg.num_hidden_layers)
+        sliding = [cfg.layer_type(i) == "sliding_attention" for i in layers]
+        oss = dict(add_bias_linear=True, activation_func="quick_gelu", glu_linear_offset=1.0,
+                   activation_func_clamp_value=float(cfg.swiglu_limit),
+                   softmax_type="learnable" if cfg.attention_sinks else "vanilla",
+                   # a query at p sees keys p-W+1 .. p; the list says which layers slide
+                   window_size=(cfg.sliding_window - 1, 0) if any(sliding) else None,
+                   window_attn_skip_freq=[int(x) for x in sliding] if any(sliding) else None)
+        if cfg.rope_scaling is not None:
+            oss.update(_yarn_args(cfg.rope_scaling, cfg.max_position_embeddings))
     return dict(
         **mla,
         num_layers=cfg.num_hidden_layers,
@@ -489,9 +541,10 @@ def megatron_args(cfg: ModelConfig, opts: MegatronOptions, *, use_te: bool | str
         layernorm_epsilon=cfg.rms_norm_eps,
         qk_layernorm=cfg.qk_norm or cfg.is_mla,  # MLA: the q / kv latent norms
         gated_linear_unit=True,
-        activation_func="silu",
-        add_bias_linear=False,
+        activation_func=oss.pop("activation_func", "silu"),
+        add_bias_linear=oss.pop("add_bias_linear", False),
         add_qkv_bias=cfg.attention_bias,
+        **oss,
         rotary_interleaved=False,  # MLA: its evens-then-odds layout is implied
         hidden_dropout=0.0,
         attention_dropout=0.0,

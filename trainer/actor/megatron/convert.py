@@ -19,6 +19,12 @@ Megatron layouts handled (both ways, bit-exact: only slicing, concatenation, res
   `experts.linear_fc{1,2}.weight{j}` (TEGroupedMLP).
 - Transformer Engine spec: the input RMSNorm lives in `linear_qkv.layer_norm_weight` and the
   dense layers' pre-MLP RMSNorm in `mlp.linear_fc1.layer_norm_weight`.
+- gpt-oss: HF stacks its experts (`mlp.experts.gate_up_proj` [E, D, 2I] with gate and up
+  interleaved on the last axis, `down_proj` [E, I, D], and their biases); megatron holds one
+  `linear_fc1` [2I, D] = [gate; up] and `linear_fc2` [D, I] per expert, each with a bias (the
+  fc2 bias whole on every ETP rank). `self_attn.sinks` [H] is `core_attention.softmax_offset`
+  (TP splits heads); `o_proj.bias` is `linear_proj.bias` (whole); the router's bias is
+  `router.bias`.
 Norm weights and the router are replicated. `_extra_state` entries (TE) are skipped.
 """
 
@@ -82,11 +88,53 @@ def _fc1(gate: Tensor, up: Tensor, n: int, r: int, what: str) -> Tensor:
     return torch.cat([_split(gate, n, r, 0, what), _split(up, n, r, 0, what)], dim=0)
 
 
-def _expert_names(prefix: str, j: int, lay: Layout) -> tuple[str, str]:
+def _expert_names(prefix: str, j: int, lay: Layout, kind: str = "weight") -> tuple[str, str]:
     if lay.grouped_experts:
-        return f"{prefix}.experts.linear_fc1.weight{j}", f"{prefix}.experts.linear_fc2.weight{j}"
-    return (f"{prefix}.experts.local_experts.{j}.linear_fc1.weight",
-            f"{prefix}.experts.local_experts.{j}.linear_fc2.weight")
+        return (f"{prefix}.experts.linear_fc1.{kind}{j}",
+                f"{prefix}.experts.linear_fc2.{kind}{j}")
+    return (f"{prefix}.experts.local_experts.{j}.linear_fc1.{kind}",
+            f"{prefix}.experts.local_experts.{j}.linear_fc2.{kind}")
+
+
+_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _oss_experts_to_megatron(x: str, take, cfg: ModelConfig, m: str, lay: Layout, ep_rank: int,
+                             etp_rank: int, i: int) -> Iterator[tuple[str, Tensor]]:
+    """gpt-oss's stacked experts of HF prefix `x` (`...mlp.experts`) -> EP rank `ep_rank`'s
+    megatron experts (weights and biases), fc1 / fc2 weights split over ETP. Only this EP rank's
+    experts are read (`take` along the expert axis)."""
+    gu, gu_b, down, down_b = (take(f"{x}.{n}", lay.ep, ep_rank, 0, f"layer {i} experts")
+                              for n in _OSS_EXPERTS)
+    for j in range(gu.shape[0]):
+        e = ep_rank * gu.shape[0] + j
+        what = f"layer {i} expert {e} linear_fc1"
+        w1, w2 = _expert_names(f"{m}.mlp", j, lay)
+        b1, b2 = _expert_names(f"{m}.mlp", j, lay, "bias")
+        yield w1, _fc1(gu[j, :, 0::2].T, gu[j, :, 1::2].T, lay.etp, etp_rank, what)
+        yield b1, _fc1(gu_b[j, 0::2], gu_b[j, 1::2], lay.etp, etp_rank, what)
+        yield w2, _split(down[j].T, lay.etp, etp_rank, 1, f"layer {i} expert {e} linear_fc2")
+        yield b2, down_b[j]
+
+
+def _oss_experts_to_hf(parts_of, cfg: ModelConfig, m: str, lay: Layout, per_rank: int
+                       ) -> dict[str, Tensor]:
+    """The inverse: HF stacked expert tensors (suffix -> tensor) from every expert's shards;
+    `parts_of(e)` lists expert e's shards over its ETP ranks."""
+    gu, gu_b, down, down_b = [], [], [], []
+    for e in range(cfg.num_experts):
+        parts = parts_of(e)
+        w1, w2 = _expert_names(f"{m}.mlp", e % per_rank, lay)
+        b1, b2 = _expert_names(f"{m}.mlp", e % per_rank, lay, "bias")
+        pairs = [(p[w1].chunk(2, dim=0), p[b1].chunk(2, dim=0)) for p in parts]
+        gate = torch.cat([w[0] for w, _ in pairs]).T   # [D, I]
+        up = torch.cat([w[1] for w, _ in pairs]).T
+        gu.append(torch.stack([gate, up], dim=-1).flatten(-2))  # interleaved [D, 2I]
+        gb, ub = torch.cat([b[0] for _, b in pairs]), torch.cat([b[1] for _, b in pairs])
+        gu_b.append(torch.stack([gb, ub], dim=-1).flatten(-2))
+        down.append(torch.cat([p[w2] for p in parts], dim=1).T)  # [I, D]
+        down_b.append(parts[0][b2])
+    return dict(zip(_OSS_EXPERTS, map(torch.stack, (gu, gu_b, down, down_b))))
 
 
 def _mla_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
@@ -173,11 +221,22 @@ def hf_to_megatron_items(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout
                                                   f"layer {i} linear_proj")
             if cfg.attention_bias:
                 yield f"{a}.linear_qkv.bias", qkv(i, "bias")
+            if cfg.attention_out_bias:
+                yield f"{a}.linear_proj.bias", hf[f"{h}.self_attn.o_proj.bias"]
+            if cfg.attention_sinks:
+                yield f"{a}.core_attention.softmax_offset", take(
+                    f"{h}.self_attn.sinks", tp, r, 0, f"layer {i} sinks")
             if cfg.qk_norm:
                 yield f"{a}.q_layernorm.weight", hf[f"{h}.self_attn.q_norm.weight"]
                 yield f"{a}.k_layernorm.weight", hf[f"{h}.self_attn.k_norm.weight"]
         post_norm = f"{h}.post_attention_layernorm.weight"
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) and cfg.model_type == "gpt_oss":
+            yield f"{m}.pre_mlp_layernorm.weight", hf[post_norm]
+            yield f"{m}.mlp.router.weight", hf[f"{h}.mlp.router.weight"]
+            yield f"{m}.mlp.router.bias", hf[f"{h}.mlp.router.bias"]
+            yield from _oss_experts_to_megatron(f"{h}.mlp.experts", take, cfg, m, lay, ep_rank,
+                                                etp_rank, i)
+        elif cfg.is_moe_layer(i):
             yield f"{m}.pre_mlp_layernorm.weight", hf[post_norm]
             yield f"{m}.mlp.router.weight", hf[f"{h}.mlp.gate.weight"]
             if cfg.expert_bias:
@@ -268,10 +327,23 @@ def megatron_to_hf(shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
                 hf[f"{h}.self_attn.k_proj.{kind}"] = k_G.reshape(-1, *tail)
                 hf[f"{h}.self_attn.v_proj.{kind}"] = v_G.reshape(-1, *tail)
             hf[f"{h}.self_attn.o_proj.weight"] = cat_tp(f"{a}.linear_proj.weight", 1)
+            if cfg.attention_out_bias:
+                hf[f"{h}.self_attn.o_proj.bias"] = s0[f"{a}.linear_proj.bias"]
+            if cfg.attention_sinks:
+                hf[f"{h}.self_attn.sinks"] = cat_tp(f"{a}.core_attention.softmax_offset", 0)
             if cfg.qk_norm:
                 hf[f"{h}.self_attn.q_norm.weight"] = s0[f"{a}.q_layernorm.weight"]
                 hf[f"{h}.self_attn.k_norm.weight"] = s0[f"{a}.k_layernorm.weight"]
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) and cfg.model_type == "gpt_oss":
+            hf[f"{h}.post_attention_layernorm.weight"] = s0[f"{m}.pre_mlp_layernorm.weight"]
+            hf[f"{h}.mlp.router.weight"] = s0[f"{m}.mlp.router.weight"]
+            hf[f"{h}.mlp.router.bias"] = s0[f"{m}.mlp.router.bias"]
+            per_rank = cfg.num_experts // lay.ep
+            stacked = _oss_experts_to_hf(
+                lambda e: [expert_shards[(e // per_rank, t)] for t in range(lay.etp)],
+                cfg, m, lay, per_rank)
+            hf.update({f"{h}.mlp.experts.{n}": t for n, t in stacked.items()})
+        elif cfg.is_moe_layer(i):
             hf[f"{h}.post_attention_layernorm.weight"] = s0[f"{m}.pre_mlp_layernorm.weight"]
             hf[f"{h}.mlp.gate.weight"] = s0[f"{m}.mlp.router.weight"]
             if cfg.expert_bias:
@@ -315,7 +387,14 @@ def expected_hf_keys(cfg: ModelConfig) -> set[str]:
             keys |= {f"{h}.self_attn.q_norm.weight", f"{h}.self_attn.k_norm.weight"}
         if cfg.attention_bias:
             keys |= {f"{h}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
-        if cfg.is_moe_layer(i):
+        if cfg.attention_out_bias:
+            keys.add(f"{h}.self_attn.o_proj.bias")
+        if cfg.attention_sinks:
+            keys.add(f"{h}.self_attn.sinks")
+        if cfg.is_moe_layer(i) and cfg.model_type == "gpt_oss":
+            keys |= {f"{h}.mlp.router.weight", f"{h}.mlp.router.bias"}
+            keys |= {f"{h}.mlp.experts.{n}" for n in _OSS_EXPERTS}
+        elif cfg.is_moe_layer(i):
             keys.add(f"{h}.mlp.gate.weight")
             if cfg.expert_bias:
                 keys.add(f"{h}.mlp.gate.e_score_correction_bias")

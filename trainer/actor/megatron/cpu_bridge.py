@@ -14,7 +14,9 @@ Bridged (each patch below names the upstream place and why the replacement is eq
 5. the torch-norm wrapper's refusal of sequence parallelism (needed for MoE with TP > 1);
 6. `device="cuda"` literals in the schedules, optimizer, grad clipping, grad buffers and the
    local multi-tensor helpers;
-7. the `'torch.cuda.FloatTensor'` assertion in grad clipping.
+7. the `'torch.cuda.FloatTensor'` assertion in grad clipping;
+8. `torch.cuda.synchronize()` in the variable-shape pipeline p2p;
+9. the sliding-window causal mask (gpt-oss's sliding layers) built on "cuda".
 `install()` is idempotent; `uninstall()` restores every original (tests use it).
 
 Not bridged (refused elsewhere or not needed on CPU): fused kernels (TE, apex,
@@ -110,6 +112,12 @@ def install() -> None:
     from megatron.core.pipeline_parallel import p2p_communication
     _patch(p2p_communication, "torch", _TORCH_CPU_NO_CUDA_SYNC)
 
+    # 9. Sliding-window layers (gpt-oss) build their mask in the torch softmax with
+    #    `device="cuda"` (transformer/utils.py get_sliding_window_causal_mask, imported by name
+    #    into fused_softmax). The same mask on the scores' device (CPU).
+    from megatron.core.fusions import fused_softmax
+    _patch(fused_softmax, "get_sliding_window_causal_mask", _cpu_sliding_window_mask)
+
     # 7. Grad clipping asserts every grad is a 'torch.cuda.FloatTensor'. On CPU the same fp32
     #    grads are 'torch.FloatTensor'; scaling them by the clip coefficient is all it does.
     _patch(clip_grads, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
@@ -133,6 +141,15 @@ def _patch(owner: Any, name: str, value: Any) -> None:
     if isinstance(owner, type) and name == "__new__":
         value = staticmethod(value)
     setattr(owner, name, value)
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """megatron-core's get_sliding_window_causal_mask on the CPU: True = masked, a query sees
+    keys from window_size[0] before it to window_size[1] after it (the last sq of skv keys)."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    visible = torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]),
+                         diagonal=skv - sq + window_size[1])
+    return ~visible
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):

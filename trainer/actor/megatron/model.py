@@ -74,7 +74,11 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
         raise ConfigError("megatron.router_dtype on a GPU needs transformer_engine "
                           "(megatron-core 0.16.1 uses te_general_gemm for the router GEMM)")
     args = megatron_args(cfg, opts, use_te=use_te, on_gpu=on_gpu)
-    args["activation_func"] = getattr(F, args["activation_func"])
+    if args["activation_func"] == "quick_gelu":  # gpt-oss: x * sigmoid(1.702 x)
+        from megatron.core.activations import quick_gelu
+        args["activation_func"] = quick_gelu
+    else:
+        args["activation_func"] = getattr(F, args["activation_func"])
     for k in ("params_dtype", "pipeline_dtype"):
         if args[k] is not None:
             args[k] = torch_dtype(args[k])
@@ -82,7 +86,11 @@ def transformer_config(cfg: ModelConfig, opts: MegatronOptions):
     if cfg.is_mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
         config_cls = MLATransformerConfig
-    return config_cls(**args)
+    yarn = {k: args.pop(k) for k in [k for k in args if k.startswith("yarn_")]}
+    tc = config_cls(**args)
+    for k, v in yarn.items():  # read by getattr (GPTModel, attention): not dataclass fields
+        setattr(tc, k, v)
+    return tc
 
 
 def check_replay_compatible(tc) -> None:
@@ -127,20 +135,36 @@ def build_gpt_model(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc
                                       vp_stage=vp_stage if vp else None)
     pp = tc.pipeline_model_parallel_size > 1
     stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vp else {}
-    return GPTModel(
+    model = GPTModel(
         pre_process=ps.is_pipeline_first_stage(**stage) if pp else True,
         post_process=ps.is_pipeline_last_stage(**stage) if pp else True,
         config=tc,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if hasattr(tc, "yarn_rotary_scaling_factor") else "rope",
         rotary_percent=cfg.partial_rotary_factor,
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=True,
         vp_stage=vp_stage if vp else None,
     )
+    if tc.add_bias_linear and tc.num_moe_experts:
+        _expert_bias_out_of_place(model)
+    return model
+
+
+def _expert_bias_out_of_place(model) -> None:
+    """Local-spec experts with a bias (gpt-oss) at EP = ETP = 1: megatron-core 0.16.1's expert
+    MLP adds its fc2 bias in place (`output += bias * probs`, transformer/mlp.py) to the
+    output of the fc2's all-reduce, which over a group of one returns its input as-is from a
+    custom autograd Function, and autograd forbids that in-place add. The all-reduce over one
+    rank is the identity, so each such fc2 skips it as it does under expert parallelism
+    (`explicit_expert_comm`): the same numbers, a fresh tensor."""
+    for name, module in model.named_modules():
+        if ".experts.local_experts." in name and name.endswith("linear_fc2") and \
+                module.skip_bias_add and module.tp_group.size() == 1:
+            module.explicit_expert_comm = True
 
 
 def build_model_chunks(cfg: ModelConfig, opts: MegatronOptions | None = None, *, tc=None
