@@ -44,6 +44,12 @@ _PLAN_ARGS = ("tensor_model_parallel_size", "expert_model_parallel_size",
               "moe_expert_capacity_factor", "moe_router_load_balancing_type",
               "moe_token_dispatcher_type", "moe_grouped_gemm", "params_dtype", "bf16", "fp16",
               "recompute_granularity")  # what the plan assumes when rollout.sglang leaves it unset
+# a family's own switches, printed where its mapping sets them (gpt-oss: trainer/config/megatron.py)
+_FAMILY_ARGS = ("activation_func", "add_bias_linear", "glu_linear_offset",
+                "activation_func_clamp_value", "softmax_type", "window_size",
+                "window_attn_skip_freq", "yarn_rotary_scaling_factor",
+                "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
 
 class PlanError(ExperimentConfigError):
@@ -209,6 +215,8 @@ class _Plan(Estimates, Placement):
                 out["data_parallel_size"] = dp  # plan-only: what the layout leaves for DP
             elif k == "moe_grouped_gemm":
                 out["use_transformer_engine"] = te  # the spec build_gpt_model is given
+        if self.cfg.model.model_type == "gpt_oss":
+            out.update({k: args[k] for k in _FAMILY_ARGS if k in args})
         ddp, opt = ddp_args(), optimizer_args(a, o)
         out["ddp"] = {k: ddp[k] for k in ("grad_reduce_in_fp32", "use_distributed_optimizer")}
         out["optimizer"] = {k: opt[k] for k in ("optimizer", "lr", "clip_grad")}
