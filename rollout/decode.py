@@ -164,7 +164,9 @@ def decode_step(model: MoEModel, dw: DecodeWeights, ids_B: torch.Tensor, pos_B: 
             gates.append(gates_BK)
         else:
             g, u = linear(h, w["gate_up"]).chunk(2, dim=-1)
-            y = linear(F.silu(g) * u, w["down"])
+            # silu of a strided half can take another vector path than DenseMLP's contiguous
+            # gate (1 ulp apart on AVX-512 Intel): the same layout, the same bits
+            y = linear(F.silu(g.contiguous()) * u, w["down"])
         x_BD = x_BD + y
     hidden = rms_norm(x_BD, dw.norm, eps)
     logits_BV = linear(hidden.to(model.lm_head_dtype), dw.lm_head)
