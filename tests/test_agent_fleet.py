@@ -23,6 +23,7 @@ from lockstep.rollout.tasks import build_tokenizer
 from lockstep.trainer.driver.agent import trajectory_metrics
 from lockstep.trainer.loop import Trainer
 
+from metric_fixtures import metric_close
 from model_fixtures import tiny_config
 from test_agent import FIXED, V, _env_file, _requests
 from test_agent_staleness import THREE_TURNS
@@ -124,17 +125,6 @@ def test_lost_again_after_its_restart_is_a_counted_error(tmp_path, model, server
     assert len(got) == 8 and all(r.trajectory.error in (None, "lost") for r in got)
 
 
-def _close(key: str, a: float, b: float) -> bool:
-    """Equal to fp32 rounding. chi2 is E[w^2] - 1 and a token-level `*_std` is verl's
-    sqrt(E[w^2] - E[w]^2): their rounding is relative to E[w^2] (~1), not to the value (~0), so
-    a std of weights all within 1e-6 of 1 can read 3e-4 (sqrt of one ulp) or 0."""
-    if "chi2" in key:
-        return abs(a - b) <= 1e-5
-    if key.startswith("rollout_corr/") and key.endswith("_std") and "_seq_" not in key:
-        return abs(a * a - b * b) <= 1e-5
-    return abs(a - b) <= 1e-4 * abs(a) + 1e-6
-
-
 def test_trajectories_over_lockstep_serve_give_the_in_process_metrics(tmp_path):
     """rollout.backend=http to a `lockstep serve` app (loopback thread): 2 steps of 3-turn
     trajectories, each later turn asking only its new route rows over the wire, give the
@@ -165,5 +155,5 @@ def test_trajectories_over_lockstep_serve_give_the_in_process_metrics(tmp_path):
             if k.split("/")[0] in ("step", "reward", "response", "routing", "replay", "agent"):
                 assert a[k] == b[k], (a["step"], k)
             else:
-                assert _close(k, a[k], b[k]), (a["step"], k, a[k], b[k])
+                assert metric_close(k, a[k], b[k]), (a["step"], k, a[k], b[k])
     assert route_bytes > 0

@@ -39,8 +39,12 @@ def test_matches_full_logsoftmax_values_and_grads(chunk, T):
     h, w, ids = _inputs()
     lp, ent, gh, gw = _grads(lambda: chunked_logprobs(h, w, ids, temperature=T, chunk_size=chunk), h, w)
     lp0, ent0, gh0, gw0 = _grads(lambda: _naive(h, w, ids, T), h, w)
-    for a, b in [(lp, lp0), (ent, ent0), (gh, gh0), (gw, gw0)]:
+    for a, b in [(lp, lp0), (ent, ent0)]:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # a gradient sums the rows' (or chunks') terms in another order: within 1e-5 of the
+    # largest entry (an entry near 0 can be a sum of terms ~10x larger: measured 1.3e-5 off)
+    for a, b in [(gh, gh0), (gw, gw0)]:
+        torch.testing.assert_close(a, b, atol=1e-5 * max(1.0, float(b.abs().max())), rtol=1e-5)
 
 
 def test_reference_helpers_match_naive():
