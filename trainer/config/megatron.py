@@ -403,6 +403,14 @@ def _shape_problems(cfg: ModelConfig, opts: MegatronOptions) -> list[str]:
     if cfg.num_experts % ep:
         out.append(f"{f}expert_parallel={ep} does not divide the model's "
                    f"num_experts={cfg.num_experts}")
+    if cfg.model_type == "gpt_oss" and tp > 1:
+        # ETP must be 1 for expert biases (megatron-core asserts it), and then TP ranks hold
+        # different experts: 0.16.1's finalize_model_grads sums every sequence-parallel-tagged
+        # grad over TP, expert fc2 biases included, adding other experts' bias gradients
+        out.append(f"{f}tensor_parallel={tp} with gpt-oss: megatron-core 0.16.1 keeps expert "
+                   "biases only at expert_tensor_parallel=1, and then sums each expert's fc2 "
+                   "bias gradient with another expert's over the TP ranks (they are tagged "
+                   "sequence_parallel); use expert_parallel / pipeline_parallel instead")
     if cfg.vocab_size % tp:
         out.append(f"{f}tensor_parallel={tp} does not divide vocab_size={cfg.vocab_size} "
                    "(no vocabulary padding: padded rows would add zero logits to the softmax)")
