@@ -99,8 +99,8 @@ def _expert_names(prefix: str, j: int, lay: Layout, kind: str = "weight") -> tup
 _OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
-def _oss_experts_to_megatron(x: str, take, cfg: ModelConfig, m: str, lay: Layout, ep_rank: int,
-                             etp_rank: int, i: int) -> Iterator[tuple[str, Tensor]]:
+def _oss_experts_to_megatron(x: str, take, m: str, lay: Layout, ep_rank: int, etp_rank: int,
+                             i: int) -> Iterator[tuple[str, Tensor]]:
     """gpt-oss's stacked experts of HF prefix `x` (`...mlp.experts`) -> EP rank `ep_rank`'s
     megatron experts (weights and biases), fc1 / fc2 weights split over ETP. Only this EP rank's
     experts are read (`take` along the expert axis)."""
@@ -234,7 +234,7 @@ def hf_to_megatron_items(hf: Mapping[str, Tensor], cfg: ModelConfig, lay: Layout
             yield f"{m}.pre_mlp_layernorm.weight", hf[post_norm]
             yield f"{m}.mlp.router.weight", hf[f"{h}.mlp.router.weight"]
             yield f"{m}.mlp.router.bias", hf[f"{h}.mlp.router.bias"]
-            yield from _oss_experts_to_megatron(f"{h}.mlp.experts", take, cfg, m, lay, ep_rank,
+            yield from _oss_experts_to_megatron(f"{h}.mlp.experts", take, m, lay, ep_rank,
                                                 etp_rank, i)
         elif cfg.is_moe_layer(i):
             yield f"{m}.pre_mlp_layernorm.weight", hf[post_norm]
