@@ -83,6 +83,15 @@ def _engine(model: MoEModel) -> Engine:
     return Engine.from_model(copy.deepcopy(model), EngineConfig(dtype="fp32", max_len=32))
 
 
+def _requests_in_vllm(url: str) -> float:
+    """Requests vLLM is running or holding in its queue (its Prometheus /metrics)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting{")))
+
+
 def test_wire_seeds_routes_and_abort(vllm, toy_folder):
     model = load_hf(toy_folder)
     logs = []
@@ -105,7 +114,10 @@ def test_wire_seeds_routes_and_abort(vllm, toy_folder):
         req = GenerateRequest([1, 5], SamplingParams(max_new_tokens=24, ignore_eos=True,
                                                      seed=1), rid="long")
         task = asyncio.ensure_future(client.agenerate([req]))
-        await asyncio.sleep(1.0)
+        # abort once vLLM holds the request (a fixed sleep lost the race on a quiet box: 24
+        # tokens finished inside it and nothing was aborted)
+        while not await asyncio.to_thread(_requests_in_vllm, vllm) and not task.done():
+            await asyncio.sleep(0.01)
         await client.abort(["long"])
         return await task
     before = client.aborted_resent
