@@ -306,7 +306,7 @@ class _Plan(Estimates, Placement):
     def _vllm_rollout(self, out: dict[str, Any]) -> dict[str, Any]:
         """rollout.backend=vllm: the servers' TP / expert-parallel sizes, what vLLM refuses,
         and the memory per GPU (the launch command of each engine: `_placement`)."""
-        ro, vl, m, c = self.cfg.rollout, self.cfg.rollout.vllm, self.cfg.model, self.cfg.cluster
+        ro, vl, m = self.cfg.rollout, self.cfg.rollout.vllm, self.cfg.model
         g = vl.tp_size
         out["gpus_per_engine"] = g
         out["vllm"] = {"tp_size": g, "expert_parallel": vl.expert_parallel,
