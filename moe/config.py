@@ -582,6 +582,23 @@ class ModelConfig:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
 
 
+def yarn_settings(rs: dict[str, Any], max_position: int) -> dict[str, Any]:
+    """A YaRN `rope_scaling` with its defaults filled in, the one reading of them (our RoPE
+    and the megatron mapping): `original_max_position_embeddings` else the model's context,
+    `beta_fast` 32, `beta_slow` 1, `truncate` true (round the correction range);
+    `mscale` / `mscale_all_dim` kept only when both are set (the attention factor is then
+    their ratio, else 0.1 ln(factor) + 1), an explicit `attention_factor` as given."""
+    both = bool(rs.get("mscale")) and bool(rs.get("mscale_all_dim"))
+    return dict(factor=float(rs["factor"]),
+                original=int(rs.get("original_max_position_embeddings") or max_position),
+                beta_fast=float(rs.get("beta_fast") or 32),
+                beta_slow=float(rs.get("beta_slow") or 1),
+                truncate=bool(rs.get("truncate", True)),
+                mscale=float(rs["mscale"]) if both else None,
+                mscale_all_dim=float(rs["mscale_all_dim"]) if both else None,
+                attention_factor=rs.get("attention_factor"))
+
+
 def _merge_aliases(d: dict[str, Any], name: str, aliases: tuple[str, ...]) -> None:
     """Read `name` from whichever spelling is present; two spellings must agree."""
     for alias in aliases:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..kernels import exact as exact_kernels
 from ..kernels.fp8 import act_qdq, has_scaled_mm, scaled_mm_blockwise, scaled_mm_fits, weight_qdq
-from .config import ModelConfig
+from .config import ModelConfig, yarn_settings
 
 
 def _emulated_on_cpu(x: torch.Tensor) -> bool:
@@ -166,21 +166,21 @@ def yarn_inv_freq(inv_freq_F: torch.Tensor, dim: int, theta: float, s: dict, max
     """YaRN (arXiv 2309.00071) as DeepSeek-V3 configures it: frequencies between the
     beta_fast/beta_slow correction dims blend interpolation (1 / factor) and extrapolation;
     cos/sin are scaled by the attention factor. Returns (inv_freq, attention_factor)."""
-    factor = float(s["factor"])
-    attention_factor = s.get("attention_factor")
+    y = yarn_settings(s, max_pos)
+    factor, attention_factor = y["factor"], y["attention_factor"]
     if attention_factor is None:
-        if s.get("mscale") and s.get("mscale_all_dim"):
-            attention_factor = yarn_mscale(factor, s["mscale"]) / \
-                yarn_mscale(factor, s["mscale_all_dim"])
+        if y["mscale"] is not None:
+            attention_factor = yarn_mscale(factor, y["mscale"]) / \
+                yarn_mscale(factor, y["mscale_all_dim"])
         else:
             attention_factor = yarn_mscale(factor)
-    original = s.get("original_max_position_embeddings") or max_pos
+    original = y["original"]
 
     def correction_dim(rotations):
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
+    low, high = correction_dim(y["beta_fast"]), correction_dim(y["beta_slow"])
+    if y["truncate"]:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from lockstep.kernels.device import resolve_device
 from lockstep.kernels.dtypes import HF_PRECISIONS, hf_name, torch_dtype
 from lockstep.moe.checks import ConfigError, strict_kwargs
-from lockstep.moe.config import ModelConfig
+from lockstep.moe.config import ModelConfig, yarn_settings
 
 F = "actor.megatron."  # how the messages name the options (the experiment config's keys)
 
@@ -202,19 +202,16 @@ def _gpt_oss_problems(cfg: ModelConfig) -> list[str]:
 
 
 def _yarn_args(rs: dict[str, Any], max_position: int) -> dict[str, Any]:
-    """megatron-core's YaRN settings for a YaRN `rope_scaling` (gpt-oss). They are not
-    TransformerConfig fields: GPTModel and the attention read them from the config object
-    (getattr), so `transformer_config` sets them on it. The attention factor: both
-    mscale and mscale_all_dim given -> their ratio, else 0.1 ln(factor) + 1, as ours."""
-    both = bool(rs.get("mscale")) and bool(rs.get("mscale_all_dim"))
-    return dict(yarn_rotary_scaling_factor=float(rs["factor"]),
-                yarn_original_max_position_embeddings=int(
-                    rs.get("original_max_position_embeddings") or max_position),
-                yarn_beta_fast=float(rs.get("beta_fast") or 32),
-                yarn_beta_slow=float(rs.get("beta_slow") or 1),
-                yarn_mscale=float(rs["mscale"]) if both else None,
-                yarn_mscale_all_dim=float(rs["mscale_all_dim"]) if both else None,
-                yarn_correction_range_round_to_int=bool(rs.get("truncate", True)))
+    """megatron-core's YaRN settings for a YaRN `rope_scaling` (gpt-oss), read as our RoPE
+    reads it (`yarn_settings`; megatron-core takes mscale / mscale_all_dim None as "0.1
+    ln(factor) + 1", as we do). They are not TransformerConfig fields: GPTModel and the
+    attention read them from the config object (getattr), so `transformer_config` sets them."""
+    y = yarn_settings(rs, max_position)
+    return dict(yarn_rotary_scaling_factor=y["factor"],
+                yarn_original_max_position_embeddings=y["original"],
+                yarn_beta_fast=y["beta_fast"], yarn_beta_slow=y["beta_slow"],
+                yarn_mscale=y["mscale"], yarn_mscale_all_dim=y["mscale_all_dim"],
+                yarn_correction_range_round_to_int=y["truncate"])
 
 
 def check_supported(cfg: ModelConfig) -> None:
