@@ -281,6 +281,8 @@ def test_megatron_gpt_oss_yarn_as_released(world1):
                                              expert_tensor_parallel=1)):
         with pytest.raises(ConfigError, match="tensor_parallel=2 with gpt-oss.*bias"):
             transformer_config(cfg, MegatronOptions(**tp))
+    with pytest.raises(ConfigError, match="expert_tensor_parallel=2 with gpt-oss.*biases"):
+        transformer_config(cfg, MegatronOptions(expert_parallel=2, expert_tensor_parallel=2))
 
 
 def test_megatron_refuses_what_it_does_not_map_naming_the_field():

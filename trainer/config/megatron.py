@@ -400,6 +400,9 @@ def _shape_problems(cfg: ModelConfig, opts: MegatronOptions) -> list[str]:
     if cfg.num_experts % ep:
         out.append(f"{f}expert_parallel={ep} does not divide the model's "
                    f"num_experts={cfg.num_experts}")
+    if cfg.model_type == "gpt_oss" and opts.etp != 1 and tp == 1:
+        out.append(f"{f}expert_tensor_parallel={opts.etp} with gpt-oss: megatron-core 0.16.1 "
+                   "keeps expert biases only at expert_tensor_parallel=1")
     if cfg.model_type == "gpt_oss" and tp > 1:
         # ETP must be 1 for expert biases (megatron-core asserts it), and then TP ranks hold
         # different experts: 0.16.1's finalize_model_grads sums every sequence-parallel-tagged
