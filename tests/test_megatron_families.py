@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 
-from lockstep.moe.checkpoint import hf_state_dict, load_hf_state_dict  # noqa: E402
+from lockstep.moe.checkpoint import hf_state_dict  # noqa: E402
 from lockstep.moe.checks import ConfigError  # noqa: E402
 from lockstep.moe.config import ModelConfig  # noqa: E402
 from lockstep.moe.model import MoEModel  # noqa: E402
@@ -77,6 +77,16 @@ def random_torch_model(cfg: ModelConfig, seed: int) -> MoEModel:
 
 
 
+def megatron_copy(cfg: ModelConfig, sd, opts: MegatronOptions | None = None):
+    """A megatron-core GPTModel (eval) holding the HF weights `sd`; the conversion is checked
+    exact both ways."""
+    model = build_gpt_model(cfg, opts or MegatronOptions()).eval()
+    convert.load_hf_into_megatron(model, sd, cfg)
+    back = convert.megatron_to_hf_state_dict(model, cfg)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    return model
+
+
 def shifted_logprobs(logits_BTV, ids_BT):
     return torch.log_softmax(logits_BTV.float(), -1)[:, :-1].gather(-1, ids_BT[:, 1:, None])[..., 0]
 
@@ -90,10 +100,7 @@ def test_megatron_matches_torch_model_natural_and_replayed(world1, family):
     cfg = FAMILIES[family]()
     torch_model = random_torch_model(cfg, seed=11)
     sd = hf_state_dict(torch_model)
-    model = build_gpt_model(cfg, MegatronOptions()).eval()
-    convert.load_hf_into_megatron(model, sd, cfg)
-    back = convert.megatron_to_hf_state_dict(model, cfg)  # the conversion is exact both ways
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    model = megatron_copy(cfg, sd)
 
     B, T, L, K, E = 3, 9, cfg.num_moe_layers, cfg.num_experts_per_tok, cfg.num_experts
     g = torch.Generator().manual_seed(12)
@@ -176,10 +183,7 @@ def test_megatron_builds_gpt_oss_exactly(world1):
     torch_model = clamping_gpt_oss(cfg, seed=11)
     sd = hf_state_dict(torch_model)
     opts = MegatronOptions()
-    model = build_gpt_model(cfg, opts).eval()
-    convert.load_hf_into_megatron(model, sd, cfg)
-    back = convert.megatron_to_hf_state_dict(model, cfg)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    model = megatron_copy(cfg, sd, opts)
 
     B, T, L, K, E = 3, 9, cfg.num_moe_layers, cfg.num_experts_per_tok, cfg.num_experts
     g = torch.Generator().manual_seed(12)
